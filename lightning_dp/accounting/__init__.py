@@ -1,0 +1,49 @@
+"""Privacy accounting: events, the ledger, accountants, calibration and planning (no torch, no Lightning)."""
+
+from lightning_dp.accounting.accountants import (
+    Accountant,
+    AccountantName,
+    MomentsAccountant,
+    PRVAccountant,
+    RDPAccountant,
+    get_accountant,
+)
+from lightning_dp.accounting.calibration import calibrate_noise_multiplier, calibrate_steps, epsilon_for
+from lightning_dp.accounting.events import (
+    ComposedEvent,
+    ExponentialMechanismEvent,
+    GaussianEvent,
+    PoissonSampledEvent,
+    PrivacyEvent,
+    SelfComposedEvent,
+    ZCDPEvent,
+    event_from_dict,
+)
+from lightning_dp.accounting.ledger import PrivacyLedger, PrivacyUnit
+from lightning_dp.accounting.tcdp import TCDPConditionError, TCDPPlan, plan_tcdp, tcdp_plan_unchecked
+
+__all__ = [
+    "Accountant",
+    "AccountantName",
+    "ComposedEvent",
+    "ExponentialMechanismEvent",
+    "GaussianEvent",
+    "MomentsAccountant",
+    "PRVAccountant",
+    "PoissonSampledEvent",
+    "PrivacyEvent",
+    "PrivacyLedger",
+    "PrivacyUnit",
+    "RDPAccountant",
+    "SelfComposedEvent",
+    "TCDPConditionError",
+    "TCDPPlan",
+    "ZCDPEvent",
+    "calibrate_noise_multiplier",
+    "calibrate_steps",
+    "epsilon_for",
+    "event_from_dict",
+    "get_accountant",
+    "plan_tcdp",
+    "tcdp_plan_unchecked",
+]

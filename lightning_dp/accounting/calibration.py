@@ -1,0 +1,192 @@
+"""Calibration: the noise for a target ε, and the number of steps a budget allows.
+
+Both answers are *safe*: the ε of the returned configuration, computed by the named accountant,
+never exceeds the target.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numpy.typing import NDArray
+
+from lightning_dp.accounting.accountants import AccountantName, get_accountant, round_down_geometric
+from lightning_dp.accounting.events import GaussianEvent, PoissonSampledEvent
+from lightning_dp.accounting.ledger import PrivacyLedger
+from lightning_dp.accounting.rdp import DEFAULT_ORDERS, MOMENTS_ORDERS, rdp_subsampled_gaussian
+from lightning_dp.errors import PrivacyConfigError, check_count, check_finite_positive, check_in_interval
+from lightning_dp.schedules import ConstantNoise, ExponentialDecay, NoiseSchedule
+
+__all__ = ["calibrate_noise_multiplier", "calibrate_steps", "epsilon_for"]
+
+# Rounding multipliers down by at most 0.5 % keeps a schedule to a few hundred distinct RDP curves.
+_CALIBRATION_GRID = 5e-3
+
+
+def _check_common(owner: str, target_epsilon: float, delta: float, sample_rate: float) -> None:
+    check_finite_positive(owner, "target_epsilon", target_epsilon, "a target such as 8.0.")
+    check_in_interval(owner, "delta", delta, 0.0, 1.0, low_closed=False, high_closed=False, hint="e.g. 1e-5.")
+    check_in_interval(
+        owner,
+        "sample_rate",
+        sample_rate,
+        0.0,
+        1.0,
+        low_closed=False,
+        high_closed=True,
+        hint="the rate is the expected batch size divided by the number of units.",
+    )
+
+
+def epsilon_for(
+    sample_rate: float,
+    schedule: NoiseSchedule,
+    steps: int,
+    delta: float,
+    accountant: AccountantName = "rdp",
+    unit: str = "sample",
+) -> float:
+    """ε after ``steps`` Poisson-subsampled Gaussian steps following ``schedule``.
+
+    Example:
+        >>> round(epsilon_for(0.04, ConstantNoise(1.5), 2250, 1e-5), 4)
+        7.3291
+    """
+    check_count("epsilon_for", "steps", steps, "steps is the number of training steps.")
+    ledger = PrivacyLedger(unit, delta)  # type: ignore[arg-type]
+    if isinstance(schedule, ConstantNoise):
+        ledger.record(PoissonSampledEvent(sample_rate, GaussianEvent(schedule.multiplier)), steps)
+    else:
+        for z in schedule.multipliers(steps).tolist():
+            ledger.record(PoissonSampledEvent(sample_rate, GaussianEvent(z)))
+    return get_accountant(accountant).epsilon(ledger)
+
+
+def calibrate_noise_multiplier(
+    target_epsilon: float,
+    delta: float,
+    sample_rate: float,
+    steps: int,
+    accountant: AccountantName = "rdp",
+    rel_tol: float = 1e-3,
+) -> float:
+    """The smallest noise multiplier (to ``rel_tol``) whose ε after ``steps`` steps is ≤ ``target_epsilon``.
+
+    Example:
+        >>> z = calibrate_noise_multiplier(7.3291, 1e-5, 0.04, 2250)
+        >>> 1.49 < z <= 1.502
+        True
+    """
+    _check_common("calibrate_noise_multiplier", target_epsilon, delta, sample_rate)
+    check_count("calibrate_noise_multiplier", "steps", steps, "steps must be >= 1.", minimum=1)
+
+    def eps(z: float) -> float:
+        return epsilon_for(sample_rate, ConstantNoise(z), steps, delta, accountant)
+
+    low, high = 0.0, 1.0
+    while eps(high) > target_epsilon:
+        low, high = high, high * 2.0
+        if high > 1e6:
+            raise PrivacyConfigError(
+                f"`calibrate_noise_multiplier(target_epsilon={target_epsilon})`: no noise multiplier below 1e6 "
+                f"reaches ε ≤ {target_epsilon} with sample_rate={sample_rate}, steps={steps}, delta={delta}. "
+                "HINT: raise the target, lower the rate or train fewer steps."
+            )
+    if low == 0.0:
+        low = high / 2.0
+        while low > 1e-3 and eps(low) <= target_epsilon:
+            high, low = low, low / 2.0
+    while (high - low) / high > rel_tol:
+        mid = math.sqrt(low * high)
+        if eps(mid) <= target_epsilon:
+            high = mid
+        else:
+            low = mid
+    return high
+
+
+def _epsilon_rows(
+    rdp_rows: NDArray[np.float64], delta: float, orders: NDArray[np.float64], moments: bool
+) -> NDArray[np.float64]:
+    with np.errstate(invalid="ignore"):
+        if moments:
+            eps = rdp_rows + math.log(1.0 / delta) / (orders - 1.0)
+        else:
+            eps = rdp_rows - (math.log(delta) + np.log(orders)) / (orders - 1.0) + np.log((orders - 1.0) / orders)
+    eps = np.where(np.isnan(eps), np.inf, eps)
+    return np.maximum(eps.min(axis=1), 0.0)
+
+
+def calibrate_steps(
+    target_epsilon: float,
+    delta: float,
+    sample_rate: float,
+    schedule: NoiseSchedule,
+    accountant: AccountantName = "rdp",
+    max_steps: int = 10_000_000,
+) -> int:
+    """The largest number of steps whose ε is ≤ ``target_epsilon`` (0 if even one step exceeds it).
+
+    For the RDP and moments accountants a schedule is evaluated in one vectorized pass over the
+    cumulative RDP of every step, with multipliers rounded *down* onto a 0.5 % geometric grid — more
+    conservative than the accountant itself, so the answer is safe.
+
+    Example:
+        >>> calibrate_steps(7.33, 1e-5, 0.04, ConstantNoise(1.5))
+        2250
+    """
+    _check_common("calibrate_steps", target_epsilon, delta, sample_rate)
+    check_count("calibrate_steps", "max_steps", max_steps, "an upper limit such as 10_000_000.", minimum=1)
+
+    if isinstance(schedule, ConstantNoise) or accountant == "prv":
+        return _bisect_steps(target_epsilon, delta, sample_rate, schedule, accountant, max_steps)
+    assert isinstance(schedule, ExponentialDecay)
+    moments = accountant == "moments"
+    orders = MOMENTS_ORDERS if moments else DEFAULT_ORDERS
+    total = np.zeros(orders.shape[0])
+    done = 0
+    chunk = 256  # grows: a fast-decaying schedule exhausts its budget in a few hundred steps
+    while done < max_steps:
+        n = min(chunk, max_steps - done)
+        z = round_down_geometric(schedule.multipliers(done + n)[done:], _CALIBRATION_GRID)
+        unique, index = np.unique(z, return_inverse=True)
+        curves = rdp_subsampled_gaussian(np.full(unique.shape, sample_rate), unique, orders)
+        cumulative = total + np.cumsum(curves[index], axis=0)
+        eps = _epsilon_rows(cumulative, delta, orders, moments)
+        over = np.nonzero(eps > target_epsilon)[0]
+        if over.size:
+            return done + int(over[0])
+        total = cumulative[-1]
+        done += n
+        chunk = min(chunk * 2, 65_536)
+    return max_steps
+
+
+def _bisect_steps(
+    target_epsilon: float,
+    delta: float,
+    sample_rate: float,
+    schedule: NoiseSchedule,
+    accountant: AccountantName,
+    max_steps: int,
+) -> int:
+    def fits(steps: int) -> bool:
+        return epsilon_for(sample_rate, schedule, steps, delta, accountant) <= target_epsilon
+
+    if not fits(1):
+        return 0
+    low, high = 1, 2
+    while high <= max_steps and fits(high):
+        low, high = high, high * 2
+    if high > max_steps:
+        if fits(max_steps):
+            return max_steps
+        high = max_steps
+    while high - low > 1:
+        mid = (low + high) // 2
+        if fits(mid):
+            low = mid
+        else:
+            high = mid
+    return low

@@ -1,0 +1,156 @@
+"""The privacy ledger: the one record of everything that was released.
+
+ε is never stored: accountants derive it from the ledger. Identical consecutive events are
+grouped into one entry with a count, so a constant-noise run of a million steps is one entry.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sequence
+from typing import Any, Literal, get_args
+
+from lightning_dp.accounting.events import PrivacyEvent, _check_event, event_from_dict
+from lightning_dp.errors import PrivacyConfigError, PrivacyStateError, check_count, check_in_interval
+
+__all__ = ["PrivacyLedger", "PrivacyUnit"]
+
+PrivacyUnit = Literal["patient", "sample"]
+FORMAT_VERSION = 1
+
+
+class PrivacyLedger:
+    """An append-only record of privacy events for one neighbouring relation and one δ.
+
+    Args:
+        unit: the neighbouring relation the events are for: ``"patient"`` (add/remove all images of
+            one patient) or ``"sample"`` (add/remove one image).
+        delta: the δ of the (ε, δ) guarantee reported from this ledger, in (0, 1).
+
+    Example:
+        >>> from lightning_dp.accounting.events import GaussianEvent, PoissonSampledEvent
+        >>> ledger = PrivacyLedger(unit="patient", delta=1e-5)
+        >>> ledger.record(PoissonSampledEvent(0.1, GaussianEvent(1.0)), count=3)
+        >>> ledger.record(PoissonSampledEvent(0.1, GaussianEvent(1.0)))
+        >>> ledger.steps, len(ledger.entries)
+        (4, 1)
+    """
+
+    def __init__(self, unit: PrivacyUnit, delta: float) -> None:
+        self.unit: PrivacyUnit = _check_unit(unit)
+        self.delta = _check_delta("PrivacyLedger", delta)
+        self._events: list[PrivacyEvent] = []
+        self._counts: list[int] = []
+
+    @property
+    def entries(self) -> tuple[tuple[PrivacyEvent, int], ...]:
+        """The grouped history: ``(event, count)`` pairs in the order they were recorded."""
+        return tuple(zip(self._events, self._counts))
+
+    @property
+    def steps(self) -> int:
+        """The number of recorded steps (the sum of the counts, not the number of entries)."""
+        return sum(self._counts)
+
+    def __iter__(self) -> Iterator[tuple[PrivacyEvent, int]]:
+        return iter(self.entries)
+
+    def record(self, event: PrivacyEvent, count: int = 1) -> None:
+        """Appends ``event`` ``count`` times; validated before anything changes."""
+        _check_event("PrivacyLedger.record", "event", event)
+        check_count("PrivacyLedger.record", "count", count, "count is the number of identical steps to record.")
+        if count == 0:
+            return
+        if self._events and self._events[-1] == event:
+            self._counts[-1] += count
+        else:
+            self._events.append(event)
+            self._counts.append(count)
+
+    def extend(self, entries: Sequence[tuple[PrivacyEvent, int]]) -> None:
+        """Records several ``(event, count)`` pairs, all validated before the first is written."""
+        checked = []
+        for event, count in entries:
+            _check_event("PrivacyLedger.extend", "event", event)
+            check_count("PrivacyLedger.extend", "count", count, "count is the number of identical steps.")
+            checked.append((event, count))
+        for event, count in checked:
+            self.record(event, count)
+
+    def copy(self) -> PrivacyLedger:
+        """An independent copy (used to ask "what if one more step were taken?")."""
+        other = PrivacyLedger(self.unit, self.delta)
+        other._events = list(self._events)
+        other._counts = list(self._counts)
+        return other
+
+    def state_dict(self) -> dict[str, Any]:
+        """Primitives only, loadable with ``torch.load(weights_only=True)``."""
+        return {
+            "format_version": FORMAT_VERSION,
+            "unit": self.unit,
+            "delta": self.delta,
+            "events": [e.to_dict() for e in self._events],
+            "counts": list(self._counts),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restores a ledger saved by `state_dict`; the whole state is validated before anything is assigned."""
+        if not isinstance(state, dict):
+            raise PrivacyStateError(f"PrivacyLedger state must be a dict, found {type(state).__name__}.")
+        missing = {"format_version", "unit", "delta", "events", "counts"} - set(state)
+        if missing:
+            raise PrivacyStateError(
+                f"PrivacyLedger state is missing {sorted(missing)}. HINT: the checkpoint was not written by "
+                "lightning-dp's PrivacyLedger.state_dict()."
+            )
+        if state["format_version"] != FORMAT_VERSION:
+            raise PrivacyStateError(
+                f"PrivacyLedger state has format_version {state['format_version']!r}; this version reads "
+                f"{FORMAT_VERSION}. HINT: resume with the lightning-dp version that wrote the checkpoint."
+            )
+        try:
+            unit = _check_unit(state["unit"])
+            delta = _check_delta("PrivacyLedger.load_state_dict", state["delta"])
+            events = [event_from_dict(e) for e in state["events"]]
+            counts = [
+                check_count("PrivacyLedger.load_state_dict", "counts[i]", c, "counts are step counts.", minimum=1)
+                for c in state["counts"]
+            ]
+        except PrivacyConfigError as err:
+            raise PrivacyStateError(f"PrivacyLedger state is invalid: {err}") from err
+        if len(events) != len(counts):
+            raise PrivacyStateError(
+                f"PrivacyLedger state has {len(events)} events but {len(counts)} counts; they must match."
+            )
+        self.unit, self.delta, self._events, self._counts = unit, delta, events, counts
+
+    def __repr__(self) -> str:
+        return (
+            f"PrivacyLedger(unit={self.unit!r}, delta={self.delta!r}, steps={self.steps}, entries={len(self._events)})"
+        )
+
+
+def _check_unit(unit: Any) -> PrivacyUnit:
+    if unit not in get_args(PrivacyUnit):
+        raise PrivacyConfigError(
+            f"`PrivacyLedger(unit={unit!r})`: unit must be 'patient' or 'sample', found {unit!r}. HINT: 'patient' "
+            "protects every image of a patient at once; 'sample' protects one image."
+        )
+    return unit
+
+
+def _check_delta(owner: str, delta: Any) -> float:
+    value = check_in_interval(
+        owner,
+        "delta",
+        delta,
+        0.0,
+        1.0,
+        low_closed=False,
+        high_closed=False,
+        hint="choose delta well below 1/N for N units, e.g. 1/N**1.1.",
+    )
+    if math.isnan(value):  # pragma: no cover - check_in_interval rejects NaN
+        raise PrivacyConfigError(f"`{owner}(delta=nan)`: delta must be a number.")
+    return value
