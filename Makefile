@@ -1,0 +1,33 @@
+# The README's two commands: `make demo` and `make test`. Each creates .venv if it is missing.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test lint bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# torch/torchvision pinned to the wheels on this kind of machine's disk (no multi-GB download).
+	$(PY) -m pip install -q torch==2.14.1 torchvision==0.29.1
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/lightning-dp fit --config configs/baseline_synthetic_pathology.yaml
+	$(VENV)/bin/lightning-dp plan --sample-rate 0.1 --noise-multiplier 1.0 --steps 100 --delta 5e-4
+	$(VENV)/bin/lightning-dp plan --sample-rate 0.1 --noise-multiplier 1.0 --delta 5e-4 --target-epsilon 8
+
+test: $(STAMP)
+	$(PY) -m pytest -q -p no:cacheprovider --durations=15
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
+
+bench: $(STAMP)
+	$(PY) benchmarks/accounting.py
+
+clean:
+	rm -rf $(VENV) lightning_logs data/synthetic_pathology

@@ -1,0 +1,194 @@
+"""The ``lightning-dp`` command: LightningCLI subcommands (fit, validate, test, predict) plus ``plan``.
+
+``lightning-dp plan`` answers the planning questions before any training: what ε does this
+configuration spend, which noise reaches a target ε, how many steps fit a budget.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from typing import Any, NoReturn
+
+from lightning_dp.accounting import (
+    calibrate_noise_multiplier,
+    calibrate_steps,
+    epsilon_for,
+    tcdp_plan_unchecked,
+)
+from lightning_dp.errors import PrivacyConfigError, check_count, check_finite_positive, check_in_interval
+from lightning_dp.schedules import ConstantNoise, ExponentialDecay, NoiseSchedule
+
+__all__ = ["main", "plan_main"]
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    """Bad arguments: one line on stderr, exit status 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"lightning-dp plan: error: {message} (see lightning-dp plan --help)\n")
+
+
+def _plan_parser() -> argparse.ArgumentParser:
+    p = _OneLineParser(
+        prog="lightning-dp plan",
+        description="Privacy planning: ε for a configuration, or the noise / steps that fit a target ε.",
+    )
+    p.add_argument("--sample-rate", type=float, required=True, help="Poisson sampling rate q (patients or samples).")
+    p.add_argument("--noise-multiplier", type=float, help="noise multiplier z (the initial z with --decay).")
+    p.add_argument("--steps", type=int, help="number of steps (rounds).")
+    p.add_argument("--delta", type=float, required=True, help="target δ.")
+    p.add_argument("--accountant", choices=["rdp", "prv", "moments"], default="rdp", help="default: rdp.")
+    p.add_argument(
+        "--decay", type=float, help="exponential noise decay R: σ²_{t+1} = R·σ²_t (per --decay-every steps)."
+    )
+    p.add_argument("--decay-every", type=int, default=1, help="steps per decay period (default 1).")
+    p.add_argument("--target-epsilon", type=float, help="solve for the missing --noise-multiplier or --steps.")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of a table.")
+    return p
+
+
+def _schedule(noise: float, decay: float | None, every: int) -> NoiseSchedule:
+    if decay is None:
+        return ConstantNoise(noise)
+    return ExponentialDecay(initial=noise, decay=decay, every=every)
+
+
+def _check_flags(args: argparse.Namespace) -> None:
+    owner = "lightning-dp plan"
+    rate_hint = "the expected batch size divided by the number of patients (or samples)."
+    check_in_interval(
+        owner, "--sample-rate", args.sample_rate, 0.0, 1.0, low_closed=False, high_closed=True, hint=rate_hint
+    )
+    check_in_interval(owner, "--delta", args.delta, 0.0, 1.0, low_closed=False, high_closed=False, hint="e.g. 1e-5.")
+    if args.noise_multiplier is not None:
+        check_finite_positive(owner, "--noise-multiplier", args.noise_multiplier, "e.g. 1.0.")
+    if args.steps is not None:
+        check_count(owner, "--steps", args.steps, "the number of training steps.", minimum=0)
+    if args.target_epsilon is not None:
+        check_finite_positive(owner, "--target-epsilon", args.target_epsilon, "e.g. 8.")
+    if args.decay is not None:
+        check_in_interval(owner, "--decay", args.decay, 0.0, 1.0, low_closed=False, high_closed=True, hint="e.g. 0.99.")
+    check_count(owner, "--decay-every", args.decay_every, "steps per decay period.", minimum=1)
+
+
+def _plan(args: argparse.Namespace) -> dict[str, Any]:
+    _check_flags(args)
+    solved: str | None = None
+    if args.target_epsilon is not None:
+        if args.noise_multiplier is not None and args.steps is not None:
+            raise PrivacyConfigError(
+                "`plan(--target-epsilon)`: give either --noise-multiplier or --steps, not both. "
+                "HINT: the missing one is solved for."
+            )
+        if args.noise_multiplier is None and args.steps is None:
+            raise PrivacyConfigError(
+                "`plan(--target-epsilon)`: give --noise-multiplier (to solve for steps) or --steps "
+                "(to solve for the noise multiplier)."
+            )
+        if args.noise_multiplier is None:
+            if args.decay is not None:
+                raise PrivacyConfigError(
+                    "`plan(--decay)`: with --decay and --target-epsilon give the initial --noise-multiplier; "
+                    "the number of steps is solved for."
+                )
+            args.noise_multiplier = calibrate_noise_multiplier(
+                args.target_epsilon, args.delta, args.sample_rate, args.steps, args.accountant
+            )
+            solved = "noise_multiplier"
+        else:
+            schedule = _schedule(args.noise_multiplier, args.decay, args.decay_every)
+            args.steps = calibrate_steps(args.target_epsilon, args.delta, args.sample_rate, schedule, args.accountant)
+            solved = "steps"
+    elif args.noise_multiplier is None or args.steps is None:
+        raise PrivacyConfigError(
+            "`plan`: --noise-multiplier and --steps are required unless --target-epsilon is given. "
+            "HINT: lightning-dp plan --sample-rate 0.1 --noise-multiplier 1.0 --steps 100 --delta 5e-4"
+        )
+    schedule = _schedule(args.noise_multiplier, args.decay, args.decay_every)
+    epsilon = epsilon_for(args.sample_rate, schedule, args.steps, args.delta, args.accountant)
+    result: dict[str, Any] = {
+        "epsilon": epsilon,
+        "delta": args.delta,
+        "accountant": args.accountant,
+        "steps": args.steps,
+        "sample_rate": args.sample_rate,
+        "noise_multiplier": args.noise_multiplier,
+        "decay": args.decay,
+        "decay_every": args.decay_every if args.decay is not None else None,
+        "solved_for": solved,
+        "target_epsilon": args.target_epsilon,
+    }
+    if args.decay is not None and args.decay < 1.0 and args.steps >= 1:
+        tcdp = tcdp_plan_unchecked(args.sample_rate, args.noise_multiplier, args.decay, args.steps, args.delta)
+        result["tcdp"] = {
+            "epsilon": tcdp.epsilon if tcdp.valid else None,
+            "valid": tcdp.valid,
+            "failed_conditions": [f"{c.name} ({c.detail})" for c in tcdp.conditions if not c.holds],
+        }
+    return result
+
+
+def _print_table(r: dict[str, Any]) -> None:
+    rows = [
+        ("sample rate q", f"{r['sample_rate']:g}"),
+        ("noise multiplier z" + (" (initial)" if r["decay"] is not None else ""), f"{r['noise_multiplier']:.4g}"),
+    ]
+    if r["decay"] is not None:
+        rows.append(("decay R (every steps)", f"{r['decay']:g} (every {r['decay_every']})"))
+    rows += [
+        ("steps", f"{r['steps']}"),
+        ("delta", f"{r['delta']:g}"),
+        ("accountant", r["accountant"]),
+        ("epsilon", f"{r['epsilon']:.4f}"),
+    ]
+    if r["solved_for"]:
+        rows.append(("solved for", f"{r['solved_for']} (target ε = {r['target_epsilon']:g})"))
+    if "tcdp" in r:
+        t = r["tcdp"]
+        if t["valid"]:
+            rows.append(("tCDP closed form (planning)", f"{t['epsilon']:.4f}"))
+        else:
+            rows.append(("tCDP closed form (planning)", "not a valid bound here: " + "; ".join(t["failed_conditions"])))
+    width = max(len(k) for k, _ in rows)
+    print("lightning-dp plan")
+    for key, value in rows:
+        print(f"  {key:<{width}}  {value}")
+
+
+def plan_main(argv: Sequence[str]) -> int:
+    """Runs ``lightning-dp plan``; returns the exit status."""
+    args = _plan_parser().parse_args(list(argv))
+    try:
+        result = _plan(args)
+    except PrivacyConfigError as err:
+        print(f"lightning-dp plan: error: {err}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(result))
+    else:
+        _print_table(result)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``lightning-dp`` console script."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "plan":
+        return plan_main(argv[1:])
+    from pytorch_lightning.cli import LightningCLI
+
+    LightningCLI(
+        subclass_mode_model=True,
+        subclass_mode_data=True,
+        args=argv,
+        save_config_kwargs={"overwrite": True},
+        auto_configure_optimizers=False,
+    )
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
