@@ -1,0 +1,87 @@
+"""Model updates as flat fp32 vectors, and per-unit clipping.
+
+What a P3SGD round releases is the change of everything in the model that data can change:
+all trainable parameters *and* floating-point buffers (BatchNorm running statistics). Both go
+through the same clipping and noise. Integer buffers (``num_batches_tracked``) are restored.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["ClipResult", "ModelState", "clip_update"]
+
+
+class ModelState:
+    """The released tensors of a module (trainable parameters + float buffers) as one flat fp32 vector.
+
+    Example:
+        >>> net = nn.BatchNorm1d(2)
+        >>> state = ModelState(net)
+        >>> state.numel  # weight, bias, running_mean, running_var
+        8
+    """
+
+    def __init__(self, module: nn.Module) -> None:
+        self.params = [p for p in module.parameters() if p.requires_grad]
+        self.float_buffers = [b for b in module.buffers() if b.is_floating_point()]
+        self.other_buffers = [b for b in module.buffers() if not b.is_floating_point()]
+        self.numel = sum(t.numel() for t in self._released())
+
+    def _released(self) -> list[Tensor]:
+        return self.params + self.float_buffers
+
+    @torch.no_grad()
+    def vector(self) -> Tensor:
+        """A detached fp32 copy of the released tensors, concatenated."""
+        return torch.cat([t.detach().reshape(-1).float() for t in self._released()])
+
+    @torch.no_grad()
+    def snapshot_other_buffers(self) -> list[Tensor]:
+        return [b.detach().clone() for b in self.other_buffers]
+
+    @torch.no_grad()
+    def load(self, vector: Tensor, other_buffers: list[Tensor] | None = None) -> None:
+        """Writes ``vector`` back into the module's tensors (casting to their dtypes)."""
+        offset = 0
+        for t in self._released():
+            n = t.numel()
+            t.copy_(vector[offset : offset + n].view_as(t).to(t.dtype))
+            offset += n
+        if other_buffers is not None:
+            for b, saved in zip(self.other_buffers, other_buffers):
+                b.copy_(saved)
+
+
+@dataclass(frozen=True)
+class ClipResult:
+    """A clipped update and what clipping saw (for logging: these are not released)."""
+
+    update: Tensor
+    norm: float
+    clipped: bool
+    finite: bool
+
+
+def clip_update(update: Tensor, clip_norm: float) -> ClipResult:
+    """Scales ``update`` to L2 norm at most ``clip_norm``; a non-finite update becomes zero.
+
+    The computation is in fp32 (or wider) whatever the model's precision.
+
+    Example:
+        >>> r = clip_update(torch.tensor([3.0, 4.0]), clip_norm=1.0)
+        >>> r.update.tolist(), r.norm, r.clipped
+        ([0.6000000238418579, 0.800000011920929], 5.0, True)
+        >>> clip_update(torch.tensor([float("nan"), 1.0]), 1.0).update.tolist()
+        [0.0, 0.0]
+    """
+    update = update.float() if update.dtype in (torch.float16, torch.bfloat16) else update
+    norm = torch.linalg.vector_norm(update)
+    if not torch.isfinite(norm):
+        return ClipResult(torch.zeros_like(update), float("inf"), True, False)
+    value = float(norm)
+    scale = min(1.0, clip_norm / value) if value > 0 else 1.0
+    return ClipResult(update * scale, value, value > clip_norm, True)
