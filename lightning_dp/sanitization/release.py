@@ -51,8 +51,9 @@ class Selection:
         check_finite_positive("Selection", "loss_bound", self.loss_bound, "the paper uses 3.0 for cross-entropy.")
 
     def probabilities(self, losses: Tensor) -> Tensor:
-        """P(z) ∝ exp(ε′·u_z / (2 C_o)) with u_z = −min(max(loss_z, 0), C_o)."""
-        utility = -losses.double().clamp(0.0, self.loss_bound)
+        """P(z) ∝ exp(ε′·u_z / (2 C_o)) with u_z = −min(max(loss_z, 0), C_o); a non-finite loss scores −C_o."""
+        losses = torch.nan_to_num(losses.double(), nan=self.loss_bound, posinf=self.loss_bound)
+        utility = -losses.clamp(0.0, self.loss_bound)
         return torch.softmax(self.epsilon * utility / (2 * self.loss_bound), dim=0)
 
 

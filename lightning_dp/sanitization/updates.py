@@ -26,6 +26,12 @@ class ModelState:
     """
 
     def __init__(self, module: nn.Module) -> None:
+        self.variances = [
+            m.running_var
+            for m in module.modules()
+            if isinstance(m, (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm))
+            and m.running_var is not None
+        ]
         self.params = [p for p in module.parameters() if p.requires_grad]
         self.float_buffers = [b for b in module.buffers() if b.is_floating_point()]
         self.other_buffers = [b for b in module.buffers() if not b.is_floating_point()]
@@ -54,6 +60,9 @@ class ModelState:
         if other_buffers is not None:
             for b, saved in zip(self.other_buffers, other_buffers):
                 b.copy_(saved)
+        # Noise can push a running variance below zero; clamping is post-processing (costs no privacy).
+        for var in self.variances:
+            var.clamp_(min=0.0)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,521 @@
+"""`P3SGD`: patient-level differentially private training of any LightningModule (Wu et al., CVPR 2019).
+
+Add the callback to a Trainer; the module stays an ordinary LightningModule whose
+``training_step`` returns a loss. Each optimizer step becomes one P3SGD round:
+
+1. Poisson-sample patients (rate q; every rank draws the same sample).
+2. For each sampled patient, start from θ_t and run local SGD through the module's own
+   ``training_step`` over that patient's images only; Δ_i = θ_local − θ_t, covering all trainable
+   parameters **and** floating-point buffers (BatchNorm running statistics).
+3. Clip each Δ_i to C; sum (across DDP ranks); add Gaussian noise once; divide by the expected
+   patient count q·N; optionally select among noise scales with the exponential mechanism.
+4. θ_{t+1} = θ_t + server_lr · Δ̃ and charge the ledger — in one call (`NoisyRelease.release`).
+
+How it plugs into Lightning, using public hooks only: in ``setup`` the callback switches the
+module to manual optimization, routes the module's ``training_step`` through the round, and has
+the datamodule's ``train_dataloader`` yield one tick per round (the images are read by the
+round, patient by patient). Training metrics the module logs during local updates are computed
+from private data and are dropped; only sanitized quantities are logged.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any, Literal
+
+import pytorch_lightning as pl
+import torch
+from pytorch_lightning.utilities import rank_zero_warn
+from torch import Tensor
+from torch.utils.data import DataLoader, IterableDataset, default_collate
+
+from lightning_dp.accounting import PrivacyLedger, RDPAccountant
+from lightning_dp.callbacks.budget import PrivacyBudget
+from lightning_dp.callbacks.privacy_report import write_privacy_report
+from lightning_dp.errors import (
+    PrivacyConfigError,
+    PrivacyStateError,
+    PrivacyWarning,
+    check_count,
+    check_finite_positive,
+    check_in_interval,
+)
+from lightning_dp.sampling.patients import PoissonPatientSampler, secure_seed
+from lightning_dp.sanitization import ModelState, NoisyRelease, Selection, clip_update
+
+__all__ = ["P3SGD"]
+
+FORMAT_VERSION = 1
+
+
+class _RoundTicks(IterableDataset):
+    """One item per round: Lightning's clock. An IterableDataset, so no DistributedSampler is injected."""
+
+    def __init__(self, rounds: int) -> None:
+        self.rounds = rounds
+
+    def __iter__(self) -> Iterator[Tensor]:
+        return (torch.tensor(i) for i in range(self.rounds))
+
+    def __len__(self) -> int:
+        return self.rounds
+
+
+class P3SGD(pl.Callback):
+    """Patient-level DP training by P3SGD as a Lightning callback.
+
+    The guarantee is (ε, δ)-DP for **add/remove all images of one patient**. By default every
+    round is charged Gaussian(z_min) + the exponential mechanism's ε′ amplified by sampling
+    (ALGORITHMS.md §1): valid whatever scale is selected.
+
+    Args:
+        sample_rate: q, the probability that a patient joins a round.
+        clip_norm: C_u, the L2 bound on one patient's update (parameters and float buffers).
+        noise_scales: Ω_z. One value: DP-FedAvg-style training; several: noisy-update selection.
+        selection_epsilon: ε′ of the selection per round (required with several scales).
+        loss_bound: C_o, the loss is clipped to [0, C_o] when scoring candidates (required with
+            several scales).
+        local_lr: learning rate of the local SGD on one patient.
+        local_batch_size: images per local mini-batch.
+        local_epochs: passes over a patient's images per round.
+        local_momentum: momentum of the local SGD (its state never leaves the patient's update).
+        local_weight_decay: weight decay of the local SGD (the paper uses 1e-4).
+        server_lr: θ_{t+1} = θ_t + server_lr·Δ̃ (1.0 in the paper).
+        rounds_per_epoch: rounds per Lightning epoch; default round(1/q).
+        delta: δ of the ledger. Default: the PrivacyBudget's δ if there is one, else 1/N^1.1 for N
+            training patients (the paper's choice).
+        accounting: ``"rigorous"`` (default) or ``"paper"`` (reproduces Table 2; not a guarantee).
+        seed: seed of the patient sampler and the noise; ``None`` (default) draws them from the OS
+            CSPRNG. Set it only for reproducibility studies; it is never derived from data.
+        log_private_diagnostics: also log the number of patients in each round, the fraction clipped
+            and the mean update norm. These are computed from private data and are **not**
+            sanitized; off by default.
+        name: distinguishes several P3SGD callbacks' checkpoint state.
+
+    Example:
+        >>> P3SGD(sample_rate=0.1, clip_norm=5.0, noise_scales=(3.0, 1.0), selection_epsilon=0.316, loss_bound=3.0)
+        P3SGD(sample_rate=0.1, clip_norm=5.0, noise_scales=(1.0, 3.0), accounting='rigorous')
+    """
+
+    def __init__(
+        self,
+        sample_rate: float,
+        clip_norm: float,
+        noise_scales: Sequence[float] = (1.0,),
+        selection_epsilon: float | None = None,
+        loss_bound: float | None = None,
+        local_lr: float = 0.05,
+        local_batch_size: int = 16,
+        local_epochs: int = 1,
+        local_momentum: float = 0.0,
+        local_weight_decay: float = 0.0,
+        server_lr: float = 1.0,
+        rounds_per_epoch: int | None = None,
+        delta: float | None = None,
+        accounting: Literal["rigorous", "paper"] = "rigorous",
+        seed: int | None = None,
+        log_private_diagnostics: bool = False,
+        name: str | None = None,
+    ) -> None:
+        owner = "P3SGD"
+        self.sample_rate = check_in_interval(
+            owner,
+            "sample_rate",
+            sample_rate,
+            0.0,
+            1.0,
+            low_closed=False,
+            high_closed=True,
+            hint="the expected patients per round divided by the number of training patients, e.g. 0.1.",
+        )
+        self.clip_norm = check_finite_positive(owner, "clip_norm", clip_norm, "the paper uses 5.0.")
+        scales = tuple(noise_scales) if isinstance(noise_scales, (list, tuple)) else ()
+        if not scales:
+            raise PrivacyConfigError(
+                f"`P3SGD(noise_scales={noise_scales!r})`: noise_scales must be a non-empty list of multipliers > 0, "
+                f"found {noise_scales!r}. HINT: (1.0,) for plain noisy updates, (3.0, 1.0) for adaptive selection."
+            )
+        for z in scales:
+            check_finite_positive(owner, "noise_scales", z, "every noise multiplier must be a finite number > 0.")
+        self.noise_scales = tuple(sorted(float(z) for z in scales))
+        self.selection: Selection | None = None
+        if len(scales) > 1:
+            if selection_epsilon is None or loss_bound is None:
+                raise PrivacyConfigError(
+                    f"`P3SGD(noise_scales={scales}, selection_epsilon={selection_epsilon}, loss_bound={loss_bound})`: "
+                    "selecting among several noise scales needs selection_epsilon (ε′) and loss_bound (C_o). "
+                    "HINT: the paper uses selection_epsilon=0.316, loss_bound=3.0."
+                )
+            self.selection = Selection(epsilon=selection_epsilon, loss_bound=loss_bound)
+        elif selection_epsilon is not None and accounting == "paper":
+            # The paper charges the selection term every round even for a single scale (Table 2).
+            self.selection = Selection(epsilon=selection_epsilon, loss_bound=loss_bound or 1.0)
+        self.local_lr = check_finite_positive(owner, "local_lr", local_lr, "e.g. 0.05.")
+        self.local_batch_size = check_count(owner, "local_batch_size", local_batch_size, "e.g. 16.", minimum=1)
+        self.local_epochs = check_count(owner, "local_epochs", local_epochs, "e.g. 1.", minimum=1)
+        self.local_momentum = check_in_interval(
+            owner, "local_momentum", local_momentum, 0.0, 1.0, low_closed=True, high_closed=False, hint="e.g. 0.0."
+        )
+        self.local_weight_decay = check_in_interval(
+            owner, "local_weight_decay", local_weight_decay, 0.0, 1.0, low_closed=True, high_closed=False, hint="1e-4."
+        )
+        self.server_lr = check_finite_positive(owner, "server_lr", server_lr, "1.0 applies the noisy update as is.")
+        self.rounds_per_epoch = (
+            None
+            if rounds_per_epoch is None
+            else check_count(owner, "rounds_per_epoch", rounds_per_epoch, "e.g. 10.", minimum=1)
+        )
+        self.delta = (
+            None
+            if delta is None
+            else check_in_interval(owner, "delta", delta, 0.0, 1.0, low_closed=False, high_closed=False, hint="1e-5.")
+        )
+        if accounting not in ("rigorous", "paper"):
+            raise PrivacyConfigError(
+                f"`P3SGD(accounting={accounting!r})`: accounting must be 'rigorous' or 'paper', found {accounting!r}. "
+                "HINT: 'rigorous' is the guarantee; 'paper' only reproduces the paper's Table 2."
+            )
+        self.accounting: Literal["rigorous", "paper"] = accounting
+        self.seed = seed
+        self.log_private_diagnostics = log_private_diagnostics
+        self.name = name
+
+        self.ledger: PrivacyLedger | None = None
+        self.sampler: PoissonPatientSampler | None = None
+        self.release: NoisyRelease | None = None
+        self.rounds = 0
+        self.selection_counts = [0] * len(self.noise_scales)
+        self.nonfinite_updates = 0
+        self.report: dict[str, Any] | None = None
+        self._budget: PrivacyBudget | None = None
+        self._stopped_by_budget = False
+        self._dataset: Any = None
+        self._state: ModelState | None = None
+        self._original_training_step: Callable[..., Any] | None = None
+        self._original_train_dataloader: Callable[..., Any] | None = None
+        self._accountant = RDPAccountant()
+        self._resumed_state_seen = False
+
+    def __repr__(self) -> str:
+        return (
+            f"P3SGD(sample_rate={self.sample_rate}, clip_norm={self.clip_norm}, noise_scales={self.noise_scales}, "
+            f"accounting={self.accounting!r})"
+        )
+
+    @property
+    def state_key(self) -> str:
+        return f"P3SGD[{self.name}]" if self.name else "P3SGD"
+
+    def attach_budget(self, budget: PrivacyBudget) -> None:
+        self._budget = budget
+
+    # ------------------------------------------------------------------ setup
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        dataset = self._find_patient_dataset(trainer)
+        num_patients = int(dataset.num_patients)
+        for budget in (cb for cb in trainer.callbacks if isinstance(cb, PrivacyBudget)):  # type: ignore[attr-defined]
+            if self._budget is None:
+                self.attach_budget(budget)
+        delta = self.delta
+        if self._budget is not None and self._budget.delta is not None:
+            if delta is not None and not math.isclose(delta, self._budget.delta):
+                raise PrivacyConfigError(
+                    f"`P3SGD(delta={delta})` and `PrivacyBudget(delta={self._budget.delta})` disagree. "
+                    "HINT: set δ in one place."
+                )
+            delta = self._budget.delta
+        if delta is None:
+            delta = 1.0 / num_patients**1.1
+        seeds = [secure_seed(), secure_seed()] if self.seed is None else [self.seed, self.seed + 1]
+        seeds = trainer.strategy.broadcast(seeds, src=0)  # every rank samples and noises identically
+        self.ledger = PrivacyLedger("patient", delta)
+        self.sampler = PoissonPatientSampler(num_patients, self.sample_rate, seed=seeds[0])
+        self.release = NoisyRelease(
+            self.ledger,
+            self.noise_scales,
+            self.clip_norm,
+            self.sample_rate,
+            selection=self.selection,
+            accounting=self.accounting,
+            seed=seeds[1],
+        )
+        self._dataset = dataset
+        self._state = ModelState(pl_module)
+        rounds = self.rounds_per_epoch or max(1, round(1 / self.sample_rate))
+        ticks = DataLoader(_RoundTicks(rounds), batch_size=None)
+        datamodule = trainer.datamodule  # type: ignore[attr-defined]
+        self._original_train_dataloader = datamodule.train_dataloader
+        datamodule.train_dataloader = lambda: ticks
+        pl_module.automatic_optimization = False
+        self._original_training_step = pl_module.training_step
+        pl_module.training_step = self._make_round(trainer, pl_module)  # type: ignore[method-assign]
+        if self.accounting == "paper":
+            rank_zero_warn(
+                "P3SGD(accounting='paper') reproduces the paper's ε, which is NOT a differential-privacy guarantee.",
+                category=PrivacyWarning,
+            )
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        if self._original_training_step is not None:
+            del pl_module.training_step  # the instance attribute; the class method shows through again
+            self._original_training_step = None
+        if self._original_train_dataloader is not None:
+            del trainer.datamodule.train_dataloader  # type: ignore[attr-defined]
+            self._original_train_dataloader = None
+
+    def _find_patient_dataset(self, trainer: pl.Trainer) -> Any:
+        datamodule = getattr(trainer, "datamodule", None)
+        dataset = getattr(datamodule, "train_dataset", None)
+        if dataset is None or not hasattr(dataset, "patient_to_indices"):
+            raise PrivacyConfigError(
+                "`P3SGD`: the training data has no patients. P3SGD needs a datamodule whose `train_dataset` maps "
+                f"patients to images (`patient_to_indices`); found {type(dataset).__name__}. HINT: use "
+                "lightning_dp.data.PatientDataModule, or give your datamodule a PatientImageDataset as train_dataset."
+            )
+        groups = dataset.patient_to_indices
+        if not groups:
+            raise PrivacyConfigError("`P3SGD`: the training dataset has no patients. HINT: check the manifest.")
+        empty = [p for p, idx in groups.items() if len(idx) == 0]
+        if empty:
+            raise PrivacyConfigError(
+                f"`P3SGD`: patients {empty[:10]} have no images. HINT: drop them from the training data."
+            )
+        return dataset
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        loader = trainer.train_dataloader
+        loaders = loader if isinstance(loader, (list, tuple)) else [loader]
+        if not any(isinstance(getattr(dl, "dataset", None), _RoundTicks) for dl in loaders):
+            raise PrivacyConfigError(
+                "`P3SGD`: the training dataloader in use is not P3SGD's round loader, so rounds would not be "
+                "Poisson-sampled patients. HINT: do not pass train_dataloaders to trainer.fit; pass a datamodule."
+            )
+        self._check_training_step_returns_loss(pl_module)
+
+    @torch.no_grad()
+    def _check_training_step_returns_loss(self, pl_module: pl.LightningModule) -> None:
+        assert self._state is not None and self._original_training_step is not None
+        theta, other = self._state.vector(), self._state.snapshot_other_buffers()
+        first = next(iter(self._dataset.patient_to_indices.values()))[:2]
+        with self._quiet(pl_module):
+            out = self._original_training_step(self._batch(first, pl_module), 0)
+        self._state.load(theta, other)
+        loss = out.get("loss") if isinstance(out, dict) else out
+        if not isinstance(loss, Tensor) or loss.numel() != 1:
+            raise PrivacyConfigError(
+                f"`P3SGD`: {type(pl_module).__name__}.training_step returned {type(out).__name__}, not a scalar loss "
+                "tensor. HINT: return the loss (or {'loss': loss}) from training_step."
+            )
+
+    # ------------------------------------------------------------------ the round
+    @contextmanager
+    def _quiet(self, pl_module: pl.LightningModule) -> Iterator[None]:
+        """Drops what the module logs while it trains on one patient's data (unsanitized)."""
+        pl_module.log = lambda *a, **k: None  # type: ignore[method-assign]
+        pl_module.log_dict = lambda *a, **k: None  # type: ignore[method-assign]
+        try:
+            yield
+        finally:
+            del pl_module.log, pl_module.log_dict
+
+    def _batch(self, indices: Sequence[int] | Tensor, pl_module: pl.LightningModule) -> Any:
+        items = [self._dataset[int(i)] for i in indices]
+        batch = default_collate(items)
+        return pl_module.transfer_batch_to_device(batch, pl_module.device, 0)
+
+    def _local_update(self, patient: int, pl_module: pl.LightningModule, generator: torch.Generator) -> None:
+        assert self._state is not None and self._original_training_step is not None
+        optimizer = torch.optim.SGD(
+            self._state.params, lr=self.local_lr, momentum=self.local_momentum, weight_decay=self.local_weight_decay
+        )
+        indices = torch.as_tensor(self._dataset.patient_to_indices[patient])
+        step = 0
+        for _ in range(self.local_epochs):
+            order = indices[torch.randperm(len(indices), generator=generator)]
+            for start in range(0, len(order), self.local_batch_size):
+                optimizer.zero_grad(set_to_none=True)
+                out = self._original_training_step(
+                    self._batch(order[start : start + self.local_batch_size], pl_module), step
+                )
+                loss = out["loss"] if isinstance(out, dict) else out
+                loss.backward()
+                optimizer.step()
+                step += 1
+        optimizer.zero_grad(set_to_none=True)
+
+    @torch.no_grad()
+    def _round_loss(
+        self, candidate_theta: Tensor, patients: list[int], pl_module: pl.LightningModule, trainer: pl.Trainer
+    ) -> float:
+        """Mean loss over the round's images at ``candidate_theta`` (summed over ranks), eval mode."""
+        assert self._state is not None and self._original_training_step is not None
+        self._state.load(candidate_theta)
+        was_training = pl_module.training
+        pl_module.eval()
+        total = torch.zeros(2, dtype=torch.float64, device=pl_module.device)
+        for patient in patients:
+            indices = self._dataset.patient_to_indices[patient]
+            for start in range(0, len(indices), self.local_batch_size):
+                chunk = indices[start : start + self.local_batch_size]
+                out = self._original_training_step(self._batch(chunk, pl_module), 0)
+                loss = out["loss"] if isinstance(out, dict) else out
+                total[0] += float(loss) * len(chunk)
+                total[1] += len(chunk)
+        pl_module.train(was_training)
+        total = trainer.strategy.reduce(total, reduce_op="sum")
+        return float(total[0] / total[1]) if total[1] > 0 else 0.0
+
+    def _make_round(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Callable[..., None]:
+        def round_step(batch: Any, batch_idx: int, *args: Any, **kwargs: Any) -> None:
+            self._run_round(trainer, pl_module)
+
+        return round_step
+
+    def _run_round(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        assert self.ledger is not None and self.sampler is not None and self.release is not None
+        assert self._state is not None
+        if self._budget is not None and not self._budget.allows(self.ledger, self.release.worst_case_event()):
+            self._stopped_by_budget = True
+            trainer.should_stop = True
+            return
+        state = self._state
+        patients = self.sampler.sample().tolist()
+        mine = patients[trainer.global_rank :: trainer.world_size]
+        local_generator = torch.Generator().manual_seed(
+            int(torch.randint(2**62, (1,), generator=self.sampler.generator))
+        )
+        theta, other = state.vector(), state.snapshot_other_buffers()
+        clipped_sum = torch.zeros_like(theta)
+        stats = torch.zeros(4, dtype=torch.float64)  # patients, clipped, norm sum, non-finite
+        with self._quiet(pl_module), torch.enable_grad():
+            for patient in mine:
+                state.load(theta, other)
+                self._local_update(patient, pl_module, local_generator)
+                result = clip_update(state.vector() - theta, self.clip_norm)
+                clipped_sum += result.update
+                stats += torch.tensor(
+                    [1.0, float(result.clipped), result.norm if result.finite else 0.0, float(not result.finite)],
+                    dtype=torch.float64,
+                )
+        state.load(theta, other)
+        clipped_sum = trainer.strategy.reduce(clipped_sum.to(pl_module.device), reduce_op="sum").cpu()
+        stats = trainer.strategy.reduce(stats.to(pl_module.device), reduce_op="sum").cpu()
+
+        def loss_of(update: Tensor) -> float:
+            with self._quiet(pl_module):
+                return self._round_loss(theta + self.server_lr * update, mine, pl_module, trainer)
+
+        released = self.release.release(clipped_sum, self.sampler.expected_count, loss_of)
+        state.load(theta + self.server_lr * released.update, other)
+        self.rounds += 1
+        self.selection_counts[self.noise_scales.index(released.noise_multiplier)] += 1
+        self.nonfinite_updates += int(stats[3])
+        # Advances Lightning's step counter; no gradients are set, so the module's optimizer changes nothing.
+        optimizers = pl_module.optimizers()
+        for optimizer in optimizers if isinstance(optimizers, list) else [optimizers]:
+            optimizer.zero_grad(set_to_none=True)
+            optimizer.step()
+        metrics = {
+            "privacy/epsilon": self._accountant.epsilon(self.ledger),
+            "privacy/delta": self.ledger.delta,
+            "privacy/noise_multiplier": released.noise_multiplier,
+            "privacy/noise_std": released.noise_std,
+            "privacy/rounds": float(self.rounds),
+        }
+        if self.log_private_diagnostics:
+            n = max(stats[0].item(), 1.0)
+            metrics.update(
+                {
+                    "private_diagnostics/patients_in_round": stats[0].item(),
+                    "private_diagnostics/clipped_fraction": stats[1].item() / n,
+                    "private_diagnostics/mean_update_norm": stats[2].item() / n,
+                    "private_diagnostics/nonfinite_updates": stats[3].item(),
+                }
+            )
+        pl_module.log_dict(metrics, on_step=True, on_epoch=False, prog_bar=False, sync_dist=False, rank_zero_only=True)
+        pl_module.log("privacy/eps", metrics["privacy/epsilon"], prog_bar=True, on_step=True, rank_zero_only=True)
+
+    # ------------------------------------------------------------------ end of run
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.ledger is None:
+            return
+        extra: dict[str, Any] = {
+            "mechanism": "P3SGD",
+            "rounds": self.rounds,
+            "noise_scales": list(self.noise_scales),
+            "selection_counts": self.selection_counts,
+            "clip_norm": self.clip_norm,
+            "sample_rate": self.sample_rate,
+            "nonfinite_updates": self.nonfinite_updates,
+            "stopped_by_budget": self._stopped_by_budget,
+            "private_diagnostics_logged": self.log_private_diagnostics,
+        }
+        if self._budget is not None and self._budget.stop_reason:
+            extra["stop_reason"] = self._budget.stop_reason
+        if trainer.is_global_zero:
+            log_dir = trainer.log_dir or trainer.default_root_dir
+            self.report = write_privacy_report(self.ledger, log_dir, self.accounting, extra)
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        if self.ledger is None or self.sampler is None or self.release is None:
+            return {}
+        return {
+            "format_version": FORMAT_VERSION,
+            "rounds": self.rounds,
+            "ledger": self.ledger.state_dict(),
+            "sampler": self.sampler.state_dict(),
+            "release": self.release.state_dict(),
+            "selection_counts": list(self.selection_counts),
+            "nonfinite_updates": self.nonfinite_updates,
+            "noise_scales": list(self.noise_scales),
+            "accounting": self.accounting,
+        }
+
+    def on_load_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        if not checkpoint.get("callbacks", {}).get(self.state_key):
+            raise PrivacyStateError(
+                f"`{self.state_key}`: the checkpoint has no P3SGD privacy state (ledger, sampler and noise states), "
+                "so resuming would restart the privacy accounting from zero. HINT: resume from a checkpoint written "
+                "by a run that used P3SGD with the same `name`, or start a new run without ckpt_path."
+            )
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if self.ledger is None or self.sampler is None or self.release is None:
+            raise PrivacyStateError("`P3SGD`: privacy state can only be restored after setup (inside trainer.fit).")
+        if state_dict.get("format_version") != FORMAT_VERSION:
+            raise PrivacyStateError(
+                f"`{self.state_key}`: checkpoint state has format_version {state_dict.get('format_version')!r}, "
+                f"expected {FORMAT_VERSION}. HINT: resume with the lightning-dp version that wrote it."
+            )
+        if tuple(state_dict["noise_scales"]) != self.noise_scales or state_dict["accounting"] != self.accounting:
+            raise PrivacyStateError(
+                f"`{self.state_key}`: the checkpoint was written with noise_scales={tuple(state_dict['noise_scales'])} "
+                f"and accounting={state_dict['accounting']!r}; this run has {self.noise_scales} and "
+                f"{self.accounting!r}. HINT: resume with the same privacy settings."
+            )
+        ledger = PrivacyLedger("patient", self.ledger.delta)
+        ledger.load_state_dict(state_dict["ledger"])
+        if not math.isclose(ledger.delta, self.ledger.delta):
+            raise PrivacyStateError(
+                f"`{self.state_key}`: the checkpoint's δ is {ledger.delta:.3g}, this run's is {self.ledger.delta:.3g}. "
+                "HINT: resume with the same delta."
+            )
+        sampler_state, release_state = state_dict["sampler"], state_dict["release"]
+        # Validate everything before assigning anything.
+        probe_sampler = PoissonPatientSampler(self.sampler.num_patients, self.sampler.sample_rate, seed=0)
+        probe_sampler.load_state_dict(sampler_state)
+        self.sampler.load_state_dict(sampler_state)
+        self.release.load_state_dict(release_state)
+        self.ledger.load_state_dict(state_dict["ledger"])
+        self.rounds = int(state_dict["rounds"])
+        self.selection_counts = list(state_dict["selection_counts"])
+        self.nonfinite_updates = int(state_dict["nonfinite_updates"])
