@@ -55,6 +55,8 @@ AccountantName = Literal["rdp", "prv", "moments"]
 #: Above this many distinct (rate, multiplier) pairs, multipliers are rounded *down* onto a geometric
 #: grid: a smaller multiplier means more noise is assumed absent, so the bound only gets larger.
 MAX_EXACT_GAUSSIANS = 256
+#: The PRV accountant refuses ledgers whose discretized domain would exceed this many points (memory).
+MAX_PRV_POINTS = 5e6
 
 
 class Accountant(Protocol):
@@ -263,11 +265,33 @@ class PRVAccountant:
 
     def _gaussian_epsilon(self, gaussians: Counter[tuple[float, float]], delta: float) -> float:
         # Imported here: Opacus imports torch, and the accounting layer must stay importable without it.
-        from opacus.accountants import PRVAccountant as OpacusPRV
+        from opacus.accountants.analysis.prv import (
+            Domain,
+            PoissonSubsampledGaussianPRV,
+            TruncatedPrivacyRandomVariable,
+            compose_heterogeneous,
+            compute_safe_domain_size,
+            discretize,
+        )
 
-        prv = OpacusPRV()
-        prv.history = [(sigma, rate, count) for (rate, sigma), count in gaussians.items()]
-        return float(prv.get_epsilon(delta=delta, eps_error=self.eps_error))
+        # The same steps as Opacus' PRVAccountant, with the domain size checked before allocating it.
+        delta_error = delta / 1000
+        prvs = [PoissonSubsampledGaussianPRV(rate, sigma) for rate, sigma in gaussians]
+        counts = list(gaussians.values())
+        half_width = compute_safe_domain_size(prvs, counts, eps_error=self.eps_error, delta_error=delta_error)
+        mesh = self.eps_error / math.sqrt(sum(counts) * math.log(12 / delta_error) / 2)
+        points = 2 * half_width / mesh
+        if points > MAX_PRV_POINTS:
+            raise UnsupportedEventError(
+                f"`PRVAccountant`: this ledger needs a PRV domain of {points:.3g} points (more than "
+                f"{MAX_PRV_POINTS:.0e}); the noise is too small for numerical composition. "
+                "HINT: use the 'rdp' accountant."
+            )
+        domain = Domain.create_aligned(-half_width, half_width, mesh)
+        dprvs = [discretize(TruncatedPrivacyRandomVariable(p, domain.t_min, domain.t_max), domain) for p in prvs]
+        dprv = compose_heterogeneous(dprvs=dprvs, num_self_compositions=counts)
+        _, _, eps_upper = dprv.compute_epsilon(delta, delta_error, self.eps_error)
+        return float(eps_upper)
 
 
 _ACCOUNTANTS: dict[str, type[RDPAccountant] | type[PRVAccountant] | type[MomentsAccountant]] = {

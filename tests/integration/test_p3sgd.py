@@ -1,0 +1,187 @@
+"""P3SGD inside a real Trainer: accounting per round, budget stop, exact resume, BatchNorm, logging, bad input."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import pytorch_lightning as pl
+import torch
+from pytorch_lightning.callbacks import ModelCheckpoint
+from pytorch_lightning.loggers import CSVLogger
+
+from lightning_dp.accounting import RDPAccountant
+from lightning_dp.callbacks import P3SGD, PrivacyBudget
+from lightning_dp.errors import PrivacyConfigError, PrivacyStateError
+from tests.helpers.patients import TinyClassifier, TinyPatientDataModule
+
+
+def _p3sgd(**kwargs: Any) -> P3SGD:
+    args: dict[str, Any] = {"sample_rate": 0.25, "clip_norm": 1.0, "local_lr": 0.1, "seed": 7}
+    args.update(kwargs)
+    return P3SGD(**args)
+
+
+def _trainer(tmp_path: Path, callbacks: list, **kwargs: Any) -> pl.Trainer:
+    args: dict[str, Any] = {
+        "accelerator": "cpu",
+        "devices": 1,
+        "max_steps": 6,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "logger": CSVLogger(tmp_path),
+        "default_root_dir": tmp_path,
+        "enable_checkpointing": False,
+        "num_sanity_val_steps": 0,
+        "limit_val_batches": 0,
+    }
+    args.update(kwargs)
+    return pl.Trainer(callbacks=callbacks, **args)
+
+
+def _weights(model: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([t.detach().reshape(-1).float() for t in list(model.parameters()) + list(model.buffers())])
+
+
+def test_each_round_is_one_step_and_one_ledger_entry(tmp_path: Path) -> None:
+    cb = _p3sgd()
+    model = TinyClassifier()
+    before = _weights(model)
+    trainer = _trainer(tmp_path, [cb])
+    trainer.fit(model, TinyPatientDataModule())
+    assert trainer.global_step == cb.rounds == cb.ledger.steps == 6
+    assert not torch.equal(before, _weights(model)), "training must change the weights"
+    assert cb.ledger.unit == "patient"
+    assert cb.ledger.delta == pytest.approx(1 / 20**1.1), "default δ is 1/N^1.1 for N = 20 training patients"
+    report = (tmp_path / "lightning_logs" / "version_0" / "privacy_report.json").read_text()
+    assert '"unit": "patient"' in report
+
+
+def test_training_metrics_of_the_module_are_not_logged(tmp_path: Path) -> None:
+    trainer = _trainer(tmp_path, [_p3sgd()])
+    trainer.fit(TinyClassifier(), TinyPatientDataModule())
+    logged = set(trainer.logged_metrics)
+    assert "train/loss" not in logged, "a loss computed on private images left the round unsanitized"
+    assert {"privacy/epsilon", "privacy/noise_std", "privacy/noise_multiplier"} <= logged
+    assert not any(k.startswith("private_diagnostics/") for k in logged), "private diagnostics are opt-in"
+
+
+def test_logged_epsilon_is_the_ledger_epsilon(tmp_path: Path) -> None:
+    cb = _p3sgd(noise_scales=(3.0, 1.0), selection_epsilon=0.316, loss_bound=3.0)
+    trainer = _trainer(tmp_path, [cb])
+    trainer.fit(TinyClassifier(), TinyPatientDataModule())
+    assert float(trainer.logged_metrics["privacy/epsilon"]) == pytest.approx(RDPAccountant().epsilon(cb.ledger))
+    assert sum(cb.selection_counts) == 6
+
+
+def test_budget_stops_before_the_round_that_would_exceed(tmp_path: Path) -> None:
+    budget = PrivacyBudget(target_epsilon=3.0, delta=1e-3)
+    cb = _p3sgd(sample_rate=0.5, noise_scales=(2.0,))
+    trainer = _trainer(tmp_path, [cb, budget], max_steps=1000)
+    trainer.fit(TinyClassifier(), TinyPatientDataModule())
+    eps = RDPAccountant().epsilon(cb.ledger)
+    assert cb.ledger.delta == 1e-3
+    assert 1 < cb.rounds < 1000 and eps <= 3.0
+    trial = cb.ledger.copy()
+    trial.record(cb.release.worst_case_event())
+    assert RDPAccountant().epsilon(trial) > 3.0, "training stopped although one more round fitted the budget"
+    assert budget.stop_reason is not None and "above the target 3" in budget.stop_reason
+
+
+def _fit_with_checkpoint(tmp_path: Path, max_steps: int, ckpt_path: str | None = None) -> tuple[P3SGD, pl.Trainer, Any]:
+    torch.manual_seed(0)
+    cb = _p3sgd(noise_scales=(3.0, 1.0), selection_epsilon=0.316, loss_bound=3.0)
+    model = TinyClassifier()
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True, every_n_train_steps=1)
+    trainer = _trainer(tmp_path, [cb, ckpt], max_steps=max_steps, enable_checkpointing=True)
+    trainer.fit(model, TinyPatientDataModule(), ckpt_path=ckpt_path)
+    return cb, trainer, model
+
+
+def test_resume_continues_ledger_and_weights_exactly(tmp_path: Path) -> None:
+    full_cb, _, full_model = _fit_with_checkpoint(tmp_path / "full", max_steps=8)
+    _fit_with_checkpoint(tmp_path / "split", max_steps=4)
+    last = tmp_path / "split" / "ckpt" / "last.ckpt"
+    state = torch.load(last, weights_only=True)
+    assert state["callbacks"]["P3SGD"]["rounds"] == 4
+    resumed_cb, _, resumed_model = _fit_with_checkpoint(tmp_path / "split", max_steps=8, ckpt_path=str(last))
+    assert resumed_cb.rounds == 8 and resumed_cb.ledger.steps == full_cb.ledger.steps
+    assert RDPAccountant().epsilon(resumed_cb.ledger) == RDPAccountant().epsilon(full_cb.ledger)
+    assert resumed_cb.selection_counts == full_cb.selection_counts
+    assert torch.equal(_weights(resumed_model), _weights(full_model)), "resumed run must end with identical weights"
+
+
+def test_resume_without_privacy_state_is_an_error(tmp_path: Path) -> None:
+    model = TinyClassifier()
+    plain = pl.Trainer(
+        accelerator="cpu", max_steps=2, logger=False, enable_progress_bar=False, default_root_dir=tmp_path
+    )
+    plain.fit(model, TinyPatientDataModule())
+    path = tmp_path / "plain.ckpt"
+    plain.save_checkpoint(path)
+    trainer = _trainer(tmp_path, [_p3sgd()], max_steps=4)
+    with pytest.raises(PrivacyStateError, match="no P3SGD privacy state"):
+        trainer.fit(TinyClassifier(), TinyPatientDataModule(), ckpt_path=str(path))
+
+
+def test_batchnorm_statistics_are_clipped_with_the_update(tmp_path: Path) -> None:
+    # With a near-zero clip and noise, nothing may change: not the weights, not the running statistics,
+    # even though local training on each patient moves both a lot.
+    model = TinyClassifier(batchnorm=True)
+    before = _weights(model)
+    cb = _p3sgd(clip_norm=1e-9, noise_scales=(1e-3,), local_lr=1.0)
+    _trainer(tmp_path, [cb], max_steps=3).fit(model, TinyPatientDataModule())
+    bn = model.net[1]
+    assert torch.allclose(bn.running_mean, torch.zeros_like(bn.running_mean), atol=1e-6)
+    assert torch.allclose(bn.running_var, torch.ones_like(bn.running_var), atol=1e-6)
+    assert torch.allclose(before, _weights(model), atol=1e-6)
+
+
+def test_bf16_mixed_precision_keeps_fp32_weights(tmp_path: Path) -> None:
+    model = TinyClassifier()
+    cb = _p3sgd()
+    _trainer(tmp_path, [cb], precision="bf16-mixed", max_steps=3).fit(model, TinyPatientDataModule())
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    assert cb.ledger.steps == 3 and torch.isfinite(_weights(model)).all()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"sample_rate": 0.0}, "sample_rate"),
+        ({"sample_rate": 1.5}, "sample_rate"),
+        ({"clip_norm": -1.0}, "clip_norm"),
+        ({"noise_scales": ()}, "noise_scales"),
+        ({"noise_scales": (1.0, 0.0)}, "noise_scales"),
+        ({"noise_scales": (3.0, 1.0)}, "loss_bound"),
+        ({"accounting": "fast"}, "accounting"),
+    ],
+)
+def test_bad_arguments_fail_at_construction(kwargs: dict, match: str) -> None:
+    with pytest.raises(PrivacyConfigError, match=match):
+        _p3sgd(**kwargs)
+
+
+class _NoLossModule(TinyClassifier):
+    def training_step(self, batch: Any, batch_idx: int) -> None:  # type: ignore[override]
+        self(batch[0])
+
+
+def test_training_step_without_loss_fails_before_training(tmp_path: Path) -> None:
+    model = _NoLossModule()
+    before = _weights(model)
+    cb = _p3sgd()
+    with pytest.raises(PrivacyConfigError, match="not a scalar loss"):
+        _trainer(tmp_path, [cb]).fit(model, TinyPatientDataModule())
+    assert cb.ledger.steps == 0 and torch.equal(before, _weights(model))
+
+
+def test_datamodule_without_patients_is_rejected(tmp_path: Path) -> None:
+    class NoPatients(TinyPatientDataModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.train_dataset = torch.utils.data.TensorDataset(torch.zeros(4, 8), torch.zeros(4, dtype=torch.long))
+
+    with pytest.raises(PrivacyConfigError, match="no patients"):
+        _trainer(tmp_path, [_p3sgd()]).fit(TinyClassifier(), NoPatients())

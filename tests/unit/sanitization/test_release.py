@@ -1,0 +1,105 @@
+"""NoisyRelease: noise and ledger charge happen together; events per accounting mode; clipping."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lightning_dp.accounting import (
+    ComposedEvent,
+    ExponentialMechanismEvent,
+    GaussianEvent,
+    PoissonSampledEvent,
+    PrivacyLedger,
+    ZCDPEvent,
+)
+from lightning_dp.errors import PrivacyConfigError
+from lightning_dp.sanitization import NoisyRelease, Selection, clip_update
+
+
+def _release(scales: tuple[float, ...], accounting: str = "rigorous", seed: int = 0) -> NoisyRelease:
+    ledger = PrivacyLedger("patient", 1e-5)
+    selection = Selection(epsilon=0.316, loss_bound=3.0) if len(scales) > 1 or accounting == "paper" else None
+    return NoisyRelease(ledger, scales, 5.0, 0.1, selection=selection, accounting=accounting, seed=seed)  # type: ignore[arg-type]
+
+
+def test_every_release_is_recorded_once() -> None:
+    release = _release((1.0,))
+    for _ in range(5):
+        release.release(torch.zeros(3), expected_count=10.0)
+    assert release.ledger.steps == 5
+    assert release.ledger.entries[0][0] == PoissonSampledEvent(0.1, GaussianEvent(1.0))
+
+
+def test_rigorous_selection_is_charged_at_smallest_noise_plus_selection() -> None:
+    release = _release((3.0, 1.0))
+    out = release.release(torch.zeros(3), expected_count=10.0, loss_of=lambda u: 0.0)
+    expected = ComposedEvent(
+        (PoissonSampledEvent(0.1, GaussianEvent(1.0)), ExponentialMechanismEvent(0.316, sample_rate=0.1))
+    )
+    assert out.event == expected and release.ledger.entries == ((expected, 1),)
+
+
+def test_paper_mode_charges_selected_scale_and_zcdp_term() -> None:
+    release = _release((3.0, 1.0), accounting="paper")
+    # Candidate 0 (z=1) always has a huge loss, so z=3 is (almost surely) selected.
+    out = release.release(torch.zeros(3), expected_count=10.0, loss_of=lambda u: 0.0 if u.abs().mean() > 0.8 else 3.0)
+    assert out.event.events[0] == PoissonSampledEvent(0.1, GaussianEvent(out.noise_multiplier))  # type: ignore[union-attr]
+    assert out.event.events[1] == ZCDPEvent(0.1 * 0.316**2 / 2)  # type: ignore[union-attr]
+
+
+def test_selection_failure_still_charges_in_paper_mode() -> None:
+    release = _release((3.0, 1.0), accounting="paper")
+
+    def boom(update: torch.Tensor) -> float:
+        raise RuntimeError("loss failed")
+
+    with pytest.raises(RuntimeError, match="loss failed"):
+        release.release(torch.zeros(3), expected_count=10.0, loss_of=boom)
+    assert release.ledger.steps == 1, "noise was drawn, so the round must be charged even when selection fails"
+
+
+def test_exponential_mechanism_probabilities() -> None:
+    sel = Selection(epsilon=2.0, loss_bound=3.0)
+    p = sel.probabilities(torch.tensor([0.0, 3.0, 10.0, float("nan")]))
+    # u = (0, -3, -3, -3): p0 / p1 = exp(ε·3 / (2·3)) = e.
+    assert p[0] / p[1] == pytest.approx(math.e)
+    assert p[1] == pytest.approx(p[2]) and p[2] == pytest.approx(p[3])
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"noise_scales": ()}, "noise_scales"),
+        ({"noise_scales": (1.0, -2.0)}, "noise_scales"),
+        ({"noise_scales": (3.0, 1.0), "selection": None}, "selection"),
+        ({"clip_norm": 0.0}, "clip_norm"),
+    ],
+)
+def test_bad_configuration(kwargs: dict, match: str) -> None:
+    args = {"ledger": PrivacyLedger("patient", 1e-5), "noise_scales": (1.0,), "clip_norm": 1.0, "sample_rate": 0.1}
+    args.update(kwargs)
+    with pytest.raises(PrivacyConfigError, match=match):
+        NoisyRelease(**args)
+
+
+_FLOATS = st.one_of(
+    st.floats(width=32, allow_nan=False, allow_infinity=False),
+    st.sampled_from([float("nan"), float("inf"), float("-inf")]),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(values=st.lists(_FLOATS, min_size=1, max_size=20), clip=st.floats(min_value=1e-3, max_value=1e3))
+def test_clip_never_exceeds_bound_and_is_finite(values: list[float], clip: float) -> None:
+    result = clip_update(torch.tensor(values, dtype=torch.float32), clip)
+    assert torch.isfinite(result.update).all()
+    assert float(torch.linalg.vector_norm(result.update.double())) <= clip * (1 + 1e-5)
+    if all(math.isfinite(v) for v in values):
+        assert result.finite, "a finite update with a huge norm must be clipped, not dropped"
+    else:
+        assert not result.finite and float(result.update.abs().sum()) == 0.0
