@@ -458,8 +458,8 @@ class P3SGD(pl.Callback):
         }
         if self._budget is not None and self._budget.stop_reason:
             extra["stop_reason"] = self._budget.stop_reason
+        log_dir = trainer.log_dir or trainer.default_root_dir  # a collective call: every rank must make it
         if trainer.is_global_zero:
-            log_dir = trainer.log_dir or trainer.default_root_dir
             self.report = write_privacy_report(self.ledger, log_dir, self.accounting, extra)
 
     # ------------------------------------------------------------------ checkpoints

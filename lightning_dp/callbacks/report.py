@@ -48,6 +48,7 @@ class GeneralizationReport(pl.Callback):
         dm = trainer.datamodule  # type: ignore[attr-defined]
         if dm is None or not hasattr(dm, "train_eval_dataloader"):
             return
+        log_dir = trainer.log_dir or trainer.default_root_dir  # a collective call: every rank must make it
         if trainer.global_rank != 0:
             return
         train_acc = evaluate_accuracy(pl_module, dm.train_eval_dataloader())
@@ -57,7 +58,6 @@ class GeneralizationReport(pl.Callback):
             f"\nGeneralization: train acc {self.result['train_acc']:.2f} %, test acc {self.result['test_acc']:.2f} %, "
             f"gap {self.result['gap']:.2f} points"
         )
-        log_dir = trainer.log_dir or trainer.default_root_dir
         path = Path(log_dir) / self.json_name
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(self.result, indent=2))

@@ -46,12 +46,12 @@ class TinyPatientDataModule(pl.LightningDataModule):
 class TinyClassifier(pl.LightningModule):
     """An ordinary LightningModule: training_step returns a loss and logs it; BatchNorm included."""
 
-    def __init__(self, dim: int = 8, batchnorm: bool = True) -> None:
+    def __init__(self, dim: int = 8, batchnorm: bool = True, hidden: int = 16) -> None:
         super().__init__()
-        layers: list[nn.Module] = [nn.Linear(dim, 16)]
+        layers: list[nn.Module] = [nn.Linear(dim, hidden)]
         if batchnorm:
-            layers.append(nn.BatchNorm1d(16))
-        layers += [nn.ReLU(), nn.Linear(16, 2)]
+            layers.append(nn.BatchNorm1d(hidden))
+        layers += [nn.ReLU(), nn.Linear(hidden, 2)]
         self.net = nn.Sequential(*layers)
 
     def forward(self, x: Tensor) -> Tensor:

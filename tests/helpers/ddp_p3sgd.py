@@ -1,0 +1,92 @@
+"""Runs P3SGD on the tiny patient data with N CPU processes (Lightning DDP, gloo) and saves what it saw.
+
+Usage: python tests/helpers/ddp_p3sgd.py DEVICES OUT_DIR LOCAL_LR ROUNDS
+Writes OUT_DIR/result.pt (rank 0): final parameters, per-round parameter changes, ε, rounds.
+Every rank checks after every round that all ranks hold identical weights (exits non-zero if not).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import pytorch_lightning as pl  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from lightning_dp.accounting import RDPAccountant  # noqa: E402
+from lightning_dp.callbacks import P3SGD  # noqa: E402
+from tests.helpers.patients import TinyClassifier, TinyPatientDataModule  # noqa: E402
+
+
+def _params(module: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1).clone() for p in module.parameters()])
+
+
+class RecordAndCompare(pl.Callback):
+    def __init__(self) -> None:
+        self.deltas: list[torch.Tensor] = []
+        self.previous: torch.Tensor | None = None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:  # type: ignore[no-untyped-def]
+        self.previous = _params(pl_module)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # type: ignore[no-untyped-def]
+        weights = torch.cat([_params(pl_module)] + [b.detach().reshape(-1).float() for b in pl_module.buffers()])
+        if dist.is_available() and dist.is_initialized():
+            gathered = [torch.zeros_like(weights) for _ in range(trainer.world_size)]
+            dist.all_gather(gathered, weights)
+            if not all(torch.equal(gathered[0], w) for w in gathered):
+                raise SystemExit(f"weights differ across ranks after round {trainer.global_step}")
+        assert self.previous is not None
+        self.deltas.append(_params(pl_module) - self.previous)
+
+
+def main() -> None:
+    devices, out, local_lr, rounds = int(sys.argv[1]), Path(sys.argv[2]), float(sys.argv[3]), int(sys.argv[4])
+    torch.manual_seed(0)
+    cb = P3SGD(
+        sample_rate=0.5,
+        clip_norm=1.0,
+        noise_scales=(3.0, 1.0),
+        selection_epsilon=0.316,
+        loss_bound=3.0,
+        local_lr=local_lr,
+        seed=11,
+    )
+    recorder = RecordAndCompare()
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy="ddp" if devices > 1 else "auto",
+        max_steps=rounds,
+        callbacks=[cb, recorder],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+    )
+    model = TinyClassifier(hidden=4096)
+    trainer.fit(model, TinyPatientDataModule(num_patients=20))
+    if trainer.is_global_zero:
+        out.mkdir(parents=True, exist_ok=True)
+        torch.save(
+            {
+                "params": _params(model),
+                "deltas": torch.stack(recorder.deltas),
+                "noise_multipliers": [],
+                "epsilon": RDPAccountant().epsilon(cb.ledger),
+                "rounds": cb.rounds,
+                "selection_counts": cb.selection_counts,
+                "expected_count": cb.sampler.expected_count,
+            },
+            out / "result.pt",
+        )
+
+
+if __name__ == "__main__":
+    main()
