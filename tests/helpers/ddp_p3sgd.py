@@ -62,6 +62,7 @@ def main() -> None:
         devices=devices,
         strategy="ddp" if devices > 1 else "auto",
         max_steps=rounds,
+        default_root_dir=out,
         callbacks=[cb, recorder],
         logger=False,
         enable_progress_bar=False,
