@@ -1,0 +1,32 @@
+"""Patient-grouped data: manifests, datasets that keep every image's patient, patient-level splits.
+
+Example:
+    >>> import tempfile
+    >>> dm = SyntheticPathologyDataModule(root=tempfile.mkdtemp(), num_patients=4, patches_per_patient=2,
+    ...                                   image_size=16, val_fraction=0.0, test_fraction=0.25)
+    >>> dm.setup()
+    >>> dm.train_dataset.num_patients, dm.test_dataset.num_patients
+    (3, 1)
+"""
+
+from lightning_dp.data.datamodule import PatientDataModule, RandomRot90, SyntheticPathologyDataModule, split_patients
+from lightning_dp.data.dataset import PatientImageDataset, PatientSample
+from lightning_dp.data.errors import DataError, DataNotReadyError
+from lightning_dp.data.manifest import ManifestRow, load_image, read_manifest
+from lightning_dp.data.synthetic import generate_synthetic_pathology, render_synthetic_patient
+
+__all__ = [
+    "DataError",
+    "DataNotReadyError",
+    "ManifestRow",
+    "PatientDataModule",
+    "PatientImageDataset",
+    "PatientSample",
+    "RandomRot90",
+    "SyntheticPathologyDataModule",
+    "generate_synthetic_pathology",
+    "load_image",
+    "read_manifest",
+    "render_synthetic_patient",
+    "split_patients",
+]

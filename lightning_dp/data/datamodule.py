@@ -1,0 +1,417 @@
+"""Lightning datamodules that split data **by patient**.
+
+Splitting images at random puts images of one patient in both the training and the test set: the
+test then rewards memorising patients, and the gap that patient-level privacy is meant to close
+is hidden. Here every patient lands in exactly one split.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from typing import Any
+
+import numpy as np
+import pytorch_lightning as pl
+import torch
+from torch import Tensor
+from torch.utils.data import DataLoader
+from torchvision.transforms import v2
+
+from lightning_dp.data.dataset import PatientImageDataset, PatientSample, Transform
+from lightning_dp.data.errors import DataError, DataNotReadyError
+from lightning_dp.data.manifest import ManifestRow, read_manifest
+from lightning_dp.data.synthetic import check_synthetic_parameters, generate_synthetic_pathology
+from lightning_dp.errors import PrivacyConfigError, check_count, check_in_interval
+
+__all__ = ["PatientDataModule", "RandomRot90", "SyntheticPathologyDataModule", "split_patients"]
+
+_SPLITS = ("train", "val", "test")
+
+
+class RandomRot90:
+    """Rotates a C×H×W tensor by a random multiple of 90° (uniform over 0°, 90°, 180°, 270°).
+
+    Uses the global torch generator (DataLoader workers seed it per worker). Only for square
+    images: a rotation by 90° swaps height and width.
+
+    Example:
+        >>> _ = torch.manual_seed(0)
+        >>> image = torch.arange(4.0).reshape(1, 2, 2)
+        >>> sorted(RandomRot90()(image).flatten().tolist())
+        [0.0, 1.0, 2.0, 3.0]
+    """
+
+    def __call__(self, image: Tensor) -> Tensor:
+        turns = int(torch.randint(0, 4, ()).item())
+        return torch.rot90(image, turns, dims=(-2, -1)) if turns else image
+
+    def __repr__(self) -> str:
+        return "RandomRot90()"
+
+
+def split_patients(
+    patient_ids: list[str],
+    majority_labels: list[int],
+    val_fraction: float,
+    test_fraction: float,
+    seed: int,
+) -> dict[str, list[str]]:
+    """Splits patients into train/val/test, stratified by each patient's majority label.
+
+    Patients are shuffled with ``numpy.random.default_rng(seed)`` within each label, then interleaved
+    so that every prefix of the order has about the label mix of the whole; the first
+    ``round(test_fraction · P)`` are the test patients, the next ``round(val_fraction · P)`` the
+    validation patients (at least one each when the fraction is > 0), the rest train.
+
+    Args:
+        patient_ids: the patients (unique).
+        majority_labels: each patient's most frequent label.
+        val_fraction: fraction of patients for validation, in [0, 1).
+        test_fraction: fraction of patients for testing, in [0, 1).
+        seed: the split seed.
+
+    Returns:
+        ``{"train": [...], "val": [...], "test": [...]}``, each sorted.
+
+    Raises:
+        PrivacyConfigError: there are too few patients to give every requested split one patient and
+            keep at least one for training.
+
+    Example:
+        >>> split = split_patients(["a", "b", "c", "d", "e"], [0, 0, 1, 1, 1], 0.2, 0.2, seed=0)
+        >>> sorted(len(v) for v in split.values()), sorted(sum(split.values(), []))
+        ([1, 1, 3], ['a', 'b', 'c', 'd', 'e'])
+    """
+    rng = np.random.default_rng(seed)
+    keys: list[tuple[float, str]] = []
+    for label in sorted(set(majority_labels)):
+        group = sorted(p for p, y in zip(patient_ids, majority_labels) if y == label)
+        order = rng.permutation(len(group))
+        offset = rng.random()
+        keys.extend(((rank + offset) / len(group), group[i]) for rank, i in enumerate(order))
+    ordered = [patient for _, patient in sorted(keys)]
+    total = len(ordered)
+    n_test = max(1, round(test_fraction * total)) if test_fraction > 0 else 0
+    n_val = max(1, round(val_fraction * total)) if val_fraction > 0 else 0
+    if n_test + n_val >= total:
+        raise PrivacyConfigError(
+            f"`PatientDataModule(val_fraction={val_fraction!r}, test_fraction={test_fraction!r})`: the splits must "
+            f"leave at least one training patient, found {total} patient(s) for {n_val} validation and {n_test} test "
+            "patient(s). HINT: use more patients or smaller fractions (0.0 disables a split)."
+        )
+    return {
+        "test": sorted(ordered[:n_test]),
+        "val": sorted(ordered[n_test : n_test + n_val]),
+        "train": sorted(ordered[n_test + n_val :]),
+    }
+
+
+class PatientDataModule(pl.LightningDataModule):
+    """Images from a manifest, split by patient into train / val / test.
+
+    If the manifest has a ``split`` column it is used as is (a patient found in two splits is an
+    error); otherwise patients are split with `split_patients` (stratified by each patient's majority
+    label, deterministic in ``split_seed``). Every batch is ``(images, labels, patients)``; the patient
+    indices refer to the ``patient_ids`` of the split's dataset, which is what patient-level samplers
+    need.
+
+    Args:
+        manifest: CSV with ``path,label,patient_id[,split]`` (see `read_manifest`).
+        batch_size: images per batch (> 0).
+        val_fraction: fraction of patients for validation, in [0, 1) (ignored with a ``split`` column).
+        test_fraction: fraction of patients for testing, in [0, 1) (ignored with a ``split`` column).
+        split_seed: seed of the patient split.
+        num_workers: DataLoader worker processes.
+        augment: random flips, 90° rotations and a light colour jitter on the training split only.
+        image_size: resize every image to ``image_size × image_size`` (all splits); ``None`` keeps the
+            stored size (then all images must have the same size).
+
+    Raises:
+        PrivacyConfigError: an argument is out of range (raised by the constructor, before any I/O).
+
+    Example:
+        >>> import tempfile
+        >>> from lightning_dp.data.synthetic import generate_synthetic_pathology
+        >>> manifest = generate_synthetic_pathology(tempfile.mkdtemp(), num_patients=10, patches_per_patient=2,
+        ...                                         image_size=16)
+        >>> dm = PatientDataModule(str(manifest), batch_size=4, val_fraction=0.2, test_fraction=0.2)
+        >>> dm.setup()
+        >>> len(dm.train_patients), dm.val_dataset.num_patients, dm.test_dataset.num_patients, dm.num_classes
+        (6, 2, 2, 2)
+        >>> images, labels, patients = next(iter(dm.train_dataloader()))
+        >>> tuple(images.shape), labels.dtype, patients.dtype
+        ((4, 3, 16, 16), torch.int64, torch.int64)
+    """
+
+    def __init__(
+        self,
+        manifest: str,
+        batch_size: int = 32,
+        val_fraction: float = 0.1,
+        test_fraction: float = 0.2,
+        split_seed: int = 0,
+        num_workers: int = 0,
+        augment: bool = True,
+        image_size: int | None = None,
+    ) -> None:
+        super().__init__()
+        owner = type(self).__name__
+        check_count(owner, "batch_size", batch_size, "use e.g. 32.", minimum=1)
+        for name, value in (("val_fraction", val_fraction), ("test_fraction", test_fraction)):
+            check_in_interval(
+                owner,
+                name,
+                value,
+                0.0,
+                1.0,
+                low_closed=True,
+                high_closed=False,
+                hint="it is the fraction of *patients* in that split; 0.0 disables the split.",
+            )
+        if val_fraction + test_fraction >= 1.0:
+            raise PrivacyConfigError(
+                f"`{owner}(val_fraction={val_fraction!r}, test_fraction={test_fraction!r})`: val_fraction + "
+                f"test_fraction must be < 1, found {val_fraction + test_fraction!r}. HINT: leave patients for training."
+            )
+        check_count(owner, "split_seed", split_seed, "use a non-negative integer such as 0.")
+        check_count(owner, "num_workers", num_workers, "0 loads in the main process.")
+        if image_size is not None:
+            check_count(owner, "image_size", image_size, "use None to keep the stored size.", minimum=1)
+        self.manifest = str(manifest)
+        self.batch_size = batch_size
+        self.val_fraction = float(val_fraction)
+        self.test_fraction = float(test_fraction)
+        self.split_seed = split_seed
+        self.num_workers = num_workers
+        self.augment = augment
+        self.image_size = image_size
+        self._splits: dict[str, PatientImageDataset | None] | None = None
+        self._train_eval: PatientImageDataset | None = None
+        self._num_classes = 0
+        self.save_hyperparameters()
+
+    # ---- setup ----------------------------------------------------------------------------------------
+
+    def setup(self, stage: str | None = None) -> None:
+        """Reads the manifest and builds the three split datasets (once; later calls do nothing)."""
+        if self._splits is not None:
+            return
+        rows = read_manifest(self.manifest)
+        full = PatientImageDataset(rows)
+        if any(row.split is not None for row in rows):
+            assignment = self._manifest_split(rows)
+        else:
+            majority = []
+            labels = full.labels
+            for patient in range(full.num_patients):
+                counts = Counter(labels[full.patient_to_indices[patient]].tolist())
+                majority.append(max(sorted(counts), key=lambda y: counts[y]))
+            assignment = split_patients(
+                full.patient_ids, majority, self.val_fraction, self.test_fraction, self.split_seed
+            )
+        eval_transform = self._eval_transform()
+        splits: dict[str, PatientImageDataset | None] = {}
+        for name in _SPLITS:
+            if assignment[name]:
+                subset = full.subset_by_patients(assignment[name])
+                subset.transform = eval_transform
+                splits[name] = subset
+            else:
+                splits[name] = None
+        train = splits["train"]
+        if train is None:
+            raise DataError(
+                f"`{type(self).__name__}(manifest={self.manifest!r})`: the training split must hold at least one "
+                "patient, found none (every row of the split column is val or test). HINT: mark some rows 'train'."
+            )
+        self._train_eval = train.subset_by_patients(train.patient_ids)
+        self._train_eval.transform = eval_transform
+        train.transform = self._train_transform(channels=int(train[0][0].shape[0]))
+        self._num_classes = int(full.labels.max()) + 1
+        self._splits = splits
+
+    def _manifest_split(self, rows: list[ManifestRow]) -> dict[str, list[str]]:
+        splits_of: dict[str, set[str]] = {}
+        for row in rows:
+            splits_of.setdefault(row.patient_id, set()).add(str(row.split))
+        overlap = {patient: sorted(s) for patient, s in sorted(splits_of.items()) if len(s) > 1}
+        if overlap:
+            shown = ", ".join(f"{patient!r} in {'+'.join(s)}" for patient, s in list(overlap.items())[:20])
+            more = f" and {len(overlap) - 20} more" if len(overlap) > 20 else ""
+            raise DataError(
+                f"`{type(self).__name__}(manifest={self.manifest!r})`: every patient must be in exactly one split, "
+                f"found {len(overlap)} patient(s) in several: {shown}{more}. HINT: assign splits per patient, not per "
+                "image; otherwise test accuracy rewards memorised patients (and leaks them)."
+            )
+        assignment: dict[str, list[str]] = {name: [] for name in _SPLITS}
+        for patient, (split,) in sorted(splits_of.items()):
+            assignment[split].append(patient)
+        return assignment
+
+    def _eval_transform(self) -> Transform | None:
+        if self.image_size is None:
+            return None
+        return v2.Resize((self.image_size, self.image_size), antialias=True)
+
+    def _train_transform(self, channels: int) -> Transform | None:
+        steps: list[Any] = []
+        if self.image_size is not None:
+            steps.append(v2.Resize((self.image_size, self.image_size), antialias=True))
+        if self.augment:
+            steps += [v2.RandomHorizontalFlip(), v2.RandomVerticalFlip(), RandomRot90()]
+            if channels == 3:
+                steps.append(v2.ColorJitter(brightness=0.1, contrast=0.1, saturation=0.1, hue=0.02))
+            else:
+                steps.append(v2.ColorJitter(brightness=0.1, contrast=0.1))
+        if not steps:
+            return None
+        return v2.Compose(steps)
+
+    # ---- what setup built -----------------------------------------------------------------------------
+
+    def _split(self, name: str) -> PatientImageDataset:
+        if self._splits is None:
+            raise DataNotReadyError(
+                f"`{type(self).__name__}.{name}_dataset`: setup() must run first, found it not called. "
+                "HINT: call datamodule.setup() (the Trainer does it in fit/validate/test)."
+            )
+        dataset = self._splits[name]
+        if dataset is None:
+            raise DataError(
+                f"`{type(self).__name__}(manifest={self.manifest!r})`: the {name} split must hold at least one "
+                f"patient to be read, found none. HINT: set {name}_fraction > 0 or mark rows '{name}' in the manifest."
+            )
+        return dataset
+
+    @property
+    def train_dataset(self) -> PatientImageDataset:
+        """The training patients' images (augmented if ``augment``)."""
+        return self._split("train")
+
+    @property
+    def val_dataset(self) -> PatientImageDataset:
+        """The validation patients' images (raises `DataError` if the split is empty)."""
+        return self._split("val")
+
+    @property
+    def test_dataset(self) -> PatientImageDataset:
+        """The test patients' images (raises `DataError` if the split is empty)."""
+        return self._split("test")
+
+    @property
+    def train_patients(self) -> list[str]:
+        """The ids of the training patients, sorted (index ``k`` is patient index ``k`` in a batch)."""
+        return self.train_dataset.patient_ids
+
+    @property
+    def num_classes(self) -> int:
+        """``max(label) + 1`` over the whole manifest."""
+        self._split("train")
+        return self._num_classes
+
+    # ---- loaders --------------------------------------------------------------------------------------
+
+    def _loader(self, dataset: PatientImageDataset, shuffle: bool) -> DataLoader[PatientSample]:
+        return DataLoader(
+            dataset,
+            batch_size=self.batch_size,
+            shuffle=shuffle,
+            num_workers=self.num_workers,
+            persistent_workers=self.num_workers > 0,
+        )
+
+    def train_dataloader(self) -> DataLoader[PatientSample]:
+        return self._loader(self.train_dataset, shuffle=True)
+
+    def train_eval_dataloader(self) -> DataLoader[PatientSample]:
+        """The training images without augmentation, in order (to measure training accuracy)."""
+        self._split("train")
+        assert self._train_eval is not None
+        return self._loader(self._train_eval, shuffle=False)
+
+    def val_dataloader(self) -> Any:
+        self._split("train")
+        return [] if self._splits is None or self._splits["val"] is None else self._loader(self.val_dataset, False)
+
+    def test_dataloader(self) -> Any:
+        self._split("train")
+        return [] if self._splits is None or self._splits["test"] is None else self._loader(self.test_dataset, False)
+
+
+class SyntheticPathologyDataModule(PatientDataModule):
+    """`PatientDataModule` over a synthetic glomerulus data set (see `generate_synthetic_pathology`).
+
+    ``prepare_data()`` writes the data set under ``root`` (skipped when ``root/synthetic.json`` holds
+    the same parameters); ``setup()`` generates it too if it is still missing, then loads it through
+    its manifest exactly like real data. The images are generated at ``image_size`` and not resized.
+
+    Args:
+        root: folder of the data set.
+        num_patients: number of patients.
+        patches_per_patient: patches per patient (P3SGD's data has about 50).
+        image_size: side of the generated patches in pixels (>= 16).
+        seed: generator seed (same seed, same bytes).
+        positive_fraction: expected fraction of glomerulus patches.
+        batch_size: as in `PatientDataModule`.
+        val_fraction: as in `PatientDataModule`.
+        test_fraction: as in `PatientDataModule`.
+        split_seed: as in `PatientDataModule`.
+        num_workers: as in `PatientDataModule`.
+        augment: as in `PatientDataModule`.
+
+    Example:
+        >>> import tempfile
+        >>> dm = SyntheticPathologyDataModule(root=tempfile.mkdtemp(), num_patients=5, patches_per_patient=2,
+        ...                                   image_size=16, augment=False)
+        >>> dm.prepare_data(); dm.setup()
+        >>> len(dm.train_dataset) + len(dm.val_dataset) + len(dm.test_dataset), tuple(dm.test_dataset[0][0].shape)
+        (10, (3, 16, 16))
+    """
+
+    def __init__(
+        self,
+        root: str = "data/synthetic_pathology",
+        num_patients: int = 200,
+        patches_per_patient: int = 50,
+        image_size: int = 64,
+        seed: int = 0,
+        positive_fraction: float = 0.5,
+        batch_size: int = 32,
+        val_fraction: float = 0.1,
+        test_fraction: float = 0.2,
+        split_seed: int = 0,
+        num_workers: int = 0,
+        augment: bool = True,
+    ) -> None:
+        super().__init__(
+            manifest=os.path.join(root, "manifest.csv"),
+            batch_size=batch_size,
+            val_fraction=val_fraction,
+            test_fraction=test_fraction,
+            split_seed=split_seed,
+            num_workers=num_workers,
+            augment=augment,
+            image_size=None,
+        )
+        self.root = str(root)
+        self.generator_kwargs: dict[str, Any] = {
+            "num_patients": num_patients,
+            "patches_per_patient": patches_per_patient,
+            "image_size": image_size,
+            "seed": seed,
+            "positive_fraction": positive_fraction,
+        }
+        check_synthetic_parameters(num_patients, patches_per_patient, image_size, seed, positive_fraction)
+        self.save_hyperparameters()
+        # Lightning merges the parent's call into these; `manifest` is derived from root, not an argument here.
+        self.hparams.pop("manifest", None)
+
+    def prepare_data(self) -> None:
+        """Generates the data set (runs on one process per node under DDP)."""
+        generate_synthetic_pathology(self.root, **self.generator_kwargs)
+
+    def setup(self, stage: str | None = None) -> None:
+        # Generates only if prepare_data() did not run (or ran with other parameters): a cheap check.
+        self.prepare_data()
+        super().setup(stage)

@@ -1,0 +1,344 @@
+r"""Image manifests: a CSV that says which image belongs to which patient.
+
+A manifest has one row per image and the columns ``path``, ``label``, ``patient_id`` and,
+optionally, ``split`` (``train``, ``val`` or ``test``). Paths are relative to the folder of the
+CSV (absolute paths are kept). Images are PNG or JPEG files (read with Pillow) or ``.npy`` arrays
+of shape H×W or H×W×C, ``uint8`` or float in [0, 1].
+
+Errors name the row: rows are counted from 1 and the header is row 1, so the first image is
+row 2 (the line number a spreadsheet or an editor shows).
+
+Example:
+    >>> import tempfile
+    >>> from pathlib import Path
+    >>> import numpy as np
+    >>> folder = Path(tempfile.mkdtemp())
+    >>> np.save(folder / "a.npy", np.zeros((4, 4), dtype=np.uint8))
+    >>> _ = (folder / "manifest.csv").write_text("path,label,patient_id\na.npy,1,p7\n")
+    >>> rows = read_manifest(folder / "manifest.csv")
+    >>> rows[0].label, rows[0].patient_id, rows[0].row, rows[0].path.name
+    (1, 'p7', 2, 'a.npy')
+    >>> load_image(rows[0].path).shape
+    (4, 4, 1)
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal, Union
+
+import numpy as np
+from numpy.typing import NDArray
+from PIL import Image, UnidentifiedImageError
+
+from lightning_dp.data.errors import DataError
+
+__all__ = [
+    "IMAGE_SUFFIXES",
+    "OPTIONAL_COLUMNS",
+    "REQUIRED_COLUMNS",
+    "ManifestRow",
+    "Split",
+    "load_image",
+    "read_manifest",
+]
+
+Split = Literal["train", "val", "test"]
+REQUIRED_COLUMNS: tuple[str, ...] = ("path", "label", "patient_id")
+OPTIONAL_COLUMNS: tuple[str, ...] = ("split",)
+IMAGE_SUFFIXES: tuple[str, ...] = (".png", ".jpg", ".jpeg", ".npy")
+_SPLITS: tuple[Split, ...] = ("train", "val", "test")
+_INTEGER = re.compile(r"^[+-]?\d+$")
+
+
+@dataclass(frozen=True)
+class ManifestRow:
+    """One image of a manifest.
+
+    Args:
+        path: the image file (absolute, or relative to the working directory).
+        label: the class index, an integer >= 0.
+        patient_id: the patient the image belongs to (never empty).
+        split: the split the manifest assigns, or ``None`` when it has no ``split`` column.
+        row: the row of the CSV this image came from (header = row 1); 0 for images built in memory.
+
+    Example:
+        >>> ManifestRow(Path("x.png"), 0, "p1").split is None
+        True
+    """
+
+    path: Path
+    label: int
+    patient_id: str
+    split: Split | None = None
+    row: int = 0
+
+
+def _where(path: Path, row: int) -> str:
+    return f"`read_manifest({str(path)!r})`: row {row}"
+
+
+def read_manifest(path: Union[str, os.PathLike[str]], *, check_images: bool = True) -> list[ManifestRow]:
+    r"""Reads and validates an image manifest.
+
+    Args:
+        path: the CSV file.
+        check_images: also open every image's header (Pillow ``verify()`` or the ``.npy`` header) so
+            that an unreadable image fails here, with its row number, rather than in the middle of
+            an epoch. Costs well under a millisecond per image.
+
+    Returns:
+        The rows in file order.
+
+    Raises:
+        DataError: the file is missing or empty, a required column is missing, a column is unknown,
+            or a row has a wrong number of fields, a missing or unreadable image, a label that is not
+            an integer >= 0, an empty ``patient_id``, a split other than train/val/test, or repeats
+            the path of an earlier row. The message names the row.
+
+    Example:
+        >>> import tempfile
+        >>> folder = Path(tempfile.mkdtemp())
+        >>> _ = (folder / "m.csv").write_text("path,label,patient_id,colour\n")
+        >>> read_manifest(folder / "m.csv")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        lightning_dp.data.errors.DataError: ...row 1: unknown column 'colour'...
+    """
+    csv_path = Path(path)
+    if not csv_path.is_file():
+        raise DataError(
+            f"`read_manifest({str(csv_path)!r})`: the manifest must be an existing CSV file, found "
+            f"{'a folder' if csv_path.is_dir() else 'nothing'} at that path. HINT: pass the CSV itself, "
+            "e.g. generate_synthetic_pathology(root) returns the path of its manifest."
+        )
+    folder = csv_path.parent
+    with csv_path.open(newline="", encoding="utf-8-sig") as handle:
+        reader = csv.reader(handle)
+        header = next(reader, None)
+        if header is None or not any(cell.strip() for cell in header):
+            raise DataError(
+                f"`read_manifest({str(csv_path)!r})`: the manifest must have a header row and at least one image, "
+                "found an empty file. HINT: the first line names the columns: path,label,patient_id[,split]."
+            )
+        columns = [cell.strip().lower() for cell in header]
+        for name in columns:
+            if name not in REQUIRED_COLUMNS + OPTIONAL_COLUMNS:
+                raise DataError(
+                    f"{_where(csv_path, 1)}: unknown column {name!r}; the columns must be "
+                    f"{', '.join(REQUIRED_COLUMNS)} and optionally {', '.join(OPTIONAL_COLUMNS)}, found "
+                    f"{columns}. HINT: rename or remove the column (a typo such as 'patientid' lands here)."
+                )
+        duplicated = sorted({name for name in columns if columns.count(name) > 1})
+        if duplicated:
+            raise DataError(
+                f"{_where(csv_path, 1)}: every column must appear once, found {duplicated} more than once. "
+                "HINT: remove the repeated column."
+            )
+        missing = [name for name in REQUIRED_COLUMNS if name not in columns]
+        if missing:
+            raise DataError(
+                f"{_where(csv_path, 1)}: missing required column(s) {missing}; found {columns}. "
+                "HINT: a manifest needs path,label,patient_id (every image must name its patient for "
+                "patient-level privacy)."
+            )
+        index = {name: columns.index(name) for name in columns}
+        has_split = "split" in index
+        rows: list[ManifestRow] = []
+        seen: dict[Path, int] = {}
+        for cells in reader:
+            line = reader.line_num
+            if not cells or not any(cell.strip() for cell in cells):
+                continue
+            if len(cells) != len(columns):
+                raise DataError(
+                    f"{_where(csv_path, line)}: every row must have {len(columns)} fields like the header, "
+                    f"found {len(cells)}: {cells}. HINT: quote fields that contain commas."
+                )
+            raw_path = cells[index["path"]].strip()
+            if not raw_path:
+                raise DataError(
+                    f"{_where(csv_path, line)}: path must not be empty, found ''. HINT: give the image file, "
+                    "relative to the manifest's folder."
+                )
+            image_path = Path(raw_path)
+            if not image_path.is_absolute():
+                image_path = folder / image_path
+            if not image_path.is_file():
+                raise DataError(
+                    f"{_where(csv_path, line)}: the image must exist, found no file at {str(image_path)!r}. "
+                    f"HINT: paths are relative to the manifest's folder {str(folder)!r}."
+                )
+            if image_path in seen:
+                raise DataError(
+                    f"{_where(csv_path, line)}: every image must be listed once, found {raw_path!r} already on "
+                    f"row {seen[image_path]}. HINT: an image listed twice counts twice (and may leak across "
+                    "splits); remove the repetition."
+                )
+            seen[image_path] = line
+            if check_images:
+                _check_image(image_path, f"{_where(csv_path, line)}")
+            raw_label = cells[index["label"]].strip()
+            if not _INTEGER.match(raw_label) or int(raw_label) < 0:
+                raise DataError(
+                    f"{_where(csv_path, line)}: label must be an integer >= 0, found {raw_label!r}. "
+                    "HINT: write class indices (0, 1, ...), not names or probabilities."
+                )
+            patient = cells[index["patient_id"]].strip()
+            if not patient:
+                raise DataError(
+                    f"{_where(csv_path, line)}: patient_id must not be empty, found ''. HINT: every image "
+                    "needs its patient; patient-level privacy protects all images of one patient together."
+                )
+            split: Split | None = None
+            if has_split:
+                raw_split = cells[index["split"]].strip().lower()
+                split = _parse_split(raw_split)
+                if split is None:
+                    raise DataError(
+                        f"{_where(csv_path, line)}: split must be one of {list(_SPLITS)}, found "
+                        f"{cells[index['split']].strip()!r}. HINT: fill the split of every row, or drop the column "
+                        "to let the datamodule split patients itself."
+                    )
+            rows.append(ManifestRow(image_path, int(raw_label), patient, split, line))
+    if not rows:
+        raise DataError(
+            f"`read_manifest({str(csv_path)!r})`: the manifest must list at least one image, found a header only. "
+            "HINT: add one row per image: path,label,patient_id."
+        )
+    return rows
+
+
+def _parse_split(value: str) -> Split | None:
+    for split in _SPLITS:
+        if value == split:
+            return split
+    return None
+
+
+def _check_image(path: Path, where: str) -> None:
+    suffix = path.suffix.lower()
+    if suffix not in IMAGE_SUFFIXES:
+        raise DataError(
+            f"{where}: the image must be one of {list(IMAGE_SUFFIXES)}, found {path.name!r}. "
+            "HINT: convert it to PNG, or save the array with numpy.save."
+        )
+    if suffix == ".npy":
+        try:
+            array = np.load(path, mmap_mode="r", allow_pickle=False)
+        except (OSError, ValueError) as exc:
+            raise DataError(
+                f"{where}: the image must be a readable .npy array, {str(path)!r} failed to load: {exc}. "
+                "HINT: save it with numpy.save(path, array)."
+            ) from exc
+        _check_array(array, path, where)
+        return
+    try:
+        with Image.open(path) as image:
+            image.verify()
+    except (OSError, UnidentifiedImageError, SyntaxError, ValueError) as exc:
+        raise DataError(
+            f"{where}: the image must be a readable PNG/JPEG, {str(path)!r} failed to open: {exc}. "
+            "HINT: the file is truncated or not an image; re-export it."
+        ) from exc
+
+
+def _check_array(array: NDArray[np.generic], path: Path, where: str) -> None:
+    ok_shape = array.ndim == 2 or (array.ndim == 3 and array.shape[2] in (1, 3))
+    ok_dtype = array.dtype == np.uint8 or np.issubdtype(array.dtype, np.floating)
+    if not (ok_shape and ok_dtype and array.size > 0):
+        raise DataError(
+            f"{where}: a .npy image must be H×W or H×W×C (C = 1 or 3), uint8 or float, found shape "
+            f"{tuple(array.shape)} and dtype {array.dtype} in {str(path)!r}. HINT: store channels last, e.g. "
+            "np.save(path, image.transpose(1, 2, 0))."
+        )
+
+
+def load_image(path: Union[str, os.PathLike[str]]) -> NDArray[np.generic]:
+    """Loads one image as an H×W×C array (``uint8``, or ``float32`` in [0, 1]).
+
+    Grayscale images keep one channel; palette, RGBA, CMYK … images are converted to RGB (the
+    alpha channel is dropped); 16-bit images become ``float32`` scaled to [0, 1].
+
+    Args:
+        path: a PNG/JPEG file or a ``.npy`` array (H×W or H×W×C, ``uint8`` or float in [0, 1]).
+
+    Returns:
+        The image, channels last.
+
+    Raises:
+        DataError: the file cannot be read, or a float array has values outside [0, 1] or non-finite.
+
+    Example:
+        >>> import tempfile
+        >>> folder = Path(tempfile.mkdtemp())
+        >>> Image.new("RGB", (5, 3), (255, 0, 0)).save(folder / "red.png")
+        >>> image = load_image(folder / "red.png")
+        >>> image.shape, image.dtype, image[0, 0].tolist()
+        ((3, 5, 3), dtype('uint8'), [255, 0, 0])
+    """
+    file = Path(path)
+    where = f"`load_image({str(file)!r})`"
+    if file.suffix.lower() == ".npy":
+        try:
+            array = np.load(file, allow_pickle=False)
+        except (OSError, ValueError) as exc:
+            raise DataError(
+                f"{where}: the image must be a readable .npy array, it failed to load: {exc}. "
+                "HINT: save it with numpy.save(path, array)."
+            ) from exc
+        _check_array(array, file, where)
+        if array.ndim == 2:
+            array = array[:, :, None]
+        if array.dtype == np.uint8:
+            return np.ascontiguousarray(array)
+        image = np.ascontiguousarray(array, dtype=np.float32)
+        if not np.isfinite(image).all() or image.min() < 0.0 or image.max() > 1.0:
+            raise DataError(
+                f"{where}: a float image must have finite values in [0, 1], found "
+                f"{describe_range(image)}. HINT: scale it (e.g. divide by 255) "
+                "or store uint8."
+            )
+        return image
+    try:
+        with Image.open(file) as opened:
+            opened.load()
+            return _pil_to_array(opened)
+    except (OSError, UnidentifiedImageError, SyntaxError, ValueError) as exc:
+        raise DataError(
+            f"{where}: the image must be a readable PNG/JPEG, it failed to load: {exc}. "
+            "HINT: the file is truncated or not an image; re-export it."
+        ) from exc
+
+
+def describe_range(array: NDArray[np.generic]) -> str:
+    """``'range [lo, hi]'`` of an array, or ``'non-finite values'`` (for error messages).
+
+    Example:
+        >>> describe_range(np.array([0.5, 2.0])), describe_range(np.array([np.nan]))
+        ('range [0.5, 2]', 'non-finite values')
+    """
+    if not np.isfinite(array).all():
+        return "non-finite values"
+    return f"range [{float(array.min()):g}, {float(array.max()):g}]"
+
+
+def _pil_to_array(image: Image.Image) -> NDArray[np.generic]:
+    if image.mode in ("1", "L", "LA"):
+        return np.asarray(image.convert("L"), dtype=np.uint8)[:, :, None]
+    if image.mode.startswith("I"):
+        # 16-bit grayscale (Pillow opens 16-bit PNGs as "I;16" or "I").
+        values = np.asarray(image, dtype=np.float64)
+        if values.min() < 0 or values.max() > 65535:
+            raise ValueError(f"a {image.mode} image must have values in [0, 65535]")
+        return (values / 65535.0).astype(np.float32)[:, :, None]
+    if image.mode == "F":
+        values32 = np.asarray(image, dtype=np.float32)
+        if not np.isfinite(values32).all() or values32.min() < 0.0 or values32.max() > 1.0:
+            raise ValueError("a 32-bit float image must have values in [0, 1]")
+        return values32[:, :, None]
+    return np.asarray(image.convert("RGB"), dtype=np.uint8)

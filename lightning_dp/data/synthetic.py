@@ -1,0 +1,445 @@
+"""A synthetic stand-in for the glomerulus pathology data of P3SGD (Wu et al., CVPR 2019).
+
+The paper classifies H&E-stained kidney patches as glomerulus / not glomerulus, about 50
+patches per patient. The data are private, so this module renders look-alikes with the properties
+that matter for patient-level privacy:
+
+* **Patients look different.** Every patient draws a stain (H&E optical-density vectors and
+  strengths, illumination), a background texture (coarse and fibrous eosin, density and size of
+  scattered nuclei), a noise level and a blur. A network can recognise a patient from any patch.
+* **Labels are learnable but not trivial.** A positive patch shows a glomerulus: a lobulated tuft
+  of small dense nuclei in a pink matrix, a pale Bowman's space and a thin capsule ring.
+  Negatives show tubules (rings of epithelial nuclei around a pale lumen) and some show decoys:
+  a loose cluster of nuclei without capsule, or an empty vessel-like ring. Some positives are
+  hard (faint, or mostly outside the field of view).
+* **Patients are mostly one class**, and a patient's annotator sometimes labels a patch by the
+  patient's majority class instead of by what it shows (patient-level label noise: up to 30% of a
+  patient's patches are labelled this way). A model that memorises patients gains on its training
+  patients and not on new ones: a non-private ResNet-18 overfits, with a clear train–test gap
+  when the data are split by patient, the effect patient-level privacy is meant to limit.
+
+Rendering is vectorised over the patches of a patient and patients are rendered and written on a
+few threads (NumPy, SciPy and Pillow's PNG encoder release the GIL): 200 patients × 50 patches of
+64×64 take about 10 s on 2 CPU cores, about half of it PNG encoding.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import shutil
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Union
+
+import numpy as np
+from numpy.typing import NDArray
+from PIL import Image
+from scipy import ndimage
+
+from lightning_dp.errors import PrivacyConfigError, check_count, check_in_interval
+
+__all__ = [
+    "GENERATOR_VERSION",
+    "check_synthetic_parameters",
+    "generate_synthetic_pathology",
+    "render_synthetic_patient",
+    "synthetic_parameters",
+]
+
+GENERATOR_VERSION = 1
+"""Bumped whenever the rendering changes, so that cached data sets are regenerated."""
+
+_H_OD = np.array([0.65, 0.70, 0.29])  # Ruifrok & Johnston's hematoxylin optical density vector
+_E_OD = np.array([0.07, 0.99, 0.11])  # eosin
+_OWNER = "generate_synthetic_pathology"
+
+
+def _unit(vector: NDArray[np.float64]) -> NDArray[np.float64]:
+    vector = np.clip(vector, 0.02, None)
+    return vector / np.linalg.norm(vector)
+
+
+def _splat(
+    grid: NDArray[np.float32],
+    patch: NDArray[np.int64],
+    y: NDArray[np.float64],
+    x: NDArray[np.float64],
+    weight: NDArray[np.float64],
+) -> None:
+    """Adds point masses at sub-pixel positions (bilinear), dropping those outside the grid."""
+    size = grid.shape[1]
+    y0 = np.floor(y).astype(np.int64)
+    x0 = np.floor(x).astype(np.int64)
+    fy = y - y0
+    fx = x - x0
+    indices, weights = [], []
+    for dy, wy in ((0, 1.0 - fy), (1, fy)):
+        for dx, wx in ((0, 1.0 - fx), (1, fx)):
+            yy = y0 + dy
+            xx = x0 + dx
+            inside = (yy >= 0) & (yy < size) & (xx >= 0) & (xx < size)
+            indices.append(((patch * size + yy) * size + xx)[inside])
+            weights.append((weight * wy * wx)[inside])
+    flat = np.bincount(np.concatenate(indices), np.concatenate(weights), minlength=grid.size)
+    grid += flat.reshape(grid.shape).astype(np.float32)
+
+
+def _texture(
+    rng: np.random.Generator,
+    shape: tuple[int, int, int],
+    layers: list[tuple[float, float, float]],
+) -> NDArray[np.float32]:
+    """Smoothed noise: a sum of layers ``(amplitude, sigma_y, sigma_x)`` of unit-variance filtered noise.
+
+    Every layer filters the same white noise with a periodic Gaussian kernel in the Fourier domain
+    (one FFT pair for all layers, whatever the kernel widths); a layer's filter is normalised so that
+    alone it would have variance ``amplitude**2``.
+    """
+    size = shape[1]
+    white = rng.random(shape, dtype=np.float32) - np.float32(0.5)
+    white *= np.float32(np.sqrt(12.0))  # unit variance; the filtered field is Gaussian all the same
+    fy = np.fft.fftfreq(size)[:, None]
+    fx_half = np.fft.rfftfreq(size)[None, :]
+    fx_full = np.fft.fftfreq(size)[None, :]
+    transfer = np.zeros((size, size // 2 + 1))
+    for amplitude, sigma_y, sigma_x in layers:
+        half = np.exp(-2.0 * np.pi**2 * ((sigma_y * fy) ** 2 + (sigma_x * fx_half) ** 2))
+        full = np.exp(-2.0 * np.pi**2 * ((sigma_y * fy) ** 2 + (sigma_x * fx_full) ** 2))
+        transfer += amplitude * half / np.sqrt(np.mean(full**2))
+    field = np.fft.irfft2(np.fft.rfft2(white) * transfer.astype(np.complex64), s=(size, size))
+    return np.asarray(field, dtype=np.float32)
+
+
+class _Nuclei:
+    """Collects nucleus centres (patch, y, x, weight) to render them in one pass."""
+
+    def __init__(self, rng: np.random.Generator) -> None:
+        self.rng = rng
+        self.parts: list[tuple[NDArray[np.int64], NDArray[np.float64], NDArray[np.float64], NDArray[np.float64]]] = []
+
+    def add(self, patch: NDArray[np.int64], y: NDArray[np.float64], x: NDArray[np.float64], weight: float) -> None:
+        self.parts.append((patch, y, x, weight * self.rng.uniform(0.7, 1.3, len(patch))))
+
+    def in_disc(
+        self, count: NDArray[np.int64], cy: NDArray[np.float64], cx: NDArray[np.float64], radius: NDArray[np.float64]
+    ) -> tuple[NDArray[np.int64], NDArray[np.float64], NDArray[np.float64]]:
+        """``count[i]`` points uniform in the disc of patch ``i``."""
+        patch = np.repeat(np.arange(len(count)), count)
+        r = radius[patch] * np.sqrt(self.rng.random(len(patch)))
+        angle = self.rng.uniform(0.0, 2.0 * np.pi, len(patch))
+        return patch, cy[patch] + r * np.sin(angle), cx[patch] + r * np.cos(angle)
+
+    def render(self, shape: tuple[int, int, int], sigma: float) -> NDArray[np.float32]:
+        grid = np.zeros(shape, dtype=np.float32)
+        if self.parts:
+            patch, y, x, w = (np.concatenate(column) for column in zip(*self.parts))
+            _splat(grid, patch, y, x, w)
+        nuclei = ndimage.gaussian_filter(grid, sigma=(0.0, sigma, sigma), mode="constant", truncate=3.0)
+        return np.asarray(nuclei * np.float32(2.0 * np.pi * sigma**2))  # one nucleus peaks at its weight
+
+
+def render_synthetic_patient(
+    rng: np.random.Generator, num_patches: int, image_size: int, positive_fraction: float
+) -> tuple[NDArray[np.uint8], NDArray[np.int64]]:
+    """Renders the patches of one synthetic patient (style drawn from ``rng``).
+
+    Args:
+        rng: the patient's random generator; the result is a deterministic function of its state.
+        num_patches: how many patches.
+        image_size: the side of the square patches in pixels.
+        positive_fraction: the mean over patients of the fraction of glomerulus patches.
+
+    Returns:
+        ``(images, labels)``: ``uint8`` RGB patches of shape (num_patches, S, S, 3) and their labels
+        (1 = glomerulus), shape (num_patches,).
+
+    Example:
+        >>> images, labels = render_synthetic_patient(np.random.default_rng(0), 4, 32, 0.5)
+        >>> images.shape, images.dtype, labels.shape, set(labels.tolist()) <= {0, 1}
+        ((4, 32, 32, 3), dtype('uint8'), (4,), True)
+        >>> again, _ = render_synthetic_patient(np.random.default_rng(0), 4, 32, 0.5)
+        >>> bool((again == images).all())
+        True
+    """
+    n, size = num_patches, image_size
+    unit = size / 64.0  # lengths below are in pixels of a 64×64 patch
+    shape = (n, size, size)
+    f32 = np.float32
+
+    # ---- the patient's style ---------------------------------------------------------------------------
+    h_od = _unit(_H_OD + rng.normal(0.0, 0.05, 3))
+    e_od = _unit(_E_OD + rng.normal(0.0, 0.05, 3))
+    h_strength = rng.uniform(0.6, 0.95)
+    e_strength = rng.uniform(0.25, 0.5)
+    illumination = np.clip(rng.uniform(0.86, 1.0) * (1.0 + rng.normal(0.0, 0.03, 3)), 0.05, 1.0)
+    stroma = rng.uniform(0.25, 0.75)  # eosin density of the background tissue
+    coarse_amp = rng.uniform(0.1, 0.45)
+    coarse_sigma = rng.uniform(4.0, 10.0) * unit
+    fibre_amp = rng.uniform(0.0, 0.5)
+    fibre_sigma = (rng.uniform(0.6, 3.5) * unit, rng.uniform(0.6, 3.5) * unit)
+    bg_nuclei = rng.uniform(6.0, 28.0) * unit**2  # scattered nuclei per patch
+    nucleus_sigma = rng.uniform(0.85, 1.35) * unit
+    noise_std = rng.uniform(0.004, 0.05)
+    blur = rng.uniform(0.0, 1.0) * unit
+    tuft_density = rng.uniform(0.045, 0.09) / unit**2  # nuclei per pixel inside a glomerular tuft
+    clarity = rng.uniform(0.75, 1.0)  # how visible the capsule and Bowman's space are
+    if 0.0 < positive_fraction < 1.0:
+        concentration = 0.7  # U-shaped Beta: most patients are mostly one class
+        p_positive = rng.beta(concentration * positive_fraction, concentration * (1.0 - positive_fraction))
+    else:
+        p_positive = positive_fraction
+    majority = int(p_positive >= 0.5)
+    bias = rng.uniform(0.0, 0.3)  # patient-level label noise: patches labelled by the majority class
+
+    # ---- tissue background -----------------------------------------------------------------------------
+    shows = rng.random(n) < p_positive
+    yy, xx = (axis.astype(f32)[None] for axis in np.mgrid[0:size, 0:size])
+    texture = _texture(rng, shape, [(coarse_amp, coarse_sigma, coarse_sigma), (fibre_amp, *fibre_sigma)])
+    eosin = f32(stroma) * (1.0 + texture)
+    nuclei = _Nuclei(rng)
+    # Scattered interstitial nuclei (dropped later inside structures that have their own).
+    bg_patch = np.repeat(np.arange(n), rng.poisson(bg_nuclei, n))
+    bg_y = rng.uniform(-2, size + 2, len(bg_patch))
+    bg_x = rng.uniform(-2, size + 2, len(bg_patch))
+    keep_bg = np.ones(len(bg_patch), dtype=bool)
+
+    def ellipse(
+        idx: NDArray[np.int64],
+        cy: NDArray[np.float64],
+        cx: NDArray[np.float64],
+        ry: NDArray[np.float64],
+        rx: NDArray[np.float64],
+    ) -> NDArray[np.float32]:
+        """Elliptic radius (1 on the boundary) over the patches ``idx``."""
+        dy = (yy - cy.astype(f32)[:, None, None]) / ry.astype(f32)[:, None, None]
+        dx = (xx - cx.astype(f32)[:, None, None]) / rx.astype(f32)[:, None, None]
+        return np.sqrt(dy * dy + dx * dx)
+
+    # ---- tubules: rings of epithelial nuclei around a pale lumen, pink cytoplasm -------------------------
+    max_tubules = 5
+    tubules = np.minimum(rng.poisson(np.where(shows, 1.3, 2.8)), max_tubules)
+    t_cy = rng.uniform(-0.1, 1.1, (n, max_tubules)) * size
+    t_cx = rng.uniform(-0.1, 1.1, (n, max_tubules)) * size
+    t_ry = rng.uniform(4.5, 9.0, (n, max_tubules)) * unit
+    t_rx = t_ry * rng.uniform(0.7, 1.4, (n, max_tubules))
+    present = np.arange(max_tubules)[None, :] < tubules[:, None]
+    for k in range(max_tubules):
+        idx = np.flatnonzero(present[:, k])
+        if len(idx) == 0:
+            continue
+        rho = ellipse(idx, t_cy[idx, k], t_cx[idx, k], t_ry[idx, k], t_rx[idx, k])
+        wall = eosin[idx] + f32(0.55 * stroma) * np.exp(-(((rho - 0.8) / 0.3) ** 2))
+        eosin[idx] = np.where(rho < 0.45, wall * 0.25, wall)
+        perimeter = 2 * np.pi * 0.85 * np.sqrt((t_ry[idx, k] ** 2 + t_rx[idx, k] ** 2) / 2)
+        ring_patch = np.repeat(idx, rng.poisson(perimeter / (3.2 * unit)))
+        angle = rng.uniform(0.0, 2.0 * np.pi, len(ring_patch))
+        radial = rng.normal(0.82, 0.06, len(ring_patch))
+        nuclei.add(
+            ring_patch,
+            t_cy[ring_patch, k] + radial * t_ry[ring_patch, k] * np.sin(angle),
+            t_cx[ring_patch, k] + radial * t_rx[ring_patch, k] * np.cos(angle),
+            1.0,
+        )
+        inside = ((bg_y - t_cy[bg_patch, k]) / t_ry[bg_patch, k]) ** 2 + (
+            (bg_x - t_cx[bg_patch, k]) / t_rx[bg_patch, k]
+        ) ** 2 < 1.0
+        keep_bg &= ~(inside & present[bg_patch, k])
+
+    # ---- glomeruli (positives): capsule ring, pale Bowman's space, lobulated tuft of dense nuclei --------
+    hard = rng.random(n) < 0.1
+    g_r = np.where(hard, rng.uniform(11.0, 15.0, n), rng.uniform(14.0, 21.0, n)) * unit
+    edge = rng.uniform(0.55, 0.95, n)  # hard positives lie mostly outside the field of view
+    side = rng.integers(0, 4, n)
+    off = np.where(side % 2 == 0, -edge * g_r, size - 1 + edge * g_r)
+    g_cy = np.where(hard & (side < 2), off, rng.uniform(0.25, 0.75, n) * size)
+    g_cx = np.where(hard & (side >= 2), off, rng.uniform(0.25, 0.75, n) * size)
+    g_aspect = rng.uniform(0.85, 1.18, n)
+    lobes = rng.integers(3, 7, n)
+    phase = rng.uniform(0.0, 2.0 * np.pi, n)
+    idx = np.flatnonzero(shows)
+    if len(idx):
+        r = g_r[idx]
+        rho = ellipse(idx, g_cy[idx], g_cx[idx], r / g_aspect[idx], r * g_aspect[idx])
+        theta = np.arctan2(yy - g_cy[idx, None, None].astype(f32), xx - g_cx[idx, None, None].astype(f32))
+        tuft_edge = 0.74 * (1.0 + 0.09 * np.sin(lobes[idx, None, None] * theta + phase[idx, None, None]))
+        ring = np.exp(-(((rho - 1.0) * (r[:, None, None] / (1.1 * unit)).astype(f32)) ** 2))
+        inner = eosin[idx]
+        inner = np.where(rho < 1.0, inner * f32(1.0 - 0.8 * clarity), inner)  # Bowman's space
+        inner = np.where(rho < tuft_edge, f32(stroma * 1.15), inner)  # mesangial matrix
+        eosin[idx] = inner + f32(0.9 * stroma * clarity) * ring  # capsule
+    tuft_count = rng.poisson(tuft_density * np.pi * (0.72 * g_r) ** 2 * np.where(hard, 0.6, 1.0))
+    nuclei.add(*nuclei.in_disc(np.where(shows, tuft_count, 0), g_cy, g_cx, 0.72 * g_r), 0.9)
+    in_glom = ((bg_y - g_cy[bg_patch]) ** 2 + (bg_x - g_cx[bg_patch]) ** 2) < (1.05 * g_r[bg_patch]) ** 2
+    keep_bg &= ~(in_glom & shows[bg_patch])
+
+    # ---- decoys in some negatives: a loose nuclear cluster without capsule, or an empty vessel ring -----
+    decoy = ~shows & (rng.random(n) < 0.35)
+    cluster = decoy & (rng.random(n) < 0.6)
+    vessel = decoy & ~cluster
+    d_r = rng.uniform(7.0, 12.0, n) * unit
+    d_cy = rng.uniform(0.2, 0.8, n) * size
+    d_cx = rng.uniform(0.2, 0.8, n) * size
+    d_count = np.where(cluster, rng.poisson(tuft_density * np.pi * d_r**2 * rng.uniform(0.15, 0.3, n)), 0)
+    patch, y, x = nuclei.in_disc(d_count, d_cy, d_cx, d_r)
+    nuclei.add(patch, y + rng.normal(0, 2.0 * unit, len(patch)), x + rng.normal(0, 2.0 * unit, len(patch)), 1.0)
+    idx = np.flatnonzero(vessel)
+    if len(idx):
+        rho = ellipse(idx, d_cy[idx], d_cx[idx], 0.7 * d_r[idx], 0.7 * d_r[idx])
+        wall = eosin[idx] + f32(1.3 * stroma) * np.exp(-(((rho - 1.0) / 0.2) ** 2))
+        eosin[idx] = np.where(rho < 0.8, wall * 0.3, wall)
+    nuclei.add(bg_patch[keep_bg], bg_y[keep_bg], bg_x[keep_bg], 1.0)
+
+    # ---- stains (Beer–Lambert), optics, camera -------------------------------------------------------
+    # The blur of the optics is folded into the Gaussian profile of the nuclei (Gaussians compose).
+    hema = 1.4 * (1.0 - np.exp(-1.3 * nuclei.render(shape, np.hypot(nucleus_sigma, blur)))) + 0.06
+    np.clip(eosin, 0.0, None, out=eosin)
+    if blur > 0.05:
+        eosin = ndimage.gaussian_filter(eosin, sigma=(0.0, blur, blur), truncate=3.0)
+    stains = np.stack([hema, eosin, np.ones_like(hema)], axis=-1)
+    optical = np.stack([h_od * h_strength * -np.log(10.0), e_od * e_strength * -np.log(10.0), np.log(illumination)])
+    image = np.exp(stains @ optical.astype(f32))
+    # Sensor noise, shared by the three channels (uniform, scaled to standard deviation noise_std).
+    image += (rng.random((*shape, 1), dtype=f32) - f32(0.5)) * f32(noise_std * np.sqrt(12.0))
+    image *= f32(255.0)
+    np.clip(image, 0.0, 255.0, out=image)
+    images = np.rint(image).astype(np.uint8)
+
+    # ---- labels: what the patch shows, unless the annotator went by the patient ------------------------
+    labels = np.where(rng.random(n) < bias, majority, shows.astype(np.int64)).astype(np.int64)
+    return images, labels
+
+
+def check_synthetic_parameters(
+    num_patients: Any, patches_per_patient: Any, image_size: Any, seed: Any, positive_fraction: Any
+) -> None:
+    """Raises `PrivacyConfigError` unless the parameters are valid for `generate_synthetic_pathology`.
+
+    Example:
+        >>> check_synthetic_parameters(10, 5, 32, 0, 0.5)
+    """
+    check_count(_OWNER, "num_patients", num_patients, "use at least 1 patient (200 in the default set).", minimum=1)
+    check_count(_OWNER, "patches_per_patient", patches_per_patient, "P3SGD's data has about 50.", minimum=1)
+    check_count(_OWNER, "image_size", image_size, "glomeruli need room: use 16 or more (default 64).", minimum=16)
+    check_count(_OWNER, "seed", seed, "use a non-negative integer such as 0.")
+    check_in_interval(
+        _OWNER,
+        "positive_fraction",
+        positive_fraction,
+        0.0,
+        1.0,
+        low_closed=True,
+        high_closed=True,
+        hint="the expected fraction of glomerulus patches, e.g. 0.5.",
+    )
+
+
+def generate_synthetic_pathology(
+    root: Union[str, os.PathLike[str]],
+    num_patients: int = 200,
+    patches_per_patient: int = 50,
+    image_size: int = 64,
+    seed: int = 0,
+    positive_fraction: float = 0.5,
+    overwrite: bool = False,
+) -> Path:
+    """Writes a synthetic glomerulus data set and returns the path of its manifest.
+
+    Writes ``root/images/<patient>/<patient>_<k>.png``, ``root/manifest.csv`` (columns
+    ``path,label,patient_id``) and, last, ``root/synthetic.json`` with the parameters. The output
+    is a deterministic function of the parameters (same seed, same bytes). If ``synthetic.json``
+    already holds the same parameters the files are kept; if it holds other parameters the data
+    set is regenerated (the old ``images`` folder is deleted first).
+
+    Args:
+        root: the folder to write to (created if missing).
+        num_patients: number of patients (ids ``P0000``, ``P0001``, ...).
+        patches_per_patient: patches per patient.
+        image_size: side of the square RGB patches, in pixels (>= 16).
+        seed: the seed; patient ``i`` is rendered from ``numpy.random.default_rng([seed, i])``, so a
+            patient does not change when ``num_patients`` grows.
+        positive_fraction: the expected fraction of glomerulus patches, in [0, 1].
+        overwrite: regenerate even if the parameters match.
+
+    Returns:
+        ``root/manifest.csv``.
+
+    Raises:
+        PrivacyConfigError: a parameter is invalid, or ``root`` holds a ``manifest.csv`` that this
+            function did not write (no ``synthetic.json``) and ``overwrite`` is false.
+
+    Example:
+        >>> import tempfile
+        >>> manifest = generate_synthetic_pathology(tempfile.mkdtemp(), num_patients=2, patches_per_patient=3,
+        ...                                         image_size=16)
+        >>> lines = manifest.read_text().splitlines()
+        >>> len(lines), lines[0], lines[1].startswith("images/P0000/P0000_00.png,")
+        (7, 'path,label,patient_id', True)
+    """
+    check_synthetic_parameters(num_patients, patches_per_patient, image_size, seed, positive_fraction)
+    folder = Path(root)
+    manifest = folder / "manifest.csv"
+    info = folder / "synthetic.json"
+    params: dict[str, Any] = {
+        "generator": "synthetic_pathology",
+        "version": GENERATOR_VERSION,
+        "num_patients": num_patients,
+        "patches_per_patient": patches_per_patient,
+        "image_size": image_size,
+        "seed": seed,
+        "positive_fraction": float(positive_fraction),
+    }
+    if not overwrite and synthetic_parameters(folder) == params and manifest.is_file():
+        return manifest
+    if manifest.exists() and not info.exists() and not overwrite:
+        raise PrivacyConfigError(
+            f"`{_OWNER}(root={str(folder)!r})`: root must be empty or hold a data set written by this function, found "
+            f"a manifest.csv without synthetic.json. HINT: choose another root, or pass overwrite=True to replace it."
+        )
+    if info.exists():
+        info.unlink()  # the data set is incomplete until the new synthetic.json is written
+    images_dir = folder / "images"
+    if images_dir.exists():
+        shutil.rmtree(images_dir)
+    images_dir.mkdir(parents=True)
+    width = max(2, len(str(patches_per_patient - 1)))
+
+    def write_patient(i: int) -> list[tuple[str, int, str]]:
+        patient = f"P{i:04d}"
+        images, labels = render_synthetic_patient(
+            np.random.default_rng([seed, i]), patches_per_patient, image_size, positive_fraction
+        )
+        patient_dir = images_dir / patient
+        patient_dir.mkdir()
+        rows = []
+        for k in range(patches_per_patient):
+            name = f"{patient}_{k:0{width}d}.png"
+            Image.fromarray(images[k]).save(patient_dir / name, compress_level=1)
+            rows.append((f"images/{patient}/{name}", int(labels[k]), patient))
+        return rows
+
+    # Every patient has its own generator, so the threads cannot change the output.
+    with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:
+        rows = [row for patient_rows in pool.map(write_patient, range(num_patients)) for row in patient_rows]
+    with manifest.open("w", newline="") as handle:
+        writer = csv.writer(handle, lineterminator="\n")
+        writer.writerow(["path", "label", "patient_id"])
+        writer.writerows(rows)
+    info.write_text(json.dumps(params, indent=2, sort_keys=True) + "\n")
+    return manifest
+
+
+def synthetic_parameters(root: Union[str, os.PathLike[str]]) -> dict[str, Any] | None:
+    """The parameters stored in ``root/synthetic.json``, or ``None`` if there is no (readable) file.
+
+    Example:
+        >>> import tempfile
+        >>> synthetic_parameters(tempfile.mkdtemp()) is None
+        True
+    """
+    try:
+        loaded = json.loads((Path(root) / "synthetic.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return loaded if isinstance(loaded, dict) else None
