@@ -109,11 +109,15 @@ def _group_gaussians(
     gaussians: Counter[tuple[float, float]] = Counter()
     others: list[tuple[PrivacyEvent, int]] = []
     for entry_event, entry_count in entries:
+        if entry_count == 0:
+            continue
         # Fast path: a ledger of a decaying schedule is 100,000s of plain subsampled Gaussians.
         if type(entry_event) is PoissonSampledEvent:
             gaussians[(entry_event.sample_rate, entry_event.event.noise_multiplier)] += entry_count
             continue
         for event, count in _leaves([(entry_event, entry_count)]):
+            if count == 0:
+                continue
             key = _gaussian_key(event)
             if key is None:
                 others.append((event, count))
@@ -155,6 +159,11 @@ def ledger_rdp(
     return total
 
 
+def _releases_anything(ledger: PrivacyLedger) -> bool:
+    """False for an empty ledger and for one whose events release nothing (count 0, empty compositions)."""
+    return any(count > 0 for _, count in _leaves(ledger.entries))
+
+
 def _resolve_delta(ledger: PrivacyLedger, delta: float | None) -> float:
     return ledger.delta if delta is None else _check_delta("Accountant.epsilon", delta)
 
@@ -193,7 +202,7 @@ class RDPAccountant:
 
     def epsilon(self, ledger: PrivacyLedger, delta: float | None = None) -> float:
         delta = _resolve_delta(ledger, delta)
-        if ledger.steps == 0:
+        if not _releases_anything(ledger):
             return 0.0
         return epsilon_from_rdp(self.rdp(ledger), delta, self.orders)
 
@@ -219,7 +228,7 @@ class MomentsAccountant:
 
     def epsilon(self, ledger: PrivacyLedger, delta: float | None = None) -> float:
         delta = _resolve_delta(ledger, delta)
-        if ledger.steps == 0:
+        if not _releases_anything(ledger):
             return 0.0
         return epsilon_from_rdp_moments(ledger_rdp(ledger.entries, self.orders, self.grid_ratio), delta, self.orders)
 
@@ -253,9 +262,9 @@ class PRVAccountant:
 
     def epsilon(self, ledger: PrivacyLedger, delta: float | None = None) -> float:
         delta = _resolve_delta(ledger, delta)
-        if ledger.steps == 0:
-            return 0.0
         gaussians, others = _group_gaussians(ledger.entries, self.grid_ratio)
+        if not gaussians and not others:
+            return 0.0
         if not others:
             return self._gaussian_epsilon(gaussians, delta)
         rest = epsilon_from_rdp(_rdp_of_others(others, DEFAULT_ORDERS), delta / 2, DEFAULT_ORDERS)

@@ -80,6 +80,9 @@ def calibrate_noise_multiplier(
     """
     _check_common("calibrate_noise_multiplier", target_epsilon, delta, sample_rate)
     check_count("calibrate_noise_multiplier", "steps", steps, "steps must be >= 1.", minimum=1)
+    check_in_interval(
+        "calibrate_noise_multiplier", "rel_tol", rel_tol, 0.0, 0.5, low_closed=False, high_closed=False, hint="1e-3."
+    )
 
     def eps(z: float) -> float:
         return epsilon_for(sample_rate, ConstantNoise(z), steps, delta, accountant)
@@ -126,11 +129,12 @@ def calibrate_steps(
     accountant: AccountantName = "rdp",
     max_steps: int = 10_000_000,
 ) -> int:
-    """The largest number of steps whose ε is ≤ ``target_epsilon`` (0 if even one step exceeds it).
+    """A number of steps whose ε is ≤ ``target_epsilon``: exactly the largest for constant noise.
 
-    For the RDP and moments accountants a schedule is evaluated in one vectorized pass over the
-    cumulative RDP of every step, with multipliers rounded *down* onto a 0.5 % geometric grid — more
-    conservative than the accountant itself, so the answer is safe.
+    For a decaying schedule under the RDP and moments accountants, the schedule is evaluated in one
+    vectorized pass over the cumulative RDP of every step, with multipliers rounded *down* onto a
+    0.5 % geometric grid. The answer is safe (its ε never exceeds the target) but can fall short of
+    the exact maximum by up to about 1 % of the steps (measured: 200 vs 201, 906 vs 912).
 
     Example:
         >>> calibrate_steps(7.33, 1e-5, 0.04, ConstantNoise(1.5))

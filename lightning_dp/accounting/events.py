@@ -234,6 +234,10 @@ def event_from_dict(data: Any) -> PrivacyEvent:
             return SelfComposedEvent(event_from_dict(data["event"]), data["count"])
         if kind == "composed":
             return ComposedEvent(tuple(event_from_dict(e) for e in data["events"]))
+    except TypeError as err:
+        raise PrivacyConfigError(
+            f"`event_from_dict(data={data!r})`: malformed event of type {kind!r}: {err}. HINT: pass event.to_dict()."
+        ) from None
     except KeyError as err:
         raise PrivacyConfigError(
             f"`event_from_dict(data={data!r})`: missing key {err} for event type {kind!r}. HINT: pass event.to_dict()."

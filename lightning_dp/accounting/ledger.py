@@ -117,7 +117,7 @@ class PrivacyLedger:
                 check_count("PrivacyLedger.load_state_dict", "counts[i]", c, "counts are step counts.", minimum=1)
                 for c in state["counts"]
             ]
-        except PrivacyConfigError as err:
+        except (PrivacyConfigError, TypeError, ValueError, AttributeError) as err:
             raise PrivacyStateError(f"PrivacyLedger state is invalid: {err}") from err
         if len(events) != len(counts):
             raise PrivacyStateError(
