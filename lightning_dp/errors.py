@@ -17,6 +17,7 @@ __all__ = [
     "UnsupportedEventError",
     "check_finite_positive",
     "check_in_interval",
+    "check_sample_rate",
 ]
 
 
@@ -74,6 +75,20 @@ def check_in_interval(
             f"`{owner}({name}={_fmt(value)})`: {name} must be a number in {interval}, found {_fmt(value)}. HINT: {hint}"
         )
     return float(value)
+
+
+def check_sample_rate(owner: str, value: Any, name: str = "sample_rate") -> float:
+    """Returns a Poisson sampling rate in (0, 1] as a float, else raises `PrivacyConfigError`."""
+    return check_in_interval(
+        owner,
+        name,
+        value,
+        0.0,
+        1.0,
+        low_closed=False,
+        high_closed=True,
+        hint="the rate is the expected batch size divided by the number of units (patients or samples), e.g. 0.1.",
+    )
 
 
 def check_count(owner: str, name: str, value: Any, hint: str, *, minimum: int = 0) -> int:

@@ -15,7 +15,13 @@ from lightning_dp.accounting.accountants import AccountantName, get_accountant, 
 from lightning_dp.accounting.events import GaussianEvent, PoissonSampledEvent
 from lightning_dp.accounting.ledger import PrivacyLedger
 from lightning_dp.accounting.rdp import DEFAULT_ORDERS, MOMENTS_ORDERS, rdp_subsampled_gaussian
-from lightning_dp.errors import PrivacyConfigError, check_count, check_finite_positive, check_in_interval
+from lightning_dp.errors import (
+    PrivacyConfigError,
+    check_count,
+    check_finite_positive,
+    check_in_interval,
+    check_sample_rate,
+)
 from lightning_dp.schedules import ConstantNoise, ExponentialDecay, NoiseSchedule
 
 __all__ = ["calibrate_noise_multiplier", "calibrate_steps", "epsilon_for"]
@@ -27,16 +33,7 @@ _CALIBRATION_GRID = 5e-3
 def _check_common(owner: str, target_epsilon: float, delta: float, sample_rate: float) -> None:
     check_finite_positive(owner, "target_epsilon", target_epsilon, "a target such as 8.0.")
     check_in_interval(owner, "delta", delta, 0.0, 1.0, low_closed=False, high_closed=False, hint="e.g. 1e-5.")
-    check_in_interval(
-        owner,
-        "sample_rate",
-        sample_rate,
-        0.0,
-        1.0,
-        low_closed=False,
-        high_closed=True,
-        hint="the rate is the expected batch size divided by the number of units.",
-    )
+    check_sample_rate(owner, sample_rate)
 
 
 def epsilon_for(

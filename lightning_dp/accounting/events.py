@@ -12,7 +12,12 @@ import math
 from dataclasses import dataclass
 from typing import Any, Union
 
-from lightning_dp.errors import PrivacyConfigError, check_count, check_finite_positive, check_in_interval
+from lightning_dp.errors import (
+    PrivacyConfigError,
+    check_count,
+    check_finite_positive,
+    check_sample_rate,
+)
 
 __all__ = [
     "ComposedEvent",
@@ -66,16 +71,7 @@ class PoissonSampledEvent:
     event: GaussianEvent
 
     def __post_init__(self) -> None:
-        rate = check_in_interval(
-            "PoissonSampledEvent",
-            "sample_rate",
-            self.sample_rate,
-            0.0,
-            1.0,
-            low_closed=False,
-            high_closed=True,
-            hint="the rate is the expected batch size divided by the number of units (samples or patients).",
-        )
+        rate = check_sample_rate("PoissonSampledEvent", self.sample_rate)
         object.__setattr__(self, "sample_rate", rate)
         if not isinstance(self.event, GaussianEvent):
             raise PrivacyConfigError(
@@ -107,16 +103,7 @@ class ExponentialMechanismEvent:
         eps = check_finite_positive(
             "ExponentialMechanismEvent", "epsilon", self.epsilon, "P3SGD's selection uses epsilon = sqrt(0.1) ≈ 0.316."
         )
-        rate = check_in_interval(
-            "ExponentialMechanismEvent",
-            "sample_rate",
-            self.sample_rate,
-            0.0,
-            1.0,
-            low_closed=False,
-            high_closed=True,
-            hint="use 1.0 when the selection sees the whole data set.",
-        )
+        rate = check_sample_rate("ExponentialMechanismEvent", self.sample_rate)
         object.__setattr__(self, "epsilon", eps)
         object.__setattr__(self, "sample_rate", rate)
 

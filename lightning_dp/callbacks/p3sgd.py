@@ -41,6 +41,7 @@ from lightning_dp.errors import (
     check_count,
     check_finite_positive,
     check_in_interval,
+    check_sample_rate,
 )
 from lightning_dp.sampling.patients import PoissonPatientSampler, secure_seed
 from lightning_dp.sanitization import ModelState, NoisyRelease, Selection, clip_update
@@ -120,16 +121,7 @@ class P3SGD(pl.Callback):
         name: str | None = None,
     ) -> None:
         owner = "P3SGD"
-        self.sample_rate = check_in_interval(
-            owner,
-            "sample_rate",
-            sample_rate,
-            0.0,
-            1.0,
-            low_closed=False,
-            high_closed=True,
-            hint="the expected patients per round divided by the number of training patients, e.g. 0.1.",
-        )
+        self.sample_rate = check_sample_rate(owner, sample_rate)
         self.clip_norm = check_finite_positive(owner, "clip_norm", clip_norm, "the paper uses 5.0.")
         scales = tuple(noise_scales) if isinstance(noise_scales, (list, tuple)) else ()
         if not scales:

@@ -127,6 +127,4 @@ class ImageClassifier(pl.LightningModule):
         hp = self.hparams
         if hp["optimizer"] == "adam":
             return torch.optim.Adam(self.parameters(), lr=hp["lr"], weight_decay=hp["weight_decay"])
-        return torch.optim.SGD(
-            self.parameters(), lr=hp["lr"], momentum=hp["momentum"], weight_decay=hp["weight_decay"]
-        )
+        return torch.optim.SGD(self.parameters(), lr=hp["lr"], momentum=hp["momentum"], weight_decay=hp["weight_decay"])

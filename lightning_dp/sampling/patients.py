@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from lightning_dp.errors import PrivacyStateError, check_count, check_in_interval
+from lightning_dp.errors import PrivacyStateError, check_count, check_sample_rate
 
 __all__ = ["PoissonPatientSampler", "secure_seed"]
 
@@ -42,16 +42,7 @@ class PoissonPatientSampler:
         self.num_patients = check_count(
             "PoissonPatientSampler", "num_patients", num_patients, "the training set has no patients.", minimum=1
         )
-        self.sample_rate = check_in_interval(
-            "PoissonPatientSampler",
-            "sample_rate",
-            sample_rate,
-            0.0,
-            1.0,
-            low_closed=False,
-            high_closed=True,
-            hint="the expected number of patients per round divided by the number of patients.",
-        )
+        self.sample_rate = check_sample_rate("PoissonPatientSampler", sample_rate)
         self.generator = torch.Generator().manual_seed(secure_seed() if seed is None else seed)
 
     @property
