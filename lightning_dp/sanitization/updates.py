@@ -78,7 +78,7 @@ class ClipResult:
 def clip_update(update: Tensor, clip_norm: float) -> ClipResult:
     """Scales ``update`` to L2 norm at most ``clip_norm``; a non-finite update becomes zero.
 
-    The computation is in fp32 (or wider) whatever the model's precision.
+    The update is fp32 (or wider) whatever the model's precision; its norm is computed in float64.
 
     Example:
         >>> r = clip_update(torch.tensor([3.0, 4.0]), clip_norm=1.0)
@@ -88,7 +88,8 @@ def clip_update(update: Tensor, clip_norm: float) -> ClipResult:
         [0.0, 0.0]
     """
     update = update.float() if update.dtype in (torch.float16, torch.bfloat16) else update
-    norm = torch.linalg.vector_norm(update)
+    # In float64: the norm of a finite fp32 vector can overflow fp32 (e.g. an entry of 2e19).
+    norm = torch.linalg.vector_norm(update, dtype=torch.float64)
     if not torch.isfinite(norm):
         return ClipResult(torch.zeros_like(update), float("inf"), True, False)
     value = float(norm)
