@@ -127,6 +127,10 @@ def main() -> None:
         gap = r["train"] - r["test"]
         print(f"{r['method']:<22} {r['train']:8.2f} {r['test']:8.2f} {gap:6.2f} {rounds:>7} {eps:>18}")
     print(f"({time.time() - start:.0f} s)")
+    print(
+        "Note: training accuracy is measured on the private training images and is NOT differentially private; "
+        "it is shown, as in the paper's Table 1, to compare generalization. Do not publish it from a private run."
+    )
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "results.json").write_text(json.dumps(rows, indent=2, default=str))
 
