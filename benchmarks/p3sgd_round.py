@@ -10,6 +10,7 @@ Run: .venv/bin/python benchmarks/p3sgd_round.py [--arch small_cnn|resnet18] [--r
 from __future__ import annotations
 
 import argparse
+import tempfile
 import time
 from typing import Any
 
@@ -77,6 +78,7 @@ def main() -> None:
         enable_progress_bar=False,
         enable_model_summary=False,
         enable_checkpointing=False,
+        default_root_dir=tempfile.mkdtemp(prefix="p3sgd_bench_"),
     )
     trainer.fit(model, _Data(dataset))
     p3sgd = float(np.mean(timer.times[1:]))  # the first round warms up
