@@ -9,12 +9,16 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numpy.typing import NDArray
 
 from lightning_dp.accounting.accountants import AccountantName, get_accountant, round_down_geometric
 from lightning_dp.accounting.events import GaussianEvent, PoissonSampledEvent
 from lightning_dp.accounting.ledger import PrivacyLedger
-from lightning_dp.accounting.rdp import DEFAULT_ORDERS, MOMENTS_ORDERS, rdp_subsampled_gaussian
+from lightning_dp.accounting.rdp import (
+    DEFAULT_ORDERS,
+    MOMENTS_ORDERS,
+    epsilons_from_rdp_rows,
+    rdp_subsampled_gaussian,
+)
 from lightning_dp.errors import (
     PrivacyConfigError,
     check_count,
@@ -106,18 +110,6 @@ def calibrate_noise_multiplier(
     return high
 
 
-def _epsilon_rows(
-    rdp_rows: NDArray[np.float64], delta: float, orders: NDArray[np.float64], moments: bool
-) -> NDArray[np.float64]:
-    with np.errstate(invalid="ignore"):
-        if moments:
-            eps = rdp_rows + math.log(1.0 / delta) / (orders - 1.0)
-        else:
-            eps = rdp_rows - (math.log(delta) + np.log(orders)) / (orders - 1.0) + np.log((orders - 1.0) / orders)
-    eps = np.where(np.isnan(eps), np.inf, eps)
-    return np.maximum(eps.min(axis=1), 0.0)
-
-
 def calibrate_steps(
     target_epsilon: float,
     delta: float,
@@ -154,7 +146,7 @@ def calibrate_steps(
         unique, index = np.unique(z, return_inverse=True)
         curves = rdp_subsampled_gaussian(np.full(unique.shape, sample_rate), unique, orders)
         cumulative = total + np.cumsum(curves[index], axis=0)
-        eps = _epsilon_rows(cumulative, delta, orders, moments)
+        eps = epsilons_from_rdp_rows(cumulative, delta, orders, moments)
         over = np.nonzero(eps > target_epsilon)[0]
         if over.size:
             return done + int(over[0])

@@ -20,6 +20,7 @@ __all__ = [
     "MOMENTS_ORDERS",
     "epsilon_from_rdp",
     "epsilon_from_rdp_moments",
+    "epsilons_from_rdp_rows",
     "rdp_pure_dp",
     "rdp_subsampled_gaussian",
 ]
@@ -152,24 +153,31 @@ def rdp_pure_dp(epsilon: float, orders: NDArray[np.float64] = DEFAULT_ORDERS) ->
     return np.minimum(np.maximum(rdp, 0.0), np.minimum(epsilon, orders * epsilon**2 / 2.0))
 
 
-def epsilon_from_rdp(rdp: NDArray[np.float64], delta: float, orders: NDArray[np.float64] = DEFAULT_ORDERS) -> float:
-    """(ε, δ) from an RDP curve by the conversion of Balle et al. (2020), minimized over orders.
+def epsilons_from_rdp_rows(
+    rdp: NDArray[np.float64], delta: float, orders: NDArray[np.float64], moments: bool = False
+) -> NDArray[np.float64]:
+    """ε for each row of RDP curves (shape ``(..., len(orders))``), minimized over orders.
 
-    This is the conversion Opacus' ``get_privacy_spent`` uses.
+    ``moments=False``: the conversion of Balle et al. (2020), as Opacus' ``get_privacy_spent``.
+    ``moments=True``: the moments accountant's tail bound ε = min_λ (M(λ) + log 1/δ) / λ, M(λ) = λ·RDP(λ + 1).
     """
     orders = np.asarray(orders, dtype=np.float64)
     with np.errstate(invalid="ignore"):
-        eps = rdp - (math.log(delta) + np.log(orders)) / (orders - 1.0) + np.log((orders - 1.0) / orders)
+        if moments:
+            eps = rdp + math.log(1.0 / delta) / (orders - 1.0)
+        else:
+            eps = rdp - (math.log(delta) + np.log(orders)) / (orders - 1.0) + np.log((orders - 1.0) / orders)
     eps = np.where(np.isnan(eps), np.inf, eps)
-    return float(max(np.min(eps), 0.0))
+    return np.maximum(eps.min(axis=-1), 0.0)
+
+
+def epsilon_from_rdp(rdp: NDArray[np.float64], delta: float, orders: NDArray[np.float64] = DEFAULT_ORDERS) -> float:
+    """(ε, δ) from one RDP curve by the conversion of Balle et al. (2020), minimized over orders."""
+    return float(epsilons_from_rdp_rows(rdp, delta, orders))
 
 
 def epsilon_from_rdp_moments(
     rdp: NDArray[np.float64], delta: float, orders: NDArray[np.float64] = MOMENTS_ORDERS
 ) -> float:
     """The moments accountant's classic tail bound ε = min_λ (M(λ) + log 1/δ) / λ, with M(λ) = λ·RDP(λ + 1)."""
-    orders = np.asarray(orders, dtype=np.float64)
-    with np.errstate(invalid="ignore"):
-        eps = rdp + math.log(1.0 / delta) / (orders - 1.0)
-    eps = np.where(np.isnan(eps), np.inf, eps)
-    return float(max(np.min(eps), 0.0))
+    return float(epsilons_from_rdp_rows(rdp, delta, orders, moments=True))
