@@ -188,7 +188,6 @@ class P3SGD(pl.Callback):
         self._original_training_step: Callable[..., Any] | None = None
         self._original_train_dataloader: Callable[..., Any] | None = None
         self._accountant = RDPAccountant()
-        self._resumed_state_seen = False
 
     def __repr__(self) -> str:
         return (
@@ -502,9 +501,19 @@ class P3SGD(pl.Callback):
                 "HINT: resume with the same delta."
             )
         sampler_state, release_state = state_dict["sampler"], state_dict["release"]
-        # Validate everything before assigning anything.
-        probe_sampler = PoissonPatientSampler(self.sampler.num_patients, self.sampler.sample_rate, seed=0)
-        probe_sampler.load_state_dict(sampler_state)
+        # Validate everything on throw-away copies before assigning anything.
+        PoissonPatientSampler(self.sampler.num_patients, self.sampler.sample_rate, seed=0).load_state_dict(
+            sampler_state
+        )
+        NoisyRelease(
+            PrivacyLedger("patient", self.ledger.delta),
+            self.noise_scales,
+            self.clip_norm,
+            self.sample_rate,
+            selection=self.selection,
+            accounting=self.accounting,
+            seed=0,
+        ).load_state_dict(release_state)
         self.sampler.load_state_dict(sampler_state)
         self.release.load_state_dict(release_state)
         self.ledger.load_state_dict(state_dict["ledger"])

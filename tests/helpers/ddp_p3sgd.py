@@ -79,7 +79,6 @@ def main() -> None:
             {
                 "params": _params(model),
                 "deltas": torch.stack(recorder.deltas),
-                "noise_multipliers": [],
                 "epsilon": RDPAccountant().epsilon(cb.ledger),
                 "rounds": cb.rounds,
                 "selection_counts": cb.selection_counts,
