@@ -443,10 +443,12 @@ class P3SGD(pl.Callback):
             "selection_counts": self.selection_counts,
             "clip_norm": self.clip_norm,
             "sample_rate": self.sample_rate,
-            "nonfinite_updates": self.nonfinite_updates,
             "stopped_by_budget": self._stopped_by_budget,
             "private_diagnostics_logged": self.log_private_diagnostics,
         }
+        if self.log_private_diagnostics:
+            # A count over private patients, not sanitized: only reported when the user opted in.
+            extra["private_nonfinite_updates"] = self.nonfinite_updates
         if self._budget is not None and self._budget.stop_reason:
             extra["stop_reason"] = self._budget.stop_reason
         log_dir = trainer.log_dir or trainer.default_root_dir  # a collective call: every rank must make it

@@ -56,6 +56,7 @@ def test_each_round_is_one_step_and_one_ledger_entry(tmp_path: Path) -> None:
     assert cb.ledger.delta == pytest.approx(1 / 20**1.1), "default δ is 1/N^1.1 for N = 20 training patients"
     report = (tmp_path / "lightning_logs" / "version_0" / "privacy_report.json").read_text()
     assert '"unit": "patient"' in report
+    assert "nonfinite" not in report, "a count over private patients must not be reported unless opted in"
 
 
 def test_training_metrics_of_the_module_are_not_logged(tmp_path: Path) -> None:
