@@ -20,9 +20,7 @@ from private data and are dropped; only sanitized quantities are logged.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
 from typing import Any, Literal
 
 import pytorch_lightning as pl
@@ -31,9 +29,8 @@ from pytorch_lightning.utilities import rank_zero_warn
 from torch import Tensor
 from torch.utils.data import DataLoader, IterableDataset, default_collate
 
-from lightning_dp.accounting import PrivacyLedger, RDPAccountant
-from lightning_dp.callbacks.budget import PrivacyBudget
-from lightning_dp.callbacks.privacy_report import write_privacy_report
+from lightning_dp.accounting import PrivacyLedger
+from lightning_dp.callbacks.base import DPCallback
 from lightning_dp.errors import (
     PrivacyConfigError,
     PrivacyStateError,
@@ -43,12 +40,10 @@ from lightning_dp.errors import (
     check_in_interval,
     check_sample_rate,
 )
-from lightning_dp.sampling.patients import PoissonPatientSampler, secure_seed
+from lightning_dp.sampling.patients import PoissonPatientSampler
 from lightning_dp.sanitization import ModelState, NoisyRelease, Selection, clip_update
 
 __all__ = ["P3SGD"]
-
-FORMAT_VERSION = 1
 
 
 class _RoundTicks(IterableDataset):
@@ -64,7 +59,7 @@ class _RoundTicks(IterableDataset):
         return self.rounds
 
 
-class P3SGD(pl.Callback):
+class P3SGD(DPCallback):
     """Patient-level DP training by P3SGD as a Lightning callback.
 
     The guarantee is (ε, δ)-DP for **add/remove all images of one patient**. By default every
@@ -99,6 +94,9 @@ class P3SGD(pl.Callback):
         >>> P3SGD(sample_rate=0.1, clip_norm=5.0, noise_scales=(3.0, 1.0), selection_epsilon=0.316, loss_bound=3.0)
         P3SGD(sample_rate=0.1, clip_norm=5.0, noise_scales=(1.0, 3.0), accounting='rigorous')
     """
+
+    mechanism = "P3SGD"
+    unit = "patient"
 
     def __init__(
         self,
@@ -159,35 +157,19 @@ class P3SGD(pl.Callback):
             if rounds_per_epoch is None
             else check_count(owner, "rounds_per_epoch", rounds_per_epoch, "e.g. 10.", minimum=1)
         )
-        self.delta = (
-            None
-            if delta is None
-            else check_in_interval(owner, "delta", delta, 0.0, 1.0, low_closed=False, high_closed=False, hint="1e-5.")
-        )
         if accounting not in ("rigorous", "paper"):
             raise PrivacyConfigError(
                 f"`P3SGD(accounting={accounting!r})`: accounting must be 'rigorous' or 'paper', found {accounting!r}. "
                 "HINT: 'rigorous' is the guarantee; 'paper' only reproduces the paper's Table 2."
             )
         self.accounting: Literal["rigorous", "paper"] = accounting
-        self.seed = seed
-        self.log_private_diagnostics = log_private_diagnostics
-        self.name = name
-
-        self.ledger: PrivacyLedger | None = None
+        super().__init__(delta, seed, log_private_diagnostics, name)
         self.sampler: PoissonPatientSampler | None = None
-        self.release: NoisyRelease | None = None
         self.rounds = 0
         self.selection_counts = [0] * len(self.noise_scales)
         self.nonfinite_updates = 0
-        self.report: dict[str, Any] | None = None
-        self._budget: PrivacyBudget | None = None
-        self._stopped_by_budget = False
         self._dataset: Any = None
         self._state: ModelState | None = None
-        self._original_training_step: Callable[..., Any] | None = None
-        self._original_train_dataloader: Callable[..., Any] | None = None
-        self._accountant = RDPAccountant()
 
     def __repr__(self) -> str:
         return (
@@ -195,70 +177,34 @@ class P3SGD(pl.Callback):
             f"accounting={self.accounting!r})"
         )
 
-    @property
-    def state_key(self) -> str:
-        return f"P3SGD[{self.name}]" if self.name else "P3SGD"
-
-    def attach_budget(self, budget: PrivacyBudget) -> None:
-        self._budget = budget
-
     # ------------------------------------------------------------------ setup
-    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if stage != "fit":
-            return
-        dataset = self._find_patient_dataset(trainer)
-        num_patients = int(dataset.num_patients)
-        for budget in (cb for cb in trainer.callbacks if isinstance(cb, PrivacyBudget)):  # type: ignore[attr-defined]
-            if self._budget is None:
-                self.attach_budget(budget)
-        delta = self.delta
-        if self._budget is not None and self._budget.delta is not None:
-            if delta is not None and not math.isclose(delta, self._budget.delta):
-                raise PrivacyConfigError(
-                    f"`P3SGD(delta={delta})` and `PrivacyBudget(delta={self._budget.delta})` disagree. "
-                    "HINT: set δ in one place."
-                )
-            delta = self._budget.delta
-        if delta is None:
-            delta = 1.0 / num_patients**1.1
-        seeds = [secure_seed(), secure_seed()] if self.seed is None else [self.seed, self.seed + 1]
-        seeds = trainer.strategy.broadcast(seeds, src=0)  # every rank samples and noises identically
-        self.ledger = PrivacyLedger("patient", delta)
-        self.sampler = PoissonPatientSampler(num_patients, self.sample_rate, seed=seeds[0])
-        self.release = NoisyRelease(
-            self.ledger,
+    def _prepare(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> int:
+        self._dataset = self._find_patient_dataset(trainer)
+        return int(self._dataset.num_patients)
+
+    def _new_release(self, ledger: PrivacyLedger, seed: int) -> NoisyRelease:
+        return NoisyRelease(
+            ledger,
             self.noise_scales,
             self.clip_norm,
             self.sample_rate,
             selection=self.selection,
             accounting=self.accounting,
-            seed=seeds[1],
+            seed=seed,
         )
-        self._dataset = dataset
+
+    def _build(self, trainer: pl.Trainer, pl_module: pl.LightningModule, seeds: list[int]) -> DataLoader[Any]:
+        assert self.ledger is not None
+        self.sampler = PoissonPatientSampler(int(self._dataset.num_patients), self.sample_rate, seed=seeds[0])
+        self.release = self._new_release(self.ledger, seeds[1])
         self._state = ModelState(pl_module)
-        rounds = self.rounds_per_epoch or max(1, round(1 / self.sample_rate))
-        ticks = DataLoader(_RoundTicks(rounds), batch_size=None)
-        datamodule = trainer.datamodule  # type: ignore[attr-defined]
-        self._original_train_dataloader = datamodule.train_dataloader
-        datamodule.train_dataloader = lambda: ticks
-        pl_module.automatic_optimization = False
-        self._original_training_step = pl_module.training_step
-        pl_module.training_step = self._make_round(trainer, pl_module)  # type: ignore[method-assign]
         if self.accounting == "paper":
             rank_zero_warn(
                 "P3SGD(accounting='paper') reproduces the paper's ε, which is NOT a differential-privacy guarantee.",
                 category=PrivacyWarning,
             )
-
-    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if stage != "fit":
-            return
-        if self._original_training_step is not None:
-            del pl_module.training_step  # the instance attribute; the class method shows through again
-            self._original_training_step = None
-        if self._original_train_dataloader is not None:
-            del trainer.datamodule.train_dataloader  # type: ignore[attr-defined]
-            self._original_train_dataloader = None
+        rounds = self.rounds_per_epoch or max(1, round(1 / self.sample_rate))
+        return DataLoader(_RoundTicks(rounds), batch_size=None)
 
     def _find_patient_dataset(self, trainer: pl.Trainer) -> Any:
         datamodule = getattr(trainer, "datamodule", None)
@@ -280,13 +226,7 @@ class P3SGD(pl.Callback):
         return dataset
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        loader = trainer.train_dataloader
-        loaders = loader if isinstance(loader, (list, tuple)) else [loader]
-        if not any(isinstance(getattr(dl, "dataset", None), _RoundTicks) for dl in loaders):
-            raise PrivacyConfigError(
-                "`P3SGD`: the training dataloader in use is not P3SGD's round loader, so rounds would not be "
-                "Poisson-sampled patients. HINT: do not pass train_dataloaders to trainer.fit; pass a datamodule."
-            )
+        super().on_train_start(trainer, pl_module)
         self._check_training_step_returns_loss(pl_module)
 
     @torch.no_grad()
@@ -305,16 +245,6 @@ class P3SGD(pl.Callback):
             )
 
     # ------------------------------------------------------------------ the round
-    @contextmanager
-    def _quiet(self, pl_module: pl.LightningModule) -> Iterator[None]:
-        """Drops what the module logs while it trains on one patient's data (unsanitized)."""
-        pl_module.log = lambda *a, **k: None  # type: ignore[method-assign]
-        pl_module.log_dict = lambda *a, **k: None  # type: ignore[method-assign]
-        try:
-            yield
-        finally:
-            del pl_module.log, pl_module.log_dict
-
     def _batch(self, indices: Sequence[int] | Tensor, pl_module: pl.LightningModule) -> Any:
         items = [self._dataset[int(i)] for i in indices]
         batch = default_collate(items)
@@ -362,18 +292,10 @@ class P3SGD(pl.Callback):
         total = trainer.strategy.reduce(total, reduce_op="sum")
         return float(total[0] / total[1]) if total[1] > 0 else 0.0
 
-    def _make_round(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Callable[..., None]:
-        def round_step(batch: Any, batch_idx: int, *args: Any, **kwargs: Any) -> None:
-            self._run_round(trainer, pl_module)
-
-        return round_step
-
-    def _run_round(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def _private_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> None:
         assert self.ledger is not None and self.sampler is not None and self.release is not None
         assert self._state is not None
-        if self._budget is not None and not self._budget.allows(self.ledger, self.release.worst_case_event()):
-            self._stopped_by_budget = True
-            trainer.should_stop = True
+        if not self._budget_allows(trainer, self.release.worst_case_event()):
             return
         state = self._state
         patients = self.sampler.sample().tolist()
@@ -408,8 +330,7 @@ class P3SGD(pl.Callback):
         self.selection_counts[self.noise_scales.index(released.noise_multiplier)] += 1
         self.nonfinite_updates += int(stats[3])
         # Advances Lightning's step counter; no gradients are set, so the module's optimizer changes nothing.
-        optimizers = pl_module.optimizers()
-        for optimizer in optimizers if isinstance(optimizers, list) else [optimizers]:
+        for optimizer in self._optimizers(pl_module):
             optimizer.zero_grad(set_to_none=True)
             optimizer.step()
         metrics = {
@@ -429,96 +350,53 @@ class P3SGD(pl.Callback):
                     "private_diagnostics/nonfinite_updates": stats[3].item(),
                 }
             )
-        pl_module.log_dict(metrics, on_step=True, on_epoch=False, prog_bar=False, sync_dist=False, rank_zero_only=True)
-        pl_module.log("privacy/eps", metrics["privacy/epsilon"], prog_bar=True, on_step=True, rank_zero_only=True)
+        self._log(pl_module, metrics)
 
-    # ------------------------------------------------------------------ end of run
-    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self.ledger is None:
-            return
+    # ------------------------------------------------------------------ report and checkpoints
+    def _accounting_mode(self) -> str:
+        return self.accounting
+
+    def _report_extra(self) -> dict[str, Any]:
         extra: dict[str, Any] = {
-            "mechanism": "P3SGD",
             "rounds": self.rounds,
             "noise_scales": list(self.noise_scales),
             "selection_counts": self.selection_counts,
             "clip_norm": self.clip_norm,
             "sample_rate": self.sample_rate,
-            "stopped_by_budget": self._stopped_by_budget,
-            "private_diagnostics_logged": self.log_private_diagnostics,
         }
         if self.log_private_diagnostics:
             # A count over private patients, not sanitized: only reported when the user opted in.
             extra["private_nonfinite_updates"] = self.nonfinite_updates
-        if self._budget is not None and self._budget.stop_reason:
-            extra["stop_reason"] = self._budget.stop_reason
-        log_dir = trainer.log_dir or trainer.default_root_dir  # a collective call: every rank must make it
-        if trainer.is_global_zero:
-            self.report = write_privacy_report(self.ledger, log_dir, self.accounting, extra)
+        return extra
 
-    # ------------------------------------------------------------------ checkpoints
-    def state_dict(self) -> dict[str, Any]:
-        if self.ledger is None or self.sampler is None or self.release is None:
-            return {}
+    def _extra_state(self) -> dict[str, Any]:
+        assert self.sampler is not None
         return {
-            "format_version": FORMAT_VERSION,
             "rounds": self.rounds,
-            "ledger": self.ledger.state_dict(),
             "sampler": self.sampler.state_dict(),
-            "release": self.release.state_dict(),
             "selection_counts": list(self.selection_counts),
             "nonfinite_updates": self.nonfinite_updates,
             "noise_scales": list(self.noise_scales),
             "accounting": self.accounting,
         }
 
-    def on_load_checkpoint(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
-    ) -> None:
-        if not checkpoint.get("callbacks", {}).get(self.state_key):
+    def _load_extra_state(self, state: dict[str, Any]) -> Callable[[], None]:
+        assert self.sampler is not None
+        if tuple(state["noise_scales"]) != self.noise_scales or state["accounting"] != self.accounting:
             raise PrivacyStateError(
-                f"`{self.state_key}`: the checkpoint has no P3SGD privacy state (ledger, sampler and noise states), "
-                "so resuming would restart the privacy accounting from zero. HINT: resume from a checkpoint written "
-                "by a run that used P3SGD with the same `name`, or start a new run without ckpt_path."
-            )
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        if self.ledger is None or self.sampler is None or self.release is None:
-            raise PrivacyStateError("`P3SGD`: privacy state can only be restored after setup (inside trainer.fit).")
-        if state_dict.get("format_version") != FORMAT_VERSION:
-            raise PrivacyStateError(
-                f"`{self.state_key}`: checkpoint state has format_version {state_dict.get('format_version')!r}, "
-                f"expected {FORMAT_VERSION}. HINT: resume with the lightning-dp version that wrote it."
-            )
-        if tuple(state_dict["noise_scales"]) != self.noise_scales or state_dict["accounting"] != self.accounting:
-            raise PrivacyStateError(
-                f"`{self.state_key}`: the checkpoint was written with noise_scales={tuple(state_dict['noise_scales'])} "
-                f"and accounting={state_dict['accounting']!r}; this run has {self.noise_scales} and "
+                f"`{self.state_key}`: the checkpoint was written with noise_scales={tuple(state['noise_scales'])} "
+                f"and accounting={state['accounting']!r}; this run has {self.noise_scales} and "
                 f"{self.accounting!r}. HINT: resume with the same privacy settings."
             )
-        ledger = PrivacyLedger("patient", self.ledger.delta)
-        ledger.load_state_dict(state_dict["ledger"])
-        if not math.isclose(ledger.delta, self.ledger.delta):
-            raise PrivacyStateError(
-                f"`{self.state_key}`: the checkpoint's δ is {ledger.delta:.3g}, this run's is {self.ledger.delta:.3g}. "
-                "HINT: resume with the same delta."
-            )
-        sampler_state, release_state = state_dict["sampler"], state_dict["release"]
-        # Validate everything on throw-away copies before assigning anything.
         PoissonPatientSampler(self.sampler.num_patients, self.sampler.sample_rate, seed=0).load_state_dict(
-            sampler_state
+            state["sampler"]
         )
-        NoisyRelease(
-            PrivacyLedger("patient", self.ledger.delta),
-            self.noise_scales,
-            self.clip_norm,
-            self.sample_rate,
-            selection=self.selection,
-            accounting=self.accounting,
-            seed=0,
-        ).load_state_dict(release_state)
-        self.sampler.load_state_dict(sampler_state)
-        self.release.load_state_dict(release_state)
-        self.ledger.load_state_dict(state_dict["ledger"])
-        self.rounds = int(state_dict["rounds"])
-        self.selection_counts = list(state_dict["selection_counts"])
-        self.nonfinite_updates = int(state_dict["nonfinite_updates"])
+        sampler = self.sampler
+
+        def assign() -> None:
+            sampler.load_state_dict(state["sampler"])
+            self.rounds = int(state["rounds"])
+            self.selection_counts = list(state["selection_counts"])
+            self.nonfinite_updates = int(state["nonfinite_updates"])
+
+        return assign

@@ -1,0 +1,248 @@
+"""What every DP training callback shares: the step take-over, ledger, budget, report and saved state.
+
+A DP callback turns one Lightning optimizer step into one private step, using public hooks only:
+in ``setup`` it switches the module to manual optimization, routes the module's ``training_step``
+through the private step, and makes the training dataloader (of the datamodule or of the module)
+yield the callback's own batches. ``on_train_start`` verifies that the loader in use really is
+that one (Lightning would otherwise train on its own sampling, which the accountant does not
+describe). Metrics the module logs while the callback computes on private data are dropped.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, ClassVar
+
+import pytorch_lightning as pl
+from torch.utils.data import DataLoader
+
+from lightning_dp.accounting import PrivacyEvent, PrivacyLedger, PrivacyUnit, RDPAccountant
+from lightning_dp.callbacks.budget import PrivacyBudget
+from lightning_dp.callbacks.privacy_report import write_privacy_report
+from lightning_dp.errors import PrivacyConfigError, PrivacyStateError, check_in_interval
+from lightning_dp.sampling.patients import secure_seed
+from lightning_dp.sanitization import NoisyRelease
+
+__all__ = ["DPCallback"]
+
+
+class DPCallback(pl.Callback):
+    """Base class of the DP training callbacks (`P3SGD`, `DPSGD`); not used directly.
+
+    Subclasses set ``mechanism`` and ``unit`` and implement `_prepare`, `_build`, `_private_step`,
+    `_extra_state`/`_load_extra_state` and `_report_extra`.
+    """
+
+    mechanism: ClassVar[str]
+    unit: ClassVar[PrivacyUnit]
+    format_version: ClassVar[int] = 1
+
+    def __init__(self, delta: float | None, seed: int | None, log_private_diagnostics: bool, name: str | None) -> None:
+        self.delta = (
+            None
+            if delta is None
+            else check_in_interval(
+                self.mechanism, "delta", delta, 0.0, 1.0, low_closed=False, high_closed=False, hint="e.g. 1e-5."
+            )
+        )
+        self.seed = seed
+        self.log_private_diagnostics = log_private_diagnostics
+        self.name = name
+        self.ledger: PrivacyLedger | None = None
+        self.release: NoisyRelease | None = None
+        self.report: dict[str, Any] | None = None
+        self._budget: PrivacyBudget | None = None
+        self._stopped_by_budget = False
+        self._loader: DataLoader[Any] | None = None
+        self._patched: list[tuple[Any, str]] = []
+        self._original_training_step: Callable[..., Any] | None = None
+        self._accountant = RDPAccountant()
+
+    @property
+    def state_key(self) -> str:
+        return f"{self.mechanism}[{self.name}]" if self.name else self.mechanism
+
+    def attach_budget(self, budget: PrivacyBudget) -> None:
+        self._budget = budget
+
+    # ------------------------------------------------------------------ what subclasses provide
+    def _prepare(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> int:
+        """Finds and checks the training data; returns the number of privacy units (for the default δ)."""
+        raise NotImplementedError
+
+    def _build(self, trainer: pl.Trainer, pl_module: pl.LightningModule, seeds: list[int]) -> DataLoader[Any]:
+        """Creates the sampler, the release and whatever else the step needs; returns the training loader."""
+        raise NotImplementedError
+
+    def _private_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> None:
+        """One private step (called by Lightning in place of the module's training_step)."""
+        raise NotImplementedError
+
+    def _extra_state(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def _load_extra_state(self, state: dict[str, Any]) -> Callable[[], None]:
+        """Validates ``state`` completely and returns the function that assigns it (called after all checks)."""
+        raise NotImplementedError
+
+    def _report_extra(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def _new_release(self, ledger: PrivacyLedger, seed: int) -> NoisyRelease:
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ setup and teardown
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        others = [cb for cb in trainer.callbacks if isinstance(cb, DPCallback) and cb is not self]  # type: ignore[attr-defined]
+        if others:
+            raise PrivacyConfigError(
+                f"`{self.state_key}`: the Trainer also has {[cb.state_key for cb in others]}; one DP training callback "
+                "trains the model. HINT: keep one of them."
+            )
+        units = self._prepare(trainer, pl_module)
+        for budget in (cb for cb in trainer.callbacks if isinstance(cb, PrivacyBudget)):  # type: ignore[attr-defined]
+            if self._budget is None:
+                self.attach_budget(budget)
+        delta = self.delta
+        if self._budget is not None and self._budget.delta is not None:
+            if delta is not None and not math.isclose(delta, self._budget.delta):
+                raise PrivacyConfigError(
+                    f"`{self.mechanism}(delta={delta})` and `PrivacyBudget(delta={self._budget.delta})` disagree. "
+                    "HINT: set δ in one place."
+                )
+            delta = self._budget.delta
+        if delta is None:
+            delta = 1.0 / units**1.1
+        seeds = [secure_seed(), secure_seed()] if self.seed is None else [self.seed, self.seed + 1]
+        seeds = trainer.strategy.broadcast(seeds, src=0)  # every rank samples and noises identically
+        self.ledger = PrivacyLedger(self.unit, delta)
+        self._loader = self._build(trainer, pl_module, seeds)
+        loader = self._loader
+        owner = trainer.datamodule if getattr(trainer, "datamodule", None) is not None else pl_module  # type: ignore[attr-defined]
+        self._patch(owner, "train_dataloader", lambda: loader)
+        pl_module.automatic_optimization = False
+        self._original_training_step = pl_module.training_step
+
+        def private_step(batch: Any, batch_idx: int, *args: Any, **kwargs: Any) -> None:
+            self._private_step(trainer, pl_module, batch)
+
+        self._patch(pl_module, "training_step", private_step)
+
+    def _patch(self, owner: Any, attribute: str, value: Any) -> None:
+        setattr(owner, attribute, value)
+        self._patched.append((owner, attribute))
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        while self._patched:
+            owner, attribute = self._patched.pop()
+            delattr(owner, attribute)  # the instance attribute; the class's method shows through again
+        self._original_training_step = None
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        loader = trainer.train_dataloader
+        loaders = loader if isinstance(loader, (list, tuple)) else [loader]
+        assert self._loader is not None
+        ours = self._loader.dataset
+        if not any(getattr(dl, "dataset", None) is ours for dl in loaders):
+            raise PrivacyConfigError(
+                f"`{self.mechanism}`: the training dataloader in use is not {self.mechanism}'s Poisson-sampled loader, "
+                "so the batches would not be what the accountant assumes. HINT: do not pass train_dataloaders to "
+                "trainer.fit; pass a datamodule, or define train_dataloader() in the LightningModule."
+            )
+
+    # ------------------------------------------------------------------ helpers of the step
+    @contextmanager
+    def _quiet(self, pl_module: pl.LightningModule) -> Iterator[None]:
+        """Drops what the module logs while it computes on private data (unsanitized)."""
+        pl_module.log = lambda *a, **k: None  # type: ignore[method-assign]
+        pl_module.log_dict = lambda *a, **k: None  # type: ignore[method-assign]
+        try:
+            yield
+        finally:
+            del pl_module.log, pl_module.log_dict
+
+    def _budget_allows(self, trainer: pl.Trainer, next_event: PrivacyEvent) -> bool:
+        """False (and the trainer stops) if ``next_event`` would exceed the PrivacyBudget."""
+        assert self.ledger is not None
+        if self._budget is not None and not self._budget.allows(self.ledger, next_event):
+            self._stopped_by_budget = True
+            trainer.should_stop = True
+            return False
+        return True
+
+    def _log(self, pl_module: pl.LightningModule, metrics: dict[str, float]) -> None:
+        pl_module.log_dict(metrics, on_step=True, on_epoch=False, prog_bar=False, sync_dist=False, rank_zero_only=True)
+        pl_module.log("privacy/eps", metrics["privacy/epsilon"], prog_bar=True, on_step=True, rank_zero_only=True)
+
+    # ------------------------------------------------------------------ end of run
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.ledger is None:
+            return
+        extra = {"mechanism": self.mechanism, **self._report_extra(), "stopped_by_budget": self._stopped_by_budget}
+        extra["private_diagnostics_logged"] = self.log_private_diagnostics
+        if self._budget is not None and self._budget.stop_reason:
+            extra["stop_reason"] = self._budget.stop_reason
+        log_dir = trainer.log_dir or trainer.default_root_dir  # a collective call: every rank must make it
+        if trainer.is_global_zero:
+            self.report = write_privacy_report(self.ledger, log_dir, self._accounting_mode(), extra)
+
+    def _accounting_mode(self) -> str:
+        return "rigorous"
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        if self.ledger is None or self.release is None:
+            return {}
+        return {
+            "format_version": self.format_version,
+            "ledger": self.ledger.state_dict(),
+            "release": self.release.state_dict(),
+            **self._extra_state(),
+        }
+
+    def on_load_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        if not checkpoint.get("callbacks", {}).get(self.state_key):
+            raise PrivacyStateError(
+                f"`{self.state_key}`: the checkpoint has no {self.mechanism} privacy state (ledger, sampler and noise "
+                "states), so resuming would restart the privacy accounting from zero. HINT: resume from a checkpoint "
+                f"written by a run that used {self.mechanism} with the same `name`, or start a new run without "
+                "ckpt_path."
+            )
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if self.ledger is None or self.release is None:
+            raise PrivacyStateError(
+                f"`{self.mechanism}`: privacy state can only be restored after setup (inside trainer.fit)."
+            )
+        if state_dict.get("format_version") != self.format_version:
+            raise PrivacyStateError(
+                f"`{self.state_key}`: checkpoint state has format_version {state_dict.get('format_version')!r}, "
+                f"expected {self.format_version}. HINT: resume with the lightning-dp version that wrote it."
+            )
+        # Parse and validate everything into throw-away objects before assigning any state.
+        ledger = PrivacyLedger(self.unit, self.ledger.delta)
+        ledger.load_state_dict(state_dict["ledger"])
+        if not math.isclose(ledger.delta, self.ledger.delta):
+            raise PrivacyStateError(
+                f"`{self.state_key}`: the checkpoint's δ is {ledger.delta:.3g}, this run's is {self.ledger.delta:.3g}. "
+                "HINT: resume with the same delta."
+            )
+        self._new_release(PrivacyLedger(self.unit, self.ledger.delta), seed=0).load_state_dict(state_dict["release"])
+        assign_extra = self._load_extra_state(state_dict)
+        self.release.load_state_dict(state_dict["release"])
+        self.ledger.load_state_dict(state_dict["ledger"])
+        assign_extra()
+
+    # ------------------------------------------------------------------ optimizer
+    @staticmethod
+    def _optimizers(pl_module: pl.LightningModule) -> list[Any]:
+        optimizers = pl_module.optimizers()
+        return optimizers if isinstance(optimizers, list) else [optimizers]
