@@ -1,0 +1,549 @@
+"""Per-sample gradient clipping in one forward and one backward pass.
+
+DP-SGD needs Σ_i clip_C(g_i), the sum of per-sample gradients each scaled to L2 norm ≤ C.
+`PerSampleClipper` computes it without ever letting autograd build the un-clipped weight gradient:
+
+* During the forward pass the trainable parameters are detached from the graph. A forward hook on
+  every trainable layer keeps the layer's input and registers a *tensor* hook on its output.
+* The backward pass then computes activation gradients only; the tensor hooks hand each layer its
+  output gradient. (Tensor hooks still see the gradient of the value the layer produced when a
+  later in-place op such as ResNet's ``out += identity`` or ``ReLU(inplace=True)`` changes the
+  tensor. Opacus' module backward hooks fail there, Opacus issue #828.)
+* Each sample's squared gradient norm is summed layer by layer. For Linear and Conv layers it is
+  computed by the *ghost norm* identity ‖Σ_t g_t a_tᵀ‖² = Σ_{t,s} (a_t·a_s)(g_t·g_s) when the layer's
+  spatial extent T is small, or from the materialized per-sample gradients when that is cheaper
+  (Li et al. 2022; Bu et al. 2023, "mixed ghost clipping"). Other layers (GroupNorm, LayerNorm,
+  embeddings, ...) use Opacus' registered per-layer grad samplers, and layers Opacus has no sampler
+  for use its functorch fallback.
+* With the clip coefficients c_i = min(1, C/‖g_i‖) the clipped sum of each layer is one weight
+  gradient computed from the c-weighted output gradients ("book-keeping", Bu et al. 2023).
+
+A sample whose gradient norm is not finite gets c_i = 0: its contribution is dropped (and counted),
+never propagated.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from lightning_dp.errors import PrivacyConfigError, check_finite_positive
+
+__all__ = [
+    "ClipStats",
+    "LossReduction",
+    "NonFiniteGradientsError",
+    "PerSampleClipper",
+    "UnsupportedModelError",
+    "trainable_layers",
+]
+
+LossReduction = Literal["mean", "sum"]
+
+_CONV_TYPES = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+
+
+class UnsupportedModelError(PrivacyConfigError):
+    """The model has a part whose per-sample gradients cannot be computed."""
+
+
+class NonFiniteGradientsError(ArithmeticError):
+    """Some per-sample gradients were not finite and the caller asked to be told (nothing was added)."""
+
+
+def _opacus_grad_samplers() -> dict[type, Callable[..., dict[nn.Parameter, Tensor]]]:
+    from opacus.grad_sample import GradSampleModule
+
+    return dict(GradSampleModule.GRAD_SAMPLERS)
+
+
+def _direct_trainable(module: nn.Module) -> list[nn.Parameter]:
+    return [p for p in module.parameters(recurse=False) if p.requires_grad]
+
+
+def trainable_layers(module: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The modules whose own parameters are trained, as (qualified name, module).
+
+    A module that holds trainable parameters *and* has children with trainable parameters (for
+    example a LightningModule with its own ``nn.Parameter``) cannot be split into per-sample layers:
+    `UnsupportedModelError` names it.
+    """
+    layers: list[tuple[str, nn.Module]] = []
+    for name, sub in module.named_modules():
+        if not _direct_trainable(sub):
+            continue
+        nested = [n for n, child in sub.named_modules() if child is not sub and _direct_trainable(child)]
+        if nested and not isinstance(sub, (*_CONV_TYPES, nn.Linear)):
+            params = [n for n, p in sub.named_parameters(recurse=False) if p.requires_grad]
+            raise UnsupportedModelError(
+                f"`{name or type(sub).__name__}` ({type(sub).__name__}) holds trainable parameters {params} next to "
+                f"sub-modules with their own parameters ({nested[:3]}), so their per-sample gradients cannot be "
+                "computed. HINT: move the parameters into a small nn.Module of their own (whose forward uses them), "
+                "or freeze them (requires_grad=False)."
+            )
+        layers.append((name, sub))
+    return layers
+
+
+@dataclass
+class _Record:
+    """One call of a layer in the forward pass."""
+
+    activation: Tensor
+    version: int
+    backprops: Tensor | None = None
+
+
+@dataclass
+class _Layer:
+    name: str
+    module: nn.Module
+    params: list[nn.Parameter]
+    kind: Literal["linear", "conv", "generic"]
+    records: list[_Record] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class ClipStats:
+    """What clipping saw in one batch. Computed from private data: not sanitized, not for logging by default."""
+
+    batch_size: int
+    clipped: int
+    norm_sum: float
+    nonfinite: int
+
+
+class PerSampleClipper:
+    """Accumulates Σ_i min(1, C/‖g_i‖)·g_i over batches, one forward and one backward pass per batch.
+
+    g_i is the gradient of sample i's own loss with respect to all trainable parameters of
+    ``module``. The loss the model returns must be a sum or a mean over the batch of per-sample
+    losses, each depending on its own sample only (no BatchNorm in training mode).
+
+    Args:
+        module: the model (its trainable layers are found once, here).
+        clip_norm: C, the per-sample L2 bound.
+        loss_reduction: how the returned loss combines the per-sample losses of a batch.
+
+    Raises:
+        UnsupportedModelError: a trainable parameter is not inside a layer whose per-sample
+            gradient can be computed.
+
+    Example:
+        >>> _ = torch.manual_seed(0)
+        >>> net = nn.Linear(3, 1)
+        >>> clipper = PerSampleClipper(net, clip_norm=1.0, loss_reduction="sum")
+        >>> x = torch.randn(4, 3)
+        >>> stats = clipper.accumulate(lambda: net(x).sum(), batch_size=4)
+        >>> stats.batch_size, bool(clipper.flat_sum.norm() <= 4.0)
+        (4, True)
+    """
+
+    def __init__(self, module: nn.Module, clip_norm: float, loss_reduction: LossReduction = "mean") -> None:
+        self.clip_norm = check_finite_positive("PerSampleClipper", "clip_norm", clip_norm, "e.g. 1.0.")
+        if loss_reduction not in ("mean", "sum"):
+            raise PrivacyConfigError(
+                f"`PerSampleClipper(loss_reduction={loss_reduction!r})`: loss_reduction must be 'mean' or 'sum', "
+                f"found {loss_reduction!r}. HINT: 'mean' if your loss averages over the batch (the default of "
+                "torch.nn.functional.cross_entropy)."
+            )
+        self.loss_reduction: LossReduction = loss_reduction
+        samplers = _opacus_grad_samplers()
+        self.layers: list[_Layer] = []
+        for name, sub in trainable_layers(module):
+            if isinstance(sub, nn.Linear):
+                kind: Literal["linear", "conv", "generic"] = "linear"
+            elif isinstance(sub, _CONV_TYPES):
+                kind = "conv"
+            else:
+                kind = "generic"
+                if type(sub) not in samplers:
+                    _prepare_functorch(name, sub)
+            self.layers.append(_Layer(name, sub, _direct_trainable(sub), kind))
+        self._samplers = samplers
+        self.params = [p for layer in self.layers for p in layer.params]
+        if not self.params:
+            raise UnsupportedModelError(
+                f"`PerSampleClipper`: {type(module).__name__} has no trainable parameters. HINT: check requires_grad."
+            )
+        self.numel = sum(p.numel() for p in self.params)
+        self._flat_sum: Tensor | None = None
+        self._sum_views: dict[nn.Parameter, Tensor] = {}
+        self._recording = False
+        self._handles = [layer.module.register_forward_hook(self._forward_hook(layer)) for layer in self.layers]
+
+    # ------------------------------------------------------------------ hooks
+    def _forward_hook(self, layer: _Layer) -> Callable[..., Any]:
+        def hook(module: nn.Module, inputs: tuple[Any, ...], output: Any) -> Any:
+            if not self._recording:
+                return None
+            if not isinstance(output, Tensor) or not inputs or not isinstance(inputs[0], Tensor):
+                raise UnsupportedModelError(
+                    f"`{layer.name}` ({type(module).__name__}) must take a tensor and return a tensor to get "
+                    f"per-sample gradients, found input {type(inputs[0]).__name__ if inputs else None} and output "
+                    f"{type(output).__name__}. HINT: freeze this layer or replace it."
+                )
+            activation = inputs[0].detach()
+            record = _Record(activation, activation._version)
+            layer.records.append(record)
+            replaced = None
+            if not output.requires_grad:
+                # Nothing upstream is trained: make the output a non-leaf that requires grad, so that the
+                # backward pass reaches it and later in-place ops on it stay legal.
+                replaced = output.detach().requires_grad_(True).clone()
+                output = replaced
+
+            def grad_hook(grad: Tensor) -> None:
+                record.backprops = grad.detach()
+
+            output.register_hook(grad_hook)
+            return replaced
+
+        return hook
+
+    def remove(self) -> None:
+        """Removes the forward hooks (the clipper cannot be used afterwards)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    @contextmanager
+    def _record(self) -> Iterator[None]:
+        for p in self.params:
+            p.requires_grad_(False)
+        self._recording = True
+        try:
+            yield
+        finally:
+            self._recording = False
+            for p in self.params:
+                p.requires_grad_(True)
+
+    # ------------------------------------------------------------------ the clipped sum
+    @property
+    def flat_sum(self) -> Tensor:
+        """Σ_i clip(g_i) since the last `reset`, all parameters concatenated (fp32, or fp64 for a fp64 model).
+
+        Allocated on the parameters' device when first used (a Trainer moves the model after setup).
+        """
+        first = self.params[0]
+        dtype = torch.promote_types(first.dtype, torch.float32)
+        if self._flat_sum is None or self._flat_sum.device != first.device or self._flat_sum.dtype != dtype:
+            self._flat_sum = torch.zeros(self.numel, dtype=dtype, device=first.device)
+            self._sum_views = dict(self.views(self._flat_sum))
+        return self._flat_sum
+
+    def views(self, flat: Tensor) -> list[tuple[nn.Parameter, Tensor]]:
+        """Each trainable parameter with its slice of a flat vector laid out like `flat_sum`."""
+        out, offset = [], 0
+        for p in self.params:
+            out.append((p, flat[offset : offset + p.numel()].view_as(p)))
+            offset += p.numel()
+        return out
+
+    def reset(self) -> None:
+        """Zeroes the accumulated clipped sum."""
+        self.flat_sum.zero_()
+
+    def accumulate(
+        self,
+        compute_loss: Callable[[], Tensor],
+        batch_size: int,
+        loss_scale: float = 1.0,
+        raise_on_nonfinite: bool = False,
+    ) -> ClipStats:
+        """Runs ``compute_loss`` (the forward pass) and backward, and adds the batch's clipped gradients.
+
+        Args:
+            compute_loss: returns the batch's scalar loss (sum or mean of per-sample losses).
+            batch_size: the number of samples in the batch (> 0).
+            loss_scale: the loss is multiplied by it before backward and the gradients divided by it
+                (fp16 loss scaling); clipping always sees the true gradients.
+            raise_on_nonfinite: raise `NonFiniteGradientsError` *before adding anything* if a
+                per-sample gradient is not finite (fp16: retry with a smaller loss scale) instead of
+                dropping that sample.
+
+        Returns:
+            What clipping saw (private: not to be logged unless the user opts in).
+        """
+        try:
+            with self._record():
+                loss = compute_loss()
+            if not isinstance(loss, Tensor) or loss.numel() != 1:
+                raise PrivacyConfigError(
+                    f"`PerSampleClipper`: the training step returned {type(loss).__name__}, not a scalar loss tensor. "
+                    "HINT: return the batch loss (or {'loss': loss}) from training_step."
+                )
+            if not loss.requires_grad:
+                raise UnsupportedModelError(
+                    "`PerSampleClipper`: the loss does not depend on any trainable layer. HINT: check that "
+                    "training_step uses the model's output and that its layers are trainable."
+                )
+            (loss * loss_scale).backward()
+            scale = (batch_size if self.loss_reduction == "mean" else 1.0) / loss_scale
+            sq_norms, pending = self._squared_norms(batch_size, scale)
+            norms = sq_norms.sqrt()
+            finite = torch.isfinite(norms)
+            if raise_on_nonfinite and not bool(finite.all()):
+                raise NonFiniteGradientsError(f"{int((~finite).sum())} of {batch_size} per-sample gradients")
+            coeff = torch.where(finite, (self.clip_norm / norms.clamp_min(1e-30)).clamp(max=1.0), 0.0)
+            self._add_clipped(pending, coeff, finite)
+            return ClipStats(
+                batch_size=batch_size,
+                clipped=int(((norms > self.clip_norm) & finite).sum()),
+                norm_sum=float(norms[finite].sum()),
+                nonfinite=int((~finite).sum()),
+            )
+        finally:
+            for layer in self.layers:
+                layer.records.clear()
+
+    def _layer_records(self, layer: _Layer, batch_size: int) -> list[_Record]:
+        records = [r for r in layer.records if r.backprops is not None]
+        for r in records:
+            if r.activation._version != r.version:
+                raise UnsupportedModelError(
+                    f"`{layer.name}` ({type(layer.module).__name__}): its input was modified in place after the layer "
+                    "used it, so its per-sample gradients would be wrong. HINT: lightning_dp.models.fix_model(model) "
+                    "turns off inplace activations; otherwise avoid in-place ops on that tensor."
+                )
+            if r.activation.shape[0] != batch_size or r.backprops.shape[0] != batch_size:  # type: ignore[union-attr]
+                raise UnsupportedModelError(
+                    f"`{layer.name}` ({type(layer.module).__name__}) got a tensor whose first dimension is "
+                    f"{r.activation.shape[0]}, but the batch holds {batch_size} samples. Per-sample gradients need "
+                    "the batch dimension first in every trainable layer. HINT: keep batch-first layouts, or freeze "
+                    "this layer."
+                )
+        return records
+
+    def _squared_norms(self, batch_size: int, scale: float) -> tuple[Tensor, list[_Pending]]:
+        """Σ over layers of each sample's squared gradient norm, and what each layer keeps for the clipped sum."""
+        dtype = self.flat_sum.dtype
+        total = torch.zeros(batch_size, dtype=torch.float64, device=self.flat_sum.device)
+        pending: list[_Pending] = []
+        for layer in self.layers:
+            records = self._layer_records(layer, batch_size)
+            if not records:
+                continue
+            if len(records) == 1 and layer.kind in ("linear", "conv"):
+                sq, item = _ghost_or_materialized(layer, records[0], scale, dtype)
+            else:
+                # Several calls (shared weights) or a generic layer: per-sample gradients summed over the calls.
+                item = _Materialized(self._per_sample_grads(layer, records, scale))
+                sq = sum(g.reshape(batch_size, -1).pow(2).sum(1) for g in item.grads.values())  # type: ignore[assignment]
+            total += sq.double()
+            pending.append(item)
+        return total, pending
+
+    def _per_sample_grads(self, layer: _Layer, records: list[_Record], scale: float) -> dict[nn.Parameter, Tensor]:
+        dtype = self.flat_sum.dtype
+        out: dict[nn.Parameter, Tensor] = {}
+        for r in records:
+            assert r.backprops is not None
+            backprops = r.backprops.to(dtype) * scale
+            activation = r.activation.to(dtype) if r.activation.is_floating_point() else r.activation
+            if layer.kind != "generic":
+                grads = _materialize(layer.module, *_views(layer.kind, layer.module, activation, backprops))
+            else:
+                grads = self._samplers.get(type(layer.module), _functorch_sampler)(
+                    layer.module, [activation], backprops
+                )
+            for p, g in grads.items():
+                out[p] = out[p] + g.to(dtype) if p in out else g.to(dtype)
+        return out
+
+    @torch.no_grad()
+    def _add_clipped(self, pending: list[_Pending], coeff: Tensor, finite: Tensor) -> None:
+        coeff = coeff.to(self.flat_sum.dtype)
+        dropped = None if bool(finite.all()) else finite
+        for item in pending:
+            if isinstance(item, _Materialized):
+                for p, g in item.grads.items():
+                    if dropped is not None:  # 0·NaN is NaN: zero the dropped samples explicitly
+                        g = torch.where(_expand(dropped, g), g, 0.0)
+                    self._sum_views[p].add_(torch.tensordot(coeff, g, dims=1))
+            else:
+                _add_weighted(item, coeff, dropped, self._sum_views)
+
+
+@dataclass
+class _Materialized:
+    """A layer's per-sample gradients, (B, *param.shape) per parameter."""
+
+    grads: dict[nn.Parameter, Tensor]
+
+
+@dataclass
+class _Ghost:
+    """A ghost-normed Linear/Conv layer: its input and its (cast, scaled) output gradient."""
+
+    module: nn.Module
+    kind: Literal["linear", "conv"]
+    activation: Tensor
+    backprops: Tensor
+
+
+_Pending = _Materialized | _Ghost
+
+
+def _expand(mask: Tensor, like: Tensor) -> Tensor:
+    return mask.view(-1, *([1] * (like.dim() - 1)))
+
+
+def _functorch_sampler(module: nn.Module, activations: list[Tensor], backprops: Tensor) -> dict[nn.Parameter, Tensor]:
+    from opacus.grad_sample.functorch import ft_compute_per_sample_gradient
+
+    return ft_compute_per_sample_gradient(module, activations, backprops)
+
+
+def _prepare_functorch(name: str, module: nn.Module) -> None:
+    if any(True for _ in module.buffers(recurse=False)) or any(True for _ in module.children()):
+        raise UnsupportedModelError(
+            f"`{name}` ({type(module).__name__}) has trainable parameters but no per-sample gradient rule, and it "
+            "holds buffers or sub-modules, so the generic (functorch) rule cannot handle it either. HINT: freeze it, "
+            "replace it with standard layers, or register an Opacus grad sampler for it "
+            "(opacus.grad_sample.register_grad_sampler)."
+        )
+    from opacus.grad_sample.functorch import prepare_layer
+
+    prepare_layer(module)
+
+
+# ---------------------------------------------------------------------- Linear
+def _linear_views(activation: Tensor, backprops: Tensor) -> tuple[Tensor, Tensor]:
+    b = activation.shape[0]
+    return activation.reshape(b, -1, activation.shape[-1]), backprops.reshape(b, -1, backprops.shape[-1])
+
+
+# ---------------------------------------------------------------------- Conv
+def _conv_geometry(layer: nn.Module, activation: Tensor) -> tuple[Tensor, tuple[int, ...]]:
+    """The input padded as the layer pads it, and the padding left for the convolution itself (zeros)."""
+    conv: Any = layer
+    dims = activation.dim() - 2
+    kernel, dilation = conv.kernel_size, conv.dilation
+    if conv.padding == "valid":
+        pads = [(0, 0)] * dims
+    elif conv.padding == "same":
+        pads = []
+        for k, d in zip(kernel, dilation):
+            total = d * (k - 1)
+            pads.append((total // 2, total - total // 2))
+    else:
+        pads = [(p, p) for p in conv.padding]
+    symmetric = all(left == right for left, right in pads)
+    if conv.padding_mode == "zeros" and symmetric:
+        return activation, tuple(left for left, _ in pads)
+    flat: list[int] = []
+    for left, right in reversed(pads):
+        flat += [left, right]
+    mode = "constant" if conv.padding_mode == "zeros" else conv.padding_mode
+    return F.pad(activation, flat, mode=mode), (0,) * dims
+
+
+def _unfold(layer: nn.Module, activation: Tensor) -> Tensor:
+    """(B, C_in·k…, T): the receptive field of every output position."""
+    conv: Any = layer
+    x, padding = _conv_geometry(layer, activation)
+    if x.dim() == 3:  # Conv1d as a Conv2d of height 1
+        x = x.unsqueeze(2)
+        return F.unfold(
+            x,
+            (1, conv.kernel_size[0]),
+            dilation=(1, conv.dilation[0]),
+            padding=(0, padding[0]),
+            stride=(1, conv.stride[0]),
+        )
+    if x.dim() == 4:
+        return F.unfold(x, conv.kernel_size, dilation=conv.dilation, padding=padding, stride=conv.stride)
+    from opacus.utils.tensor_utils import unfold3d
+
+    return unfold3d(x, kernel_size=conv.kernel_size, padding=padding, stride=conv.stride, dilation=conv.dilation)
+
+
+def _views(
+    kind: Literal["linear", "conv"], module: nn.Module, activation: Tensor, backprops: Tensor
+) -> tuple[Tensor, Tensor]:
+    """A Linear or Conv layer as a matrix product per sample: (B, d, T) inputs and (B, p, T) output gradients."""
+    b = activation.shape[0]
+    if kind == "linear":
+        a, g = _linear_views(activation, backprops)
+        return a.transpose(1, 2), g.transpose(1, 2)
+    return _unfold(module, activation), backprops.reshape(b, backprops.shape[1], -1)
+
+
+def _materialize(module: nn.Module, at: Tensor, gt: Tensor) -> dict[nn.Parameter, Tensor]:
+    """Per-sample gradients of a Linear/Conv layer from its (B, d, T) inputs and (B, p, T) output gradients."""
+    layer: Any = module
+    b, d, t = at.shape
+    p, groups = gt.shape[1], getattr(layer, "groups", 1)
+    at = at.view(b, groups, d // groups, t)
+    gt = gt.view(b, groups, p // groups, t)
+    grads = {layer.weight: torch.matmul(gt, at.transpose(2, 3)).reshape(b, *layer.weight.shape)}
+    if layer.bias is not None and layer.bias.requires_grad:
+        grads[layer.bias] = gt.reshape(b, p, t).sum(2)
+    return grads
+
+
+# ---------------------------------------------------------------------- norms and sums
+def _ghost_or_materialized(layer: _Layer, record: _Record, scale: float, dtype: torch.dtype) -> tuple[Tensor, _Pending]:
+    """Squared per-sample gradient norms of a Linear/Conv layer, by whichever of the two rules is cheaper.
+
+    With T output positions, d = fan-in and p = fan-out, the ghost norm costs ~T²(d + p) per sample and
+    keeps nothing; materializing costs ~T·d·p and keeps the per-sample gradients (reused for the
+    clipped sum). Grouped convolutions are always materialized (per group they are small).
+    """
+    assert record.backprops is not None and layer.kind != "generic"
+    module: Any = layer.module
+    activation, backprops = record.activation.to(dtype), record.backprops.to(dtype) * scale
+    at, gt = _views(layer.kind, module, activation, backprops)  # (B, d, T), (B, p, T)
+    (_, d, t), p = at.shape, gt.shape[1]
+    if getattr(module, "groups", 1) == 1 and t * (d + p) < d * p:
+        if t == 1:
+            sq = at.pow(2).sum((1, 2)) * gt.pow(2).sum((1, 2))
+        else:
+            sq = (torch.bmm(at.transpose(1, 2), at) * torch.bmm(gt.transpose(1, 2), gt)).sum((1, 2))
+        if module.bias is not None and module.bias.requires_grad:
+            sq = sq + gt.sum(2).pow(2).sum(1)
+        return sq, _Ghost(module, layer.kind, activation, backprops)
+    grads = _materialize(module, at, gt)
+    return sum(g.reshape(g.shape[0], -1).pow(2).sum(1) for g in grads.values()), _Materialized(grads)  # type: ignore[return-value]
+
+
+def _add_weighted(item: _Ghost, coeff: Tensor, dropped: Tensor | None, sums: dict[nn.Parameter, Tensor]) -> None:
+    """Σ_i c_i·g_i of a ghost-normed layer: one weight gradient computed from c-weighted output gradients."""
+    module: Any = item.module
+    activation, backprops = item.activation, item.backprops
+    if dropped is not None:  # 0·NaN is NaN: zero the dropped samples explicitly
+        activation = torch.where(_expand(dropped, activation), activation, 0.0)
+        backprops = torch.where(_expand(dropped, backprops), backprops, 0.0)
+    weighted = backprops * _expand(coeff, backprops)
+    if item.kind == "linear":
+        a, g = _linear_views(activation, weighted)
+        sums[module.weight].add_(g.reshape(-1, g.shape[-1]).t() @ a.reshape(-1, a.shape[-1]))
+        if module.bias is not None and module.bias.requires_grad:
+            sums[module.bias].add_(g.sum((0, 1)))
+        return
+    x, padding = _conv_geometry(module, activation)
+    dims = x.dim() - 2
+    _, weight_grad, _ = torch.ops.aten.convolution_backward(
+        weighted,
+        x,
+        module.weight.to(x.dtype),
+        None,
+        list(module.stride),
+        list(padding),
+        list(module.dilation),
+        False,
+        [0] * dims,
+        module.groups,
+        [False, True, False],
+    )
+    sums[module.weight].add_(weight_grad)
+    if module.bias is not None and module.bias.requires_grad:
+        sums[module.bias].add_(weighted.sum([0, *range(2, weighted.dim())]))
