@@ -10,8 +10,9 @@ import torchmetrics
 from torch import Tensor, nn
 
 from lightning_dp.errors import PrivacyConfigError, check_finite_positive
+from lightning_dp.models.fixers import group_norm_for
 
-__all__ = ["Architecture", "ImageClassifier", "build_backbone"]
+__all__ = ["Architecture", "ImageClassifier", "Norm", "build_backbone"]
 
 Architecture = Literal["resnet18", "resnet34", "mobilenet_v2", "small_cnn"]
 
@@ -34,16 +35,31 @@ class SmallCNN(nn.Module):
         return self.head(self.features(x).mean(dim=(2, 3)))
 
 
-def build_backbone(arch: Architecture, num_classes: int) -> nn.Module:
-    """A randomly initialised network (no pretrained weights: nothing is downloaded at run time)."""
+Norm = Literal["batch", "group"]
+
+
+def build_backbone(arch: Architecture, num_classes: int, norm: Norm = "batch") -> nn.Module:
+    """A randomly initialised network (no pretrained weights: nothing is downloaded at run time).
+
+    ``norm="group"`` builds the torchvision networks with GroupNorm instead of BatchNorm (what
+    per-sample DP-SGD needs; `small_cnn` always uses GroupNorm).
+    """
     import torchvision
 
+    if norm not in ("batch", "group"):
+        raise PrivacyConfigError(
+            f"`ImageClassifier(norm={norm!r})`: norm must be 'batch' or 'group', found {norm!r}. "
+            "HINT: 'group' for per-sample DP-SGD."
+        )
+    kwargs: dict[str, object] = {"weights": None, "num_classes": num_classes}
+    if norm == "group":
+        kwargs["norm_layer"] = group_norm_for
     if arch == "resnet18":
-        return torchvision.models.resnet18(weights=None, num_classes=num_classes)
+        return torchvision.models.resnet18(**kwargs)
     if arch == "resnet34":
-        return torchvision.models.resnet34(weights=None, num_classes=num_classes)
+        return torchvision.models.resnet34(**kwargs)
     if arch == "mobilenet_v2":
-        return torchvision.models.mobilenet_v2(weights=None, num_classes=num_classes)
+        return torchvision.models.mobilenet_v2(**kwargs)
     if arch == "small_cnn":
         return SmallCNN(num_classes)
     raise PrivacyConfigError(
@@ -65,6 +81,7 @@ class ImageClassifier(pl.LightningModule):
         momentum: SGD momentum (ignored by Adam).
         weight_decay: L2 weight decay (the P3SGD paper uses 1e-4).
         optimizer: ``"sgd"`` or ``"adam"``.
+        norm: ``"batch"`` (BatchNorm) or ``"group"`` (GroupNorm, for per-sample DP-SGD).
 
     Example:
         >>> model = ImageClassifier(arch="small_cnn", num_classes=2)
@@ -80,6 +97,7 @@ class ImageClassifier(pl.LightningModule):
         momentum: float = 0.9,
         weight_decay: float = 1e-4,
         optimizer: Literal["sgd", "adam"] = "sgd",
+        norm: Norm = "batch",
     ) -> None:
         super().__init__()
         check_finite_positive("ImageClassifier", "lr", lr, "e.g. 0.05 for SGD, 1e-3 for Adam.")
@@ -89,7 +107,7 @@ class ImageClassifier(pl.LightningModule):
                 f"{num_classes!r}. HINT: binary classification uses num_classes=2."
             )
         self.save_hyperparameters()
-        self.net = build_backbone(arch, num_classes)
+        self.net = build_backbone(arch, num_classes, norm)
         task: Literal["binary", "multiclass"] = "multiclass"
         metrics: dict[str, torchmetrics.Metric | torchmetrics.MetricCollection] = {
             "acc": torchmetrics.Accuracy(task=task, num_classes=num_classes),

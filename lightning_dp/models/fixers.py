@@ -1,0 +1,168 @@
+"""Making ordinary models trainable with per-sample gradients.
+
+Per-sample DP-SGD needs every sample's gradient to depend on that sample only. BatchNorm breaks
+this (it normalizes with statistics of the whole batch, and its running statistics are an
+un-sanitized release of private data), so it is replaced by GroupNorm. In-place activations and
+residual additions (``ReLU(inplace=True)``, ``out += identity``) need no change: lightning-dp's
+per-sample engine reads output gradients through tensor hooks, which in-place ops do not disturb.
+
+Example:
+    >>> import torch
+    >>> net = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8), torch.nn.ReLU(inplace=True))
+    >>> [p.problem for p in validate_model(net)]
+    ['BatchNorm mixes the samples of a batch and its running statistics are computed from private data']
+    >>> fix_model(net, warn=False)
+    ['1: BatchNorm2d(8) -> GroupNorm(8, 8)']
+    >>> validate_model(net)
+    []
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass
+
+from torch import nn
+
+from lightning_dp.errors import PrivacyWarning
+
+__all__ = ["ModelProblem", "fix_model", "group_norm_for", "validate_model"]
+
+_BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
+_INSTANCE_NORMS = (nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)
+_RECURRENT = (nn.RNN, nn.LSTM, nn.GRU)
+
+
+@dataclass(frozen=True)
+class ModelProblem:
+    """Something in a model that per-sample DP-SGD cannot train as it is, and how to fix it."""
+
+    name: str
+    layer: str
+    problem: str
+    fix: str
+
+    def __str__(self) -> str:
+        return f"{self.name or '<root>'} ({self.layer}): {self.problem}. FIX: {self.fix}"
+
+
+def group_norm_for(num_channels: int, max_groups: int = 32) -> nn.GroupNorm:
+    """GroupNorm with the largest divisor of ``num_channels`` that is ≤ ``max_groups`` as the group count."""
+    return nn.GroupNorm(math.gcd(num_channels, max_groups), num_channels)
+
+
+def validate_model(module: nn.Module) -> list[ModelProblem]:
+    """Lists what stops ``module`` from being trained with per-sample gradients; empty if nothing does.
+
+    Checks: BatchNorm layers; InstanceNorm with running statistics; recurrent layers (use Opacus'
+    ``DPLSTM``/``DPGRU``/``DPRNN``); trainable parameters that do not belong to a layer whose
+    per-sample gradient can be computed.
+    """
+    from lightning_dp.sanitization.per_sample import UnsupportedModelError, trainable_layers
+
+    problems: list[ModelProblem] = []
+    for name, sub in module.named_modules():
+        kind = type(sub).__name__
+        if isinstance(sub, _BATCH_NORMS):
+            problems.append(
+                ModelProblem(
+                    name,
+                    kind,
+                    "BatchNorm mixes the samples of a batch and its running statistics are computed from private data",
+                    "lightning_dp.models.fix_model(model) replaces it by GroupNorm (DPSGD does so, with a warning)",
+                )
+            )
+        elif isinstance(sub, _INSTANCE_NORMS) and sub.track_running_stats:
+            problems.append(
+                ModelProblem(
+                    name,
+                    kind,
+                    "its running statistics are computed from private data and released un-sanitized",
+                    "construct it with track_running_stats=False",
+                )
+            )
+        elif isinstance(sub, _RECURRENT) and any(p.requires_grad for p in sub.parameters()):
+            problems.append(
+                ModelProblem(
+                    name,
+                    kind,
+                    "per-sample gradients of torch's fused recurrent layers cannot be computed",
+                    f"use opacus.layers.DP{kind} (a drop-in replacement) or freeze the layer",
+                )
+            )
+    try:
+        layers = trainable_layers(module)
+    except UnsupportedModelError as err:
+        problems.append(ModelProblem(type(module).__name__, type(module).__name__, str(err), "see the HINT above"))
+        return problems
+    for name, sub in layers:
+        if isinstance(sub, (*_BATCH_NORMS, *_RECURRENT)):
+            continue
+        if not _has_rule(sub) and (any(True for _ in sub.buffers(recurse=False)) or any(True for _ in sub.children())):
+            problems.append(
+                ModelProblem(
+                    name,
+                    type(sub).__name__,
+                    "it has trainable parameters but no per-sample gradient rule, and buffers or sub-modules that "
+                    "the generic (functorch) rule cannot handle",
+                    "freeze it, replace it with standard layers, or register an Opacus grad sampler for it",
+                )
+            )
+    return problems
+
+
+def _has_rule(module: nn.Module) -> bool:
+    from opacus.grad_sample import GradSampleModule
+
+    return isinstance(module, (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)) or type(module) in (
+        GradSampleModule.GRAD_SAMPLERS
+    )
+
+
+def fix_model(module: nn.Module, warn: bool = True) -> list[str]:
+    """Replaces every BatchNorm layer of ``module`` by GroupNorm, in place, and returns what changed.
+
+    The GroupNorm keeps the BatchNorm's affine weight and bias (and its device and dtype) and uses
+    the largest divisor of the channel count ≤ 32 as the number of groups. The parameters of the
+    model change, so call this *before* creating optimizers (the DPSGD callback does it in
+    ``setup``, before Lightning calls ``configure_optimizers``).
+
+    Args:
+        module: the model; modified in place.
+        warn: emit a `PrivacyWarning` listing the replacements.
+
+    Returns:
+        One line per replaced layer, ``"name: BatchNorm2d(C) -> GroupNorm(G, C)"``.
+    """
+    changes: list[str] = []
+    for parent_name, parent in list(module.named_modules()):
+        for child_name, child in list(parent.named_children()):
+            if not isinstance(child, _BATCH_NORMS):
+                continue
+            replacement = group_norm_for(child.num_features)
+            replacement.eps = child.eps
+            if child.affine and child.weight is not None and child.bias is not None:
+                replacement.weight.data.copy_(child.weight.data)
+                replacement.bias.data.copy_(child.bias.data)
+                replacement.to(device=child.weight.device, dtype=child.weight.dtype)
+                replacement.weight.requires_grad_(child.weight.requires_grad)
+                replacement.bias.requires_grad_(child.bias.requires_grad)
+            else:
+                replacement = nn.GroupNorm(replacement.num_groups, child.num_features, eps=child.eps, affine=False)
+            setattr(parent, child_name, replacement)
+            full = f"{parent_name}.{child_name}" if parent_name else child_name
+            changes.append(
+                f"{full}: {type(child).__name__}({child.num_features}) -> "
+                f"GroupNorm({replacement.num_groups}, {child.num_features})"
+            )
+    if changes and warn:
+        shown = "; ".join(changes[:5]) + (f"; and {len(changes) - 5} more" if len(changes) > 5 else "")
+        warnings.warn(
+            f"lightning-dp replaced {len(changes)} BatchNorm layer(s) by GroupNorm for per-sample DP-SGD: {shown}. "
+            "BatchNorm mixes samples and releases private running statistics. HINT: build the model with GroupNorm "
+            "(e.g. ImageClassifier(norm='group')) so that its checkpoints load without this conversion.",
+            PrivacyWarning,
+            stacklevel=2,
+        )
+    return changes
