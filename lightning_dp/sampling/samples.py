@@ -1,0 +1,144 @@
+"""Poisson sampling of samples for DP-SGD, as an iterable Lightning cannot silently re-sample.
+
+Every sample joins step t independently with probability q: this is what the accountant assumes
+(a shuffle into fixed-size batches is *not*, and Lightning's ``DistributedSampler`` would make it
+so). The sample of step t is a pure function of (seed, t) — a counter-based design — so DataLoader
+workers can load steps ahead of time and a resumed run draws exactly the samples it would have
+drawn. Under DDP every rank draws the same global sample and keeps every ``world_size``-th index
+from its ``rank``: the union over ranks is one Poisson sample at rate q.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor
+from torch.utils.data import Dataset, IterableDataset, get_worker_info
+
+from lightning_dp.errors import check_count, check_sample_rate
+from lightning_dp.sampling.patients import secure_seed
+
+__all__ = ["LogicalBatch", "PoissonBatches", "PoissonSampleSampler", "identity_collate"]
+
+
+def _step_seed(seed: int, step: int) -> int:
+    digest = hashlib.sha256(f"lightning-dp/poisson/{seed}/{step}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
+class PoissonSampleSampler:
+    """The samples of each step by independent Bernoulli(q) trials, a pure function of (seed, step).
+
+    Args:
+        num_samples: N, the number of training samples.
+        sample_rate: q in (0, 1]; the expected batch size is q·N.
+        seed: the secret seed; ``None`` draws one from the OS CSPRNG. Under DDP every rank must use
+            the same seed (the callback broadcasts rank 0's).
+        rank: this process's rank.
+        world_size: the number of processes.
+
+    Example:
+        >>> sampler = PoissonSampleSampler(num_samples=10, sample_rate=0.5, seed=0)
+        >>> sampler.indices(0).tolist() == sampler.indices(0).tolist(), len(sampler.indices(0)) <= 10
+        (True, True)
+        >>> halves = [PoissonSampleSampler(10, 0.5, seed=0, rank=r, world_size=2).local_indices(0) for r in (0, 1)]
+        >>> sorted(torch.cat(halves).tolist()) == sampler.indices(0).tolist()
+        True
+    """
+
+    def __init__(
+        self, num_samples: int, sample_rate: float, seed: int | None = None, rank: int = 0, world_size: int = 1
+    ) -> None:
+        self.num_samples = check_count(
+            "PoissonSampleSampler", "num_samples", num_samples, "the training set is empty.", minimum=1
+        )
+        self.sample_rate = check_sample_rate("PoissonSampleSampler", sample_rate)
+        self.world_size = check_count("PoissonSampleSampler", "world_size", world_size, "1 process.", minimum=1)
+        self.rank = check_count("PoissonSampleSampler", "rank", rank, "0 on one process.")
+        if self.rank >= self.world_size:
+            raise ValueError(
+                f"`PoissonSampleSampler(rank={rank}, world_size={world_size})`: rank must be < world_size."
+            )
+        self.seed = secure_seed() if seed is None else int(seed)
+
+    @property
+    def expected_batch_size(self) -> float:
+        """q·N, the expected number of samples per step over all ranks (the normalizer of the update)."""
+        return self.sample_rate * self.num_samples
+
+    def indices(self, step: int) -> Tensor:
+        """Indices (int64, sorted) of all samples in step ``step`` over all ranks; may be empty."""
+        generator = torch.Generator().manual_seed(_step_seed(self.seed, step))
+        draws = torch.rand(self.num_samples, generator=generator)
+        return torch.nonzero(draws < self.sample_rate).flatten()
+
+    def local_indices(self, step: int) -> Tensor:
+        """This rank's share of step ``step``'s sample."""
+        return self.indices(step)[self.rank :: self.world_size]
+
+
+class LogicalBatch(NamedTuple):
+    """One DP step's data on this rank: the step number and its physical chunks (collated batches)."""
+
+    step: int
+    size: int
+    chunks: list[Any]
+
+
+class PoissonBatches(IterableDataset[LogicalBatch]):
+    """Yields the `LogicalBatch` of steps ``first_step, first_step + 1, ...`` (``steps`` of them).
+
+    Each logical batch is split into physical chunks of at most ``max_physical_batch_size`` samples,
+    collated with the user's ``collate_fn``. With DataLoader workers, worker w loads steps
+    w, w + W, ... of the epoch; the DataLoader hands them out in order. An IterableDataset, so
+    Lightning injects no ``DistributedSampler``.
+
+    Args:
+        dataset: the map-style training dataset.
+        sampler: which samples each step holds.
+        steps: steps per epoch.
+        max_physical_batch_size: the largest chunk run through the model at once.
+        collate_fn: the training DataLoader's collate function.
+    """
+
+    def __init__(
+        self,
+        dataset: Dataset[Any],
+        sampler: PoissonSampleSampler,
+        steps: int,
+        max_physical_batch_size: int,
+        collate_fn: Callable[[list[Any]], Any],
+    ) -> None:
+        self.dataset = dataset
+        self.sampler = sampler
+        self.steps = steps
+        self.max_physical_batch_size = max_physical_batch_size
+        self.collate_fn = collate_fn
+        self.first_step = 0
+
+    def __len__(self) -> int:
+        return self.steps
+
+    def batch(self, step: int) -> LogicalBatch:
+        """The logical batch of ``step`` on this rank."""
+        indices: Sequence[int] = self.sampler.local_indices(step).tolist()
+        size = self.max_physical_batch_size
+        chunks = [
+            self.collate_fn([self.dataset[i] for i in indices[start : start + size]])
+            for start in range(0, len(indices), size)
+        ]
+        return LogicalBatch(step, len(indices), chunks)
+
+    def __iter__(self) -> Iterator[LogicalBatch]:
+        info = get_worker_info()
+        worker, workers = (0, 1) if info is None else (info.id, info.num_workers)
+        for k in range(worker, self.steps, workers):
+            yield self.batch(self.first_step + k)
+
+
+def identity_collate(item: Any) -> Any:
+    """The DataLoader collate function for already-collated logical batches."""
+    return item
