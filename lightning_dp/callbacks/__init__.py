@@ -1,11 +1,15 @@
 """Lightning callbacks: DP training, budgets and reports."""
 
+from lightning_dp.callbacks.base import DPCallback
 from lightning_dp.callbacks.budget import PrivacyBudget
+from lightning_dp.callbacks.dpsgd import DPSGD
 from lightning_dp.callbacks.p3sgd import P3SGD
 from lightning_dp.callbacks.privacy_report import privacy_report, write_privacy_report
 from lightning_dp.callbacks.report import GeneralizationReport, evaluate_accuracy
 
 __all__ = [
+    "DPCallback",
+    "DPSGD",
     "GeneralizationReport",
     "P3SGD",
     "PrivacyBudget",

@@ -12,6 +12,7 @@ from lightning_dp.accounting.accountants import AccountantName
 __all__ = ["privacy_report", "write_privacy_report"]
 
 _ACCOUNTANTS: tuple[AccountantName, ...] = ("rdp", "prv", "moments")
+_NEIGHBOURS = {"patient": "all images of one patient", "sample": "one sample"}
 
 
 def privacy_report(ledger: PrivacyLedger, accounting: str, extra: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -44,7 +45,7 @@ def privacy_report(ledger: PrivacyLedger, accounting: str, extra: dict[str, Any]
 def _text(report: dict[str, Any]) -> str:
     lines = [
         "Privacy report",
-        f"  unit: {report['unit']} (neighbouring datasets differ by all data of one {report['unit']})",
+        f"  unit: {report['unit']} (neighbouring datasets differ by {_NEIGHBOURS.get(report['unit'], report['unit'])})",
         f"  delta: {report['delta']:.3g}",
         f"  steps (rounds): {report['steps']}",
         f"  accounting: {report['accounting']}" + ("" if report["guarantee"] else "  (NOT a guarantee)"),

@@ -1,0 +1,514 @@
+"""`DPSGD`: sample-level differentially private SGD (Abadi et al. 2016) for any LightningModule.
+
+Add the callback to a Trainer; the module stays an ordinary LightningModule whose ``training_step``
+returns the batch loss and whose ``configure_optimizers`` returns one optimizer (SGD, Adam, any).
+Each optimizer step becomes one DP-SGD step:
+
+1. Poisson-sample the training samples (rate q; under DDP every rank draws the same global sample
+   and processes its share).
+2. Run the module's own ``training_step`` on physical chunks of at most ``max_physical_batch_size``
+   samples; for every sample compute its gradient, clip it to C and add it up (`PerSampleClipper`).
+3. Sum across ranks, add N(0, (zC)²) once, divide by the expected batch size q·N and charge the
+   ledger — in one call (`NoisyRelease.release`).
+4. Hand the noisy gradient to the module's optimizer (its state is then post-processing).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any, Literal
+
+import pytorch_lightning as pl
+import torch
+from pytorch_lightning.utilities import rank_zero_warn
+from torch.utils.data import DataLoader, IterableDataset
+
+from lightning_dp.accounting import PrivacyLedger, calibrate_noise_multiplier
+from lightning_dp.callbacks.base import DPCallback
+from lightning_dp.errors import (
+    PrivacyConfigError,
+    PrivacyStateError,
+    PrivacyWarning,
+    check_count,
+    check_finite_positive,
+    check_sample_rate,
+)
+from lightning_dp.models.fixers import fix_model, validate_model
+from lightning_dp.sampling.samples import LogicalBatch, PoissonBatches, PoissonSampleSampler, identity_collate
+from lightning_dp.sanitization import NoisyRelease
+from lightning_dp.sanitization.per_sample import (
+    LossReduction,
+    NonFiniteGradientsError,
+    PerSampleClipper,
+    UnsupportedModelError,
+)
+
+__all__ = ["DPSGD"]
+
+_FP16 = ("16-mixed", "16-true", "16")
+_INITIAL_LOSS_SCALE = 2.0**16
+_LOSS_SCALE_GROWTH_INTERVAL = 2000
+
+
+class DPSGD(DPCallback):
+    """Per-sample DP-SGD as a Lightning callback: (ε, δ)-DP for **add/remove one training sample**.
+
+    Every step is charged as a Poisson-subsampled Gaussian mechanism (rate q, multiplier z).
+    Sample-level DP protects a patient with many images much less than its ε suggests: for
+    patient-level privacy use `P3SGD`.
+
+    Args:
+        clip_norm: C, the L2 bound on one sample's gradient.
+        noise_multiplier: z; the noise std on the summed clipped gradients is z·C. Give this or
+            ``target_epsilon``.
+        target_epsilon: calibrate z so that the planned run (``max_steps``, or ``max_epochs`` ×
+            steps per epoch) ends at ε ≤ target for this ``delta``.
+        batch_size: the expected (logical) batch size; q = batch_size / N for N training samples.
+            Give this or ``sample_rate``.
+        sample_rate: q directly.
+        max_physical_batch_size: the largest chunk of a logical batch run through the model at once
+            (memory only: results equal one big batch).
+        loss_reduction: ``"mean"`` if ``training_step`` returns the mean of the per-sample losses
+            (PyTorch's default), ``"sum"`` if their sum. Checked on the data before training.
+        steps_per_epoch: steps per Lightning epoch; default round(1/q) (one pass in expectation).
+        delta: δ; default the PrivacyBudget's, else 1/N^1.1.
+        accountant: the accountant used to calibrate ``target_epsilon`` (``rdp`` or ``prv``).
+        convert_batchnorm: replace BatchNorm by GroupNorm (with a `PrivacyWarning`); if False a
+            model with BatchNorm is an error.
+        seed: seed of the sampler and the noise; ``None`` (default) draws them from the OS CSPRNG.
+        log_private_diagnostics: also log the batch size, the clipped fraction and the mean
+            per-sample gradient norm. They are computed from private data and **not** sanitized.
+        name: distinguishes several DPSGD callbacks' checkpoint state.
+
+    Example:
+        >>> DPSGD(clip_norm=1.0, noise_multiplier=1.1, batch_size=64)
+        DPSGD(clip_norm=1.0, noise_multiplier=1.1, batch_size=64, sample_rate=None)
+    """
+
+    mechanism = "DPSGD"
+    unit = "sample"
+
+    def __init__(
+        self,
+        clip_norm: float,
+        noise_multiplier: float | None = None,
+        target_epsilon: float | None = None,
+        batch_size: int | None = None,
+        sample_rate: float | None = None,
+        max_physical_batch_size: int = 64,
+        loss_reduction: LossReduction = "mean",
+        steps_per_epoch: int | None = None,
+        delta: float | None = None,
+        accountant: Literal["rdp", "prv"] = "rdp",
+        convert_batchnorm: bool = True,
+        seed: int | None = None,
+        log_private_diagnostics: bool = False,
+        name: str | None = None,
+    ) -> None:
+        owner = "DPSGD"
+        self.clip_norm = check_finite_positive(owner, "clip_norm", clip_norm, "e.g. 1.0.")
+        if (noise_multiplier is None) == (target_epsilon is None):
+            raise PrivacyConfigError(
+                f"`DPSGD(noise_multiplier={noise_multiplier}, target_epsilon={target_epsilon})`: give exactly one of "
+                "them. HINT: noise_multiplier=1.0, or target_epsilon=8.0 to calibrate the noise to the planned run."
+            )
+        self.noise_multiplier = (
+            None
+            if noise_multiplier is None
+            else check_finite_positive(owner, "noise_multiplier", noise_multiplier, "e.g. 1.0.")
+        )
+        self.target_epsilon = (
+            None if target_epsilon is None else check_finite_positive(owner, "target_epsilon", target_epsilon, "8.0.")
+        )
+        if (batch_size is None) == (sample_rate is None):
+            raise PrivacyConfigError(
+                f"`DPSGD(batch_size={batch_size}, sample_rate={sample_rate})`: give exactly one of them. HINT: "
+                "batch_size is the expected number of samples per step; sample_rate = batch_size / dataset size."
+            )
+        self.batch_size = None if batch_size is None else check_count(owner, "batch_size", batch_size, "64.", minimum=1)
+        self.sample_rate = None if sample_rate is None else check_sample_rate(owner, sample_rate)
+        self.max_physical_batch_size = check_count(
+            owner, "max_physical_batch_size", max_physical_batch_size, "as many samples as fit in memory.", minimum=1
+        )
+        if loss_reduction not in ("mean", "sum"):
+            raise PrivacyConfigError(
+                f"`DPSGD(loss_reduction={loss_reduction!r})`: loss_reduction must be 'mean' or 'sum', found "
+                f"{loss_reduction!r}. HINT: 'mean' if training_step averages the per-sample losses."
+            )
+        self.loss_reduction: LossReduction = loss_reduction
+        self.steps_per_epoch = (
+            None if steps_per_epoch is None else check_count(owner, "steps_per_epoch", steps_per_epoch, "", minimum=1)
+        )
+        if accountant not in ("rdp", "prv"):
+            raise PrivacyConfigError(
+                f"`DPSGD(accountant={accountant!r})`: accountant must be 'rdp' or 'prv', found {accountant!r}."
+            )
+        self.accountant_name: Literal["rdp", "prv"] = accountant
+        self.convert_batchnorm = convert_batchnorm
+        super().__init__(delta, seed, log_private_diagnostics, name)
+        self.steps = 0
+        self.sampler: PoissonSampleSampler | None = None
+        self.clipper: PerSampleClipper | None = None
+        self.converted_layers: list[str] = []
+        self.planned_steps: int | None = None
+        self._dataset: Any = None
+        self._source_loader: DataLoader[Any] | None = None
+        self._batches: PoissonBatches | None = None
+        self._loss_scale = 1.0
+        self._good_chunks = 0
+
+    def __repr__(self) -> str:
+        noise = (
+            f"noise_multiplier={self.noise_multiplier}"
+            if self.target_epsilon is None
+            else f"target_epsilon={self.target_epsilon}"
+        )
+        return (
+            f"DPSGD(clip_norm={self.clip_norm}, {noise}, batch_size={self.batch_size}, sample_rate={self.sample_rate})"
+        )
+
+    # ------------------------------------------------------------------ setup
+    def _prepare(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> int:
+        datamodule = getattr(trainer, "datamodule", None)
+        owner = datamodule if datamodule is not None else pl_module
+        try:
+            loader = owner.train_dataloader()
+        except Exception as err:  # noqa: BLE001 - any failure here means there is no usable loader
+            raise PrivacyConfigError(
+                f"`DPSGD`: could not get the training data from {type(owner).__name__}.train_dataloader() ({err}). "
+                "HINT: pass a datamodule to trainer.fit, or define train_dataloader() in the LightningModule."
+            ) from err
+        dataset = getattr(loader, "dataset", None)
+        if not isinstance(loader, DataLoader) or dataset is None or isinstance(dataset, IterableDataset):
+            raise PrivacyConfigError(
+                f"`DPSGD`: {type(owner).__name__}.train_dataloader() must return a DataLoader over a map-style dataset "
+                f"(with __len__ and __getitem__), found {type(loader).__name__} over {type(dataset).__name__}. HINT: "
+                "DP-SGD samples each example independently, so it must be able to index the dataset."
+            )
+        num_samples = len(dataset)
+        if num_samples == 0:
+            raise PrivacyConfigError("`DPSGD`: the training dataset is empty. HINT: check the datamodule.")
+        if self.batch_size is not None and self.batch_size > num_samples:
+            raise PrivacyConfigError(
+                f"`DPSGD(batch_size={self.batch_size})`: the expected batch size must be at most the {num_samples} "
+                "training samples. HINT: use a smaller batch_size."
+            )
+        self._dataset, self._source_loader = dataset, loader
+        if any(True for _ in self._batch_norms(pl_module)):
+            if not self.convert_batchnorm:
+                raise UnsupportedModelError(
+                    f"`DPSGD(convert_batchnorm=False)`: {type(pl_module).__name__} has BatchNorm layers "
+                    f"{[n for n, _ in self._batch_norms(pl_module)][:5]}, which mix the samples of a batch. HINT: "
+                    "build the model with GroupNorm, or let DPSGD convert them (convert_batchnorm=True)."
+                )
+            self.converted_layers = fix_model(pl_module, warn=False)
+            rank_zero_warn(
+                f"DPSGD replaced {len(self.converted_layers)} BatchNorm layer(s) of {type(pl_module).__name__} by "
+                f"GroupNorm (e.g. {self.converted_layers[0]}): BatchNorm mixes samples and releases private running "
+                "statistics. HINT: build the model with GroupNorm (ImageClassifier(norm='group')) so that its "
+                "checkpoints load without DPSGD.",
+                category=PrivacyWarning,
+            )
+        problems = validate_model(pl_module)
+        if problems:
+            listed = "\n  ".join(str(p) for p in problems)
+            raise UnsupportedModelError(
+                f"`DPSGD`: {type(pl_module).__name__} cannot be trained with per-sample gradients:\n  {listed}"
+            )
+        return num_samples
+
+    @staticmethod
+    def _batch_norms(module: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+        from lightning_dp.models.fixers import _BATCH_NORMS
+
+        return [(n, m) for n, m in module.named_modules() if isinstance(m, _BATCH_NORMS)]
+
+    def _rate(self, num_samples: int) -> float:
+        return self.sample_rate if self.sample_rate is not None else self.batch_size / num_samples  # type: ignore[operator]
+
+    def _planned_steps(self, trainer: pl.Trainer, steps_per_epoch: int) -> int:
+        if trainer.max_steps is not None and trainer.max_steps > 0:
+            return int(trainer.max_steps)
+        if trainer.max_epochs is not None and trainer.max_epochs > 0:
+            return int(trainer.max_epochs) * steps_per_epoch
+        raise PrivacyConfigError(
+            f"`DPSGD(target_epsilon={self.target_epsilon})`: calibrating the noise needs the length of the run, but "
+            "the Trainer has neither max_steps nor max_epochs. HINT: set one of them, or give noise_multiplier."
+        )
+
+    def _new_release(self, ledger: PrivacyLedger, seed: int) -> NoisyRelease:
+        assert self.noise_multiplier is not None and self.sampler is not None
+        return NoisyRelease(ledger, (self.noise_multiplier,), self.clip_norm, self.sampler.sample_rate, seed=seed)
+
+    def _build(self, trainer: pl.Trainer, pl_module: pl.LightningModule, seeds: list[int]) -> DataLoader[Any]:
+        assert self.ledger is not None and self._source_loader is not None
+        num_samples = len(self._dataset)
+        rate = check_sample_rate("DPSGD", self._rate(num_samples))
+        steps_per_epoch = self.steps_per_epoch or max(1, round(1 / rate))
+        if self.target_epsilon is not None:
+            self.planned_steps = self._planned_steps(trainer, steps_per_epoch)
+            self.noise_multiplier = calibrate_noise_multiplier(
+                self.target_epsilon, self.ledger.delta, rate, self.planned_steps, self.accountant_name
+            )
+        self.sampler = PoissonSampleSampler(
+            num_samples, rate, seed=seeds[0], rank=trainer.global_rank, world_size=trainer.world_size
+        )
+        self.release = self._new_release(self.ledger, seeds[1])
+        self.clipper = PerSampleClipper(pl_module, self.clip_norm, self.loss_reduction)
+        self._loss_scale = _INITIAL_LOSS_SCALE if str(trainer.precision) in _FP16 else 1.0
+        source = self._source_loader
+        self._batches = PoissonBatches(
+            self._dataset, self.sampler, steps_per_epoch, self.max_physical_batch_size, source.collate_fn
+        )
+        workers: dict[str, Any] = {}
+        if source.num_workers > 0:
+            workers = {
+                "num_workers": source.num_workers,
+                "worker_init_fn": source.worker_init_fn,
+                "multiprocessing_context": source.multiprocessing_context,
+                "prefetch_factor": source.prefetch_factor,
+                "timeout": source.timeout,
+            }
+        return DataLoader(
+            self._batches, batch_size=None, collate_fn=identity_collate, pin_memory=source.pin_memory, **workers
+        )
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        super().teardown(trainer, pl_module, stage)
+        if stage == "fit" and self.clipper is not None:
+            self.clipper.remove()
+
+    # ------------------------------------------------------------------ checks before training
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        super().on_train_start(trainer, pl_module)
+        optimizers = self._optimizers(pl_module)
+        if len(optimizers) != 1 or optimizers[0] is None:
+            raise PrivacyConfigError(
+                f"`DPSGD`: {type(pl_module).__name__}.configure_optimizers must return exactly one optimizer, found "
+                f"{len(optimizers)}. HINT: DPSGD hands the noisy gradient to that optimizer (SGD, Adam, ...)."
+            )
+        self._check_loss_and_independence(pl_module)
+
+    def _chunk(self, indices: list[int], pl_module: pl.LightningModule) -> Any:
+        assert self._source_loader is not None
+        batch = self._source_loader.collate_fn([self._dataset[i] for i in indices])
+        return pl_module.transfer_batch_to_device(batch, pl_module.device, 0)
+
+    def _loss(self, out: Any) -> torch.Tensor:
+        loss = out.get("loss") if isinstance(out, dict) else out
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise PrivacyConfigError(
+                f"`DPSGD`: training_step returned {type(out).__name__}, not a scalar loss tensor. HINT: return the "
+                "batch loss (or {'loss': loss}) from training_step."
+            )
+        return loss
+
+    def _check_loss_and_independence(self, pl_module: pl.LightningModule) -> None:
+        """Before the first step: the loss has the declared reduction, and samples do not mix.
+
+        Computed on the first two training samples; nothing of it is released except whether the
+        model passes (a property of the architecture, not of the data).
+        """
+        assert self.clipper is not None and self._original_training_step is not None
+        step = self._original_training_step
+        single = self._chunk([0], pl_module)
+        doubled = self._chunk([0, 0], pl_module)
+        was_training = pl_module.training
+        pl_module.eval()
+        with torch.no_grad(), self._quiet(pl_module):
+            one, two = float(self._loss(step(single, 0))), float(self._loss(step(doubled, 0)))
+        pl_module.train(was_training)
+        if math.isfinite(one) and math.isfinite(two) and abs(one) > 1e-6:
+            ratio = two / one
+            found = "mean" if abs(ratio - 1) < 1e-3 else "sum" if abs(ratio - 2) < 1e-3 else None
+            if found is not None and found != self.loss_reduction:
+                raise PrivacyConfigError(
+                    f"`DPSGD(loss_reduction={self.loss_reduction!r})`: training_step's loss is the {found} of the "
+                    f"per-sample losses (the loss of a sample twice is {ratio:.3f}× its loss alone). HINT: "
+                    f"DPSGD(loss_reduction={found!r})."
+                )
+        if len(self._dataset) < 2:
+            return
+        # Per-sample independence: Σ clip(g) over {x0, x1} must equal clip(g(x0)) + clip(g(x1)). BatchNorm-like
+        # layers that mix samples break this (by O(1)); fp32 round-off stays far below the tolerance.
+        dropouts = [m for m in pl_module.modules() if isinstance(m, torch.nn.modules.dropout._DropoutNd)]
+        for m in dropouts:
+            m.eval()
+        sums = []
+        with self._quiet(pl_module):
+            for indices in ([0], [1], [0, 1]):
+                self.clipper.reset()
+                chunk = self._chunk(indices, pl_module)
+
+                def loss(chunk: Any = chunk) -> torch.Tensor:
+                    return self._loss(step(chunk, 0))
+
+                self.clipper.accumulate(loss, len(indices))
+                sums.append(self.clipper.flat_sum.clone())
+        for m in dropouts:
+            m.train(pl_module.training)
+        self.clipper.reset()
+        separate, together = sums[0] + sums[1], sums[2]
+        error = float((together - separate).norm() / separate.norm().clamp_min(1e-30))
+        if error > 0.05:
+            raise UnsupportedModelError(
+                f"`DPSGD`: {type(pl_module).__name__} mixes the samples of a batch: the clipped gradient of two "
+                f"samples computed together differs from the two computed apart by {100 * error:.1f} % (relative). "
+                "Per-sample clipping would then not bound one sample's influence. HINT: remove batch-dependent layers "
+                "(BatchNorm, batch statistics in training_step); lightning_dp.models.validate_model lists known ones."
+            )
+
+    # ------------------------------------------------------------------ the step
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        assert self._batches is not None
+        self._batches.first_step = self.steps  # the loader's epoch continues the step counter
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._step_schedulers(trainer, "epoch", trainer.current_epoch + 1)
+
+    def _private_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> None:
+        assert self.ledger is not None and self.release is not None and self.sampler is not None
+        assert self.clipper is not None and self._original_training_step is not None
+        if not isinstance(batch, LogicalBatch) or batch.step != self.steps:
+            found = batch.step if isinstance(batch, LogicalBatch) else type(batch).__name__
+            raise PrivacyStateError(
+                f"`DPSGD`: the loader delivered the batch of step {found}, but this is step {self.steps}. Every "
+                "step must use a fresh Poisson sample. HINT: do not use persistent_workers or a custom fit loop."
+            )
+        if not self._budget_allows(trainer, self.release.worst_case_event()):
+            return
+        self.clipper.reset()
+        stats = torch.zeros(4, dtype=torch.float64)  # samples, clipped, norm sum, non-finite
+        with self._quiet(pl_module):
+            for k, chunk in enumerate(batch.chunks):
+                size = min(self.max_physical_batch_size, batch.size - k * self.max_physical_batch_size)
+                result = self._accumulate_chunk(chunk, size, k)
+                stats += torch.tensor([size, result.clipped, result.norm_sum, result.nonfinite], dtype=torch.float64)
+        device = pl_module.device
+        clipped_sum = trainer.strategy.reduce(self.clipper.flat_sum, reduce_op="sum")
+        stats = trainer.strategy.reduce(stats.to(device), reduce_op="sum").cpu()
+        released = self.release.release(clipped_sum, self.sampler.expected_batch_size)
+        self._apply(trainer, pl_module, released.update)
+        self.steps += 1
+        self._step_schedulers(trainer, "step", self.steps)
+        metrics = {
+            "privacy/epsilon": self._accountant.epsilon(self.ledger),
+            "privacy/delta": self.ledger.delta,
+            "privacy/noise_multiplier": released.noise_multiplier,
+            "privacy/noise_std": released.noise_std,
+            "privacy/steps": float(self.steps),
+            "privacy/expected_batch_size": self.sampler.expected_batch_size,
+        }
+        if self.log_private_diagnostics:
+            n = max(stats[0].item(), 1.0)
+            metrics.update(
+                {
+                    "private_diagnostics/batch_size": stats[0].item(),
+                    "private_diagnostics/clipped_fraction": stats[1].item() / n,
+                    "private_diagnostics/mean_per_sample_norm": stats[2].item() / n,
+                    "private_diagnostics/nonfinite_samples": stats[3].item(),
+                }
+            )
+        self._log(pl_module, metrics)
+
+    def _accumulate_chunk(self, chunk: Any, size: int, index: int) -> Any:
+        assert self.clipper is not None and self._original_training_step is not None
+        step = self._original_training_step
+        while True:
+            try:
+                result = self.clipper.accumulate(
+                    lambda: self._loss(step(chunk, index)),
+                    size,
+                    loss_scale=self._loss_scale,
+                    raise_on_nonfinite=self._loss_scale > 1.0,
+                )
+            except NonFiniteGradientsError:
+                # fp16 overflow of the scaled backward: nothing was added; retry with half the scale.
+                self._loss_scale /= 2.0
+                self._good_chunks = 0
+                continue
+            if self._loss_scale != 1.0:
+                self._good_chunks += 1
+                if self._good_chunks >= _LOSS_SCALE_GROWTH_INTERVAL:
+                    self._loss_scale, self._good_chunks = self._loss_scale * 2.0, 0
+            return result
+
+    def _apply(self, trainer: pl.Trainer, pl_module: pl.LightningModule, update: torch.Tensor) -> None:
+        """Hands the noisy gradient to the module's optimizer and steps it (advancing Lightning's step)."""
+        assert self.clipper is not None
+        for param, grad in self.clipper.views(update):
+            param.grad = grad.to(param.dtype)
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        if scaler is not None and scaler.is_enabled() and scaler.get_scale() != 1.0:
+            # The precision plugin would divide our (already unscaled) gradient by its loss scale.
+            scaler.scale(torch.ones((), device=pl_module.device))  # initializes the scale tensor if needed
+            scaler.update(new_scale=1.0)
+        for optimizer in self._optimizers(pl_module):
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+    @staticmethod
+    def _step_schedulers(trainer: pl.Trainer, interval: str, counter: int) -> None:
+        """Manual optimization leaves LR schedulers to the step: step those configured for ``interval``."""
+        for config in trainer.lr_scheduler_configs:
+            if config.interval != interval or counter % config.frequency:
+                continue
+            if config.reduce_on_plateau:
+                metric = trainer.callback_metrics.get(config.monitor or "")
+                if metric is not None:
+                    config.scheduler.step(metric)  # type: ignore[arg-type]
+            else:
+                config.scheduler.step()  # type: ignore[call-arg]
+
+    # ------------------------------------------------------------------ report and checkpoints
+    def _report_extra(self) -> dict[str, Any]:
+        assert self.sampler is not None
+        extra: dict[str, Any] = {
+            "steps": self.steps,
+            "noise_multiplier": self.noise_multiplier,
+            "clip_norm": self.clip_norm,
+            "sample_rate": self.sampler.sample_rate,
+            "expected_batch_size": self.sampler.expected_batch_size,
+            "num_samples": self.sampler.num_samples,
+        }
+        if self.target_epsilon is not None:
+            extra["calibrated_for"] = {"target_epsilon": self.target_epsilon, "planned_steps": self.planned_steps}
+        if self.converted_layers:
+            extra["batchnorm_converted_to_groupnorm"] = len(self.converted_layers)
+        return extra
+
+    def _extra_state(self) -> dict[str, Any]:
+        assert self.sampler is not None
+        return {
+            "steps": self.steps,
+            "sampler_seed": self.sampler.seed,
+            "num_samples": self.sampler.num_samples,
+            "sample_rate": self.sampler.sample_rate,
+            "noise_multiplier": self.noise_multiplier,
+            "clip_norm": self.clip_norm,
+            "loss_scale": self._loss_scale,
+            "good_chunks": self._good_chunks,
+        }
+
+    def _load_extra_state(self, state: dict[str, Any]) -> Callable[[], None]:
+        assert self.sampler is not None
+        mine = (self.sampler.num_samples, self.sampler.sample_rate, self.noise_multiplier, self.clip_norm)
+        theirs = (state["num_samples"], state["sample_rate"], state["noise_multiplier"], state["clip_norm"])
+        if mine != theirs:
+            raise PrivacyStateError(
+                f"`{self.state_key}`: the checkpoint was written with (samples, sample_rate, noise_multiplier, "
+                f"clip_norm) = {theirs}; this run has {mine}. HINT: resume with the same data and privacy settings."
+            )
+        steps, seed = state["steps"], state["sampler_seed"]
+        if not isinstance(steps, int) or steps < 0 or not isinstance(seed, int):
+            raise PrivacyStateError(f"`{self.state_key}`: corrupt step counter or sampler seed in the checkpoint.")
+        sampler = self.sampler
+
+        def assign() -> None:
+            sampler.seed = seed
+            self.steps = steps
+            self._loss_scale = float(state["loss_scale"])
+            self._good_chunks = int(state["good_chunks"])
+
+        return assign
