@@ -19,10 +19,11 @@ Example:
 
 from __future__ import annotations
 
-import math
 import warnings
 from dataclasses import dataclass
+from typing import Any
 
+import torch
 from torch import nn
 
 from lightning_dp.errors import PrivacyWarning
@@ -47,9 +48,15 @@ class ModelProblem:
         return f"{self.name or '<root>'} ({self.layer}): {self.problem}. FIX: {self.fix}"
 
 
-def group_norm_for(num_channels: int, max_groups: int = 32) -> nn.GroupNorm:
-    """GroupNorm with the largest divisor of ``num_channels`` that is ≤ ``max_groups`` as the group count."""
-    return nn.GroupNorm(math.gcd(num_channels, max_groups), num_channels)
+def group_norm_for(num_channels: int, max_groups: int = 32, **kwargs: Any) -> nn.GroupNorm:
+    """GroupNorm with the largest divisor of ``num_channels`` that is ≤ ``max_groups`` as the group count.
+
+    Example:
+        >>> group_norm_for(64).num_groups, group_norm_for(24).num_groups, group_norm_for(144).num_groups
+        (32, 24, 24)
+    """
+    groups = max(d for d in range(1, min(num_channels, max_groups) + 1) if num_channels % d == 0)
+    return nn.GroupNorm(groups, num_channels, **kwargs)
 
 
 def validate_model(module: nn.Module) -> list[ModelProblem]:
@@ -59,7 +66,7 @@ def validate_model(module: nn.Module) -> list[ModelProblem]:
     ``DPLSTM``/``DPGRU``/``DPRNN``); trainable parameters that do not belong to a layer whose
     per-sample gradient can be computed.
     """
-    from lightning_dp.sanitization.per_sample import UnsupportedModelError, trainable_layers
+    from lightning_dp.sanitization.per_sample import parameters_next_to_children, trainable_layers
 
     problems: list[ModelProblem] = []
     for name, sub in module.named_modules():
@@ -91,12 +98,17 @@ def validate_model(module: nn.Module) -> list[ModelProblem]:
                     f"use opacus.layers.DP{kind} (a drop-in replacement) or freeze the layer",
                 )
             )
-    try:
-        layers = trainable_layers(module)
-    except UnsupportedModelError as err:
-        problems.append(ModelProblem(type(module).__name__, type(module).__name__, str(err), "see the HINT above"))
-        return problems
-    for name, sub in layers:
+    for name, sub, params, nested in parameters_next_to_children(module):
+        problems.append(
+            ModelProblem(
+                name,
+                type(sub).__name__,
+                f"it holds trainable parameters {params} next to sub-modules with their own parameters "
+                f"({nested[:3]}), so their per-sample gradients cannot be computed",
+                "move the parameters into a small nn.Module of their own (whose forward uses them), or freeze them",
+            )
+        )
+    for name, sub in trainable_layers(module, strict=False):
         if isinstance(sub, (*_BATCH_NORMS, *_RECURRENT)):
             continue
         if not _has_rule(sub) and (any(True for _ in sub.buffers(recurse=False)) or any(True for _ in sub.children())):
@@ -123,8 +135,10 @@ def _has_rule(module: nn.Module) -> bool:
 def fix_model(module: nn.Module, warn: bool = True) -> list[str]:
     """Replaces every BatchNorm layer of ``module`` by GroupNorm, in place, and returns what changed.
 
-    The GroupNorm keeps the BatchNorm's affine weight and bias (and its device and dtype) and uses
-    the largest divisor of the channel count ≤ 32 as the number of groups. The parameters of the
+    The GroupNorm keeps the BatchNorm's affine weight and bias, eps, device and dtype. For
+    BatchNorm2d/3d the number of groups is the largest divisor of the channel count ≤ 32; a
+    BatchNorm1d becomes GroupNorm(1, C), a LayerNorm over the features (its input is usually a
+    feature vector, where groups of one value would always normalize to 0). The parameters of the
     model change, so call this *before* creating optimizers (the DPSGD callback does it in
     ``setup``, before Lightning calls ``configure_optimizers``).
 
@@ -140,16 +154,18 @@ def fix_model(module: nn.Module, warn: bool = True) -> list[str]:
         for child_name, child in list(parent.named_children()):
             if not isinstance(child, _BATCH_NORMS):
                 continue
-            replacement = group_norm_for(child.num_features)
-            replacement.eps = child.eps
-            if child.affine and child.weight is not None and child.bias is not None:
-                replacement.weight.data.copy_(child.weight.data)
-                replacement.bias.data.copy_(child.bias.data)
-                replacement.to(device=child.weight.device, dtype=child.weight.dtype)
+            affine = child.affine and child.weight is not None and child.bias is not None
+            like = child.weight if affine else next(iter(child.buffers()), None)
+            factory: dict[str, Any] = {} if like is None else {"device": like.device, "dtype": like.dtype}
+            # BatchNorm1d usually normalizes feature vectors: a group of one value would always be 0.
+            max_groups = 1 if isinstance(child, nn.BatchNorm1d) else 32
+            replacement = group_norm_for(child.num_features, max_groups, eps=child.eps, affine=affine, **factory)
+            if affine:
+                with torch.no_grad():
+                    replacement.weight.copy_(child.weight)
+                    replacement.bias.copy_(child.bias)
                 replacement.weight.requires_grad_(child.weight.requires_grad)
                 replacement.bias.requires_grad_(child.bias.requires_grad)
-            else:
-                replacement = nn.GroupNorm(replacement.num_groups, child.num_features, eps=child.eps, affine=False)
             setattr(parent, child_name, replacement)
             full = f"{parent_name}.{child_name}" if parent_name else child_name
             changes.append(

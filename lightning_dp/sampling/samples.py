@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
-from lightning_dp.errors import check_count, check_sample_rate
+from lightning_dp.errors import PrivacyConfigError, check_count, check_sample_rate
 from lightning_dp.sampling.patients import secure_seed
 
 __all__ = ["LogicalBatch", "PoissonBatches", "PoissonSampleSampler", "identity_collate"]
@@ -59,8 +59,9 @@ class PoissonSampleSampler:
         self.world_size = check_count("PoissonSampleSampler", "world_size", world_size, "1 process.", minimum=1)
         self.rank = check_count("PoissonSampleSampler", "rank", rank, "0 on one process.")
         if self.rank >= self.world_size:
-            raise ValueError(
-                f"`PoissonSampleSampler(rank={rank}, world_size={world_size})`: rank must be < world_size."
+            raise PrivacyConfigError(
+                f"`PoissonSampleSampler(rank={rank}, world_size={world_size})`: rank must be < world_size, found "
+                f"{rank}. HINT: ranks are 0 .. world_size - 1."
             )
         self.seed = secure_seed() if seed is None else int(seed)
 
@@ -114,8 +115,10 @@ class PoissonBatches(IterableDataset[LogicalBatch]):
     ) -> None:
         self.dataset = dataset
         self.sampler = sampler
-        self.steps = steps
-        self.max_physical_batch_size = max_physical_batch_size
+        self.steps = check_count("PoissonBatches", "steps", steps, "steps per epoch, e.g. 100.", minimum=1)
+        self.max_physical_batch_size = check_count(
+            "PoissonBatches", "max_physical_batch_size", max_physical_batch_size, "e.g. 64.", minimum=1
+        )
         self.collate_fn = collate_fn
         self.first_step = 0
 

@@ -41,6 +41,7 @@ __all__ = [
     "NonFiniteGradientsError",
     "PerSampleClipper",
     "UnsupportedModelError",
+    "parameters_next_to_children",
     "trainable_layers",
 ]
 
@@ -67,28 +68,40 @@ def _direct_trainable(module: nn.Module) -> list[nn.Parameter]:
     return [p for p in module.parameters(recurse=False) if p.requires_grad]
 
 
-def trainable_layers(module: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The modules whose own parameters are trained, as (qualified name, module).
+def parameters_next_to_children(module: nn.Module) -> list[tuple[str, nn.Module, list[str], list[str]]]:
+    """Modules holding trainable parameters *and* children with trainable parameters (other than Linear/Conv).
 
-    A module that holds trainable parameters *and* has children with trainable parameters (for
-    example a LightningModule with its own ``nn.Parameter``) cannot be split into per-sample layers:
-    `UnsupportedModelError` names it.
+    Their parameters are used somewhere in their forward, outside any layer, so no per-sample rule
+    applies (for example a LightningModule with its own ``nn.Parameter``). Returns
+    (name, module, its parameter names, the parameterized children's names) for each.
     """
-    layers: list[tuple[str, nn.Module]] = []
+    found = []
     for name, sub in module.named_modules():
-        if not _direct_trainable(sub):
+        if not _direct_trainable(sub) or isinstance(sub, (*_CONV_TYPES, nn.Linear)):
             continue
         nested = [n for n, child in sub.named_modules() if child is not sub and _direct_trainable(child)]
-        if nested and not isinstance(sub, (*_CONV_TYPES, nn.Linear)):
+        if nested:
             params = [n for n, p in sub.named_parameters(recurse=False) if p.requires_grad]
-            raise UnsupportedModelError(
-                f"`{name or type(sub).__name__}` ({type(sub).__name__}) holds trainable parameters {params} next to "
-                f"sub-modules with their own parameters ({nested[:3]}), so their per-sample gradients cannot be "
-                "computed. HINT: move the parameters into a small nn.Module of their own (whose forward uses them), "
-                "or freeze them (requires_grad=False)."
-            )
-        layers.append((name, sub))
-    return layers
+            found.append((name or type(sub).__name__, sub, params, nested))
+    return found
+
+
+def trainable_layers(module: nn.Module, strict: bool = True) -> list[tuple[str, nn.Module]]:
+    """The modules whose own parameters are trained, as (qualified name, module).
+
+    With ``strict`` a module found by `parameters_next_to_children` raises `UnsupportedModelError`
+    naming it; otherwise it is left out.
+    """
+    mixed = parameters_next_to_children(module)
+    if mixed and strict:
+        name, sub, params, nested = mixed[0]
+        raise UnsupportedModelError(
+            f"`{name}` ({type(sub).__name__}) holds trainable parameters {params} next to sub-modules with their own "
+            f"parameters ({nested[:3]}), so their per-sample gradients cannot be computed. HINT: move the parameters "
+            "into a small nn.Module of their own (whose forward uses them), or freeze them (requires_grad=False)."
+        )
+    excluded = {id(sub) for _, sub, _, _ in mixed}
+    return [(n, sub) for n, sub in module.named_modules() if _direct_trainable(sub) and id(sub) not in excluded]
 
 
 @dataclass
