@@ -180,7 +180,8 @@ class PerSampleClipper:
                     _prepare_functorch(name, sub)
             self.layers.append(_Layer(name, sub, _direct_trainable(sub), kind))
         self._samplers = samplers
-        self.params = [p for layer in self.layers for p in layer.params]
+        self.params = list({id(p): p for layer in self.layers for p in layer.params}.values())
+        self._groups = _tied_groups(self.layers)
         if not self.params:
             raise UnsupportedModelError(
                 f"`PerSampleClipper`: {type(module).__name__} has no trainable parameters. HINT: check requires_grad."
@@ -299,14 +300,21 @@ class PerSampleClipper:
                     "training_step uses the model's output and that its layers are trainable."
                 )
             (loss * loss_scale).backward()
+            if not any(r.backprops is not None for layer in self.layers for r in layer.records):
+                raise UnsupportedModelError(
+                    "`PerSampleClipper`: the loss does not depend on any trainable layer. HINT: check that "
+                    "training_step uses the model's output and that its layers are trainable."
+                )
             scale = (batch_size if self.loss_reduction == "mean" else 1.0) / loss_scale
-            sq_norms, pending = self._squared_norms(batch_size, scale)
-            norms = sq_norms.sqrt()
-            finite = torch.isfinite(norms)
-            if raise_on_nonfinite and not bool(finite.all()):
-                raise NonFiniteGradientsError(f"{int((~finite).sum())} of {batch_size} per-sample gradients")
-            coeff = torch.where(finite, (self.clip_norm / norms.clamp_min(1e-30)).clamp(max=1.0), 0.0)
-            self._add_clipped(pending, coeff, finite)
+            # The clipping arithmetic runs in fp32 (or fp64) whatever autocast the caller's step uses.
+            with torch.no_grad(), torch.autocast(self.params[0].device.type, enabled=False):
+                sq_norms, pending = self._squared_norms(batch_size, scale)
+                norms = sq_norms.sqrt()
+                finite = torch.isfinite(norms)
+                if raise_on_nonfinite and not bool(finite.all()):
+                    raise NonFiniteGradientsError(f"{int((~finite).sum())} of {batch_size} per-sample gradients")
+                coeff = torch.where(finite, (self.clip_norm / norms.clamp_min(1e-30)).clamp(max=1.0), 0.0)
+                self._add_clipped(pending, coeff, finite)
             return ClipStats(
                 batch_size=batch_size,
                 clipped=int(((norms > self.clip_norm) & finite).sum()),
@@ -336,26 +344,36 @@ class PerSampleClipper:
         return records
 
     def _squared_norms(self, batch_size: int, scale: float) -> tuple[Tensor, list[_Pending]]:
-        """Σ over layers of each sample's squared gradient norm, and what each layer keeps for the clipped sum."""
+        """Σ over layers of each sample's squared gradient norm, and what each layer keeps for the clipped sum.
+
+        Layers that share a parameter (tied weights) form one group: their per-sample gradients are
+        summed before the norm is taken, since the norm of a sum is not the sum of the norms.
+        """
         dtype = self.flat_sum.dtype
         total = torch.zeros(batch_size, dtype=torch.float64, device=self.flat_sum.device)
         pending: list[_Pending] = []
-        for layer in self.layers:
-            records = self._layer_records(layer, batch_size)
+        for group in self._groups:
+            records = [(layer, self._layer_records(layer, batch_size)) for layer in group]
+            records = [(layer, rs) for layer, rs in records if rs]
             if not records:
                 continue
-            if len(records) == 1 and layer.kind in ("linear", "conv"):
-                sq, item = _ghost_or_materialized(layer, records[0], scale, dtype)
+            (layer, layer_records), *others = records
+            if not others and len(layer_records) == 1 and layer.kind in ("linear", "conv"):
+                sq, item = _ghost_or_materialized(layer, layer_records[0], scale, dtype)
             else:
-                # Several calls (shared weights) or a generic layer: per-sample gradients summed over the calls.
-                item = _Materialized(self._per_sample_grads(layer, records, scale))
-                sq = sum(g.reshape(batch_size, -1).pow(2).sum(1) for g in item.grads.values())  # type: ignore[assignment]
-            total += sq.double()
+                # Several calls of a layer, tied parameters, or a generic layer: per-sample gradients, summed.
+                grads: dict[nn.Parameter, Tensor] = {}
+                for member, member_records in records:
+                    for p, g in self._per_sample_grads(member, member_records, scale).items():
+                        grads[p] = grads[p] + g if p in grads else g
+                sq, item = _sum_of_squares(list(grads.values())), _Materialized(grads)
+            total += sq
             pending.append(item)
         return total, pending
 
     def _per_sample_grads(self, layer: _Layer, records: list[_Record], scale: float) -> dict[nn.Parameter, Tensor]:
         dtype = self.flat_sum.dtype
+        trained = {id(p) for p in layer.params}
         out: dict[nn.Parameter, Tensor] = {}
         for r in records:
             assert r.backprops is not None
@@ -367,11 +385,16 @@ class PerSampleClipper:
                 grads = self._samplers.get(type(layer.module), _functorch_sampler)(
                     layer.module, [activation], backprops
                 )
+            padding = getattr(layer.module, "padding_idx", None) if isinstance(layer.module, nn.Embedding) else None
             for p, g in grads.items():
-                out[p] = out[p] + g.to(dtype) if p in out else g.to(dtype)
+                if id(p) not in trained:  # the functorch rule also returns frozen parameters
+                    continue
+                g = g.to(dtype)
+                if padding is not None:  # Opacus' embedding rule also gives the padding row a gradient
+                    g[:, padding] = 0.0
+                out[p] = out[p] + g if p in out else g
         return out
 
-    @torch.no_grad()
     def _add_clipped(self, pending: list[_Pending], coeff: Tensor, finite: Tensor) -> None:
         coeff = coeff.to(self.flat_sum.dtype)
         dropped = None if bool(finite.all()) else finite
@@ -403,6 +426,38 @@ class _Ghost:
 
 
 _Pending = _Materialized | _Ghost
+
+
+def _tied_groups(layers: list[_Layer]) -> list[list[_Layer]]:
+    """The layers grouped so that layers sharing a parameter are in the same group (in layer order)."""
+    owner: dict[int, int] = {}
+    parent = list(range(len(layers)))
+
+    def find(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    for i, layer in enumerate(layers):
+        for p in layer.params:
+            if id(p) in owner:
+                parent[find(i)] = find(owner[id(p)])
+            else:
+                owner[id(p)] = i
+    groups: dict[int, list[_Layer]] = {}
+    for i, layer in enumerate(layers):
+        groups.setdefault(find(i), []).append(layer)
+    return list(groups.values())
+
+
+def _sum_of_squares(tensors: list[Tensor]) -> Tensor:
+    """Per-sample Σ of squares of (B, ...) tensors, as float64; recomputed in float64 where fp32 overflowed."""
+    b = tensors[0].shape[0]
+    sq = torch.stack([t.reshape(b, -1).pow(2).sum(1) for t in tensors]).sum(0).double()
+    if not bool(torch.isfinite(sq).all()):
+        sq = torch.stack([t.reshape(b, -1).double().pow(2).sum(1) for t in tensors]).sum(0)
+    return sq
 
 
 def _expand(mask: Tensor, like: Tensor) -> Tensor:
@@ -517,15 +572,23 @@ def _ghost_or_materialized(layer: _Layer, record: _Record, scale: float, dtype: 
     at, gt = _views(layer.kind, module, activation, backprops)  # (B, d, T), (B, p, T)
     (_, d, t), p = at.shape, gt.shape[1]
     if getattr(module, "groups", 1) == 1 and t * (d + p) < d * p:
-        if t == 1:
-            sq = at.pow(2).sum((1, 2)) * gt.pow(2).sum((1, 2))
-        else:
-            sq = (torch.bmm(at.transpose(1, 2), at) * torch.bmm(gt.transpose(1, 2), gt)).sum((1, 2))
-        if module.bias is not None and module.bias.requires_grad:
-            sq = sq + gt.sum(2).pow(2).sum(1)
+        sq = _ghost_norms(module, at, gt)
+        if not bool(torch.isfinite(sq).all()):  # a finite gradient whose square overflowed fp32
+            sq = _ghost_norms(module, at.double(), gt.double())
         return sq, _Ghost(module, layer.kind, activation, backprops)
     grads = _materialize(module, at, gt)
-    return sum(g.reshape(g.shape[0], -1).pow(2).sum(1) for g in grads.values()), _Materialized(grads)  # type: ignore[return-value]
+    return _sum_of_squares(list(grads.values())), _Materialized(grads)
+
+
+def _ghost_norms(module: Any, at: Tensor, gt: Tensor) -> Tensor:
+    """‖Σ_t g_t a_tᵀ‖² (+ ‖Σ_t g_t‖² for the bias) per sample, as float64, without forming the gradients."""
+    if at.shape[2] == 1:
+        sq = at.pow(2).sum((1, 2)) * gt.pow(2).sum((1, 2))
+    else:
+        sq = (torch.bmm(at.transpose(1, 2), at) * torch.bmm(gt.transpose(1, 2), gt)).sum((1, 2))
+    if module.bias is not None and module.bias.requires_grad:
+        sq = sq + gt.sum(2).pow(2).sum(1)
+    return sq.double()
 
 
 def _add_weighted(item: _Ghost, coeff: Tensor, dropped: Tensor | None, sums: dict[nn.Parameter, Tensor]) -> None:
