@@ -49,6 +49,7 @@ __all__ = ["DPSGD"]
 _FP16 = ("16-mixed", "16-true", "16")
 _INITIAL_LOSS_SCALE = 2.0**16
 _LOSS_SCALE_GROWTH_INTERVAL = 2000
+_LIGHTNING_DEFAULT_EPOCHS = 1000  # what Trainer() sets when neither max_epochs nor max_steps is given
 
 
 class DPSGD(DPCallback):
@@ -231,6 +232,14 @@ class DPSGD(DPCallback):
         if trainer.max_steps is not None and trainer.max_steps > 0:
             return int(trainer.max_steps)
         if trainer.max_epochs is not None and trainer.max_epochs > 0:
+            if trainer.max_epochs == _LIGHTNING_DEFAULT_EPOCHS:
+                rank_zero_warn(
+                    f"DPSGD(target_epsilon={self.target_epsilon}) calibrates the noise for max_epochs="
+                    f"{trainer.max_epochs} ({trainer.max_epochs * steps_per_epoch} steps), Lightning's default when no "
+                    "run length is set: the noise will be much larger than a shorter run needs. HINT: set the "
+                    "Trainer's max_steps or max_epochs.",
+                    category=PrivacyWarning,
+                )
             return int(trainer.max_epochs) * steps_per_epoch
         raise PrivacyConfigError(
             f"`DPSGD(target_epsilon={self.target_epsilon})`: calibrating the noise needs the length of the run, but "
@@ -503,11 +512,13 @@ class DPSGD(DPCallback):
         steps, seed = state["steps"], state["sampler_seed"]
         if not isinstance(steps, int) or steps < 0 or not isinstance(seed, int):
             raise PrivacyStateError(f"`{self.state_key}`: corrupt step counter or sampler seed in the checkpoint.")
-        sampler = self.sampler
+        sampler, batches = self.sampler, self._batches
 
         def assign() -> None:
             sampler.seed = seed
             self.steps = steps
+            if batches is not None:  # a mid-epoch restart does not call on_train_epoch_start
+                batches.first_step = steps
             self._loss_scale = float(state["loss_scale"])
             self._good_chunks = int(state["good_chunks"])
 
