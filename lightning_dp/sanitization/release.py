@@ -158,7 +158,7 @@ class NoisyRelease:
 
     def _gaussian(self, like: Tensor, std: float) -> Tensor:
         noise = torch.randn(like.shape, generator=self.generator, dtype=torch.float32)
-        return noise.to(like.device) * std
+        return noise.to(device=like.device, dtype=like.dtype) * std
 
     def release(
         self,
@@ -169,7 +169,8 @@ class NoisyRelease:
         """Noises ``clipped_sum / expected_count``, selects among scales, and records the round.
 
         Args:
-            clipped_sum: Σ of the clipped per-unit updates (fp32; under DDP the sum over all ranks).
+            clipped_sum: Σ of the clipped per-unit updates (under DDP the sum over all ranks); the
+                release is fp32, or fp64 for a fp64 sum (the noise is drawn in fp32 either way).
             expected_count: n = q·N, the expected number of units per round.
             loss_of: with several scales, the round's loss after applying a candidate update
                 (identical on every rank).
@@ -177,7 +178,7 @@ class NoisyRelease:
         n = check_finite_positive("NoisyRelease.release", "expected_count", expected_count, "q·N must be > 0.")
         unit = self.clip_norm / n
         base_std = self.z_min * unit
-        mean = clipped_sum.float() / n
+        mean = clipped_sum.to(torch.promote_types(clipped_sum.dtype, torch.float32)) / n
         if self.accounting == "rigorous":
             # Charged before any noisy value exists; the event does not depend on the selection.
             event = self.event()
