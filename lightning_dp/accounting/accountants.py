@@ -145,6 +145,28 @@ def _rdp_of_others(others: list[tuple[PrivacyEvent, int]], orders: NDArray[np.fl
     return total
 
 
+#: RDP curves of recently seen (rate, multiplier, orders): a training run asks for ε after every step
+#: with the same few events, and one curve costs ~0.1 s.
+_CURVES: dict[tuple[float, float, bytes], NDArray[np.float64]] = {}
+_MAX_CACHED_CURVES = 256
+
+
+def _gaussian_curves(keys: list[tuple[float, float]], orders: NDArray[np.float64]) -> NDArray[np.float64]:
+    """RDP of each (rate, multiplier) at ``orders``, one row per key (memoized for a few keys)."""
+    if len(keys) > 16:  # noise decay: many distinct multipliers, computed in one vectorized pass
+        return rdp_subsampled_gaussian(np.array([k[0] for k in keys]), np.array([k[1] for k in keys]), orders)
+    tag = orders.tobytes()
+    missing = [k for k in keys if (k[0], k[1], tag) not in _CURVES]
+    if missing:
+        if len(_CURVES) + len(missing) > _MAX_CACHED_CURVES:
+            _CURVES.clear()
+        fresh = rdp_subsampled_gaussian(np.array([k[0] for k in missing]), np.array([k[1] for k in missing]), orders)
+        for key, curve in zip(missing, fresh):
+            curve.setflags(write=False)
+            _CURVES[(key[0], key[1], tag)] = curve
+    return np.stack([_CURVES[(k[0], k[1], tag)] for k in keys])
+
+
 def ledger_rdp(
     entries: Iterable[tuple[PrivacyEvent, int]], orders: NDArray[np.float64], grid_ratio: float = 1e-3
 ) -> NDArray[np.float64]:
@@ -153,9 +175,8 @@ def ledger_rdp(
     total = _rdp_of_others(others, orders)
     if gaussians:
         keys = list(gaussians)
-        curves = rdp_subsampled_gaussian(np.array([k[0] for k in keys]), np.array([k[1] for k in keys]), orders)
         counts = np.array([gaussians[k] for k in keys], dtype=np.float64)
-        total = total + counts @ curves
+        total = total + counts @ _gaussian_curves(keys, orders)
     return total
 
 
