@@ -21,6 +21,7 @@ from typing import Any, Literal
 
 import pytorch_lightning as pl
 import torch
+from lightning_utilities.core.apply_func import apply_to_collection
 from pytorch_lightning.utilities import rank_zero_warn
 from torch.utils.data import DataLoader, IterableDataset
 
@@ -45,6 +46,16 @@ from lightning_dp.sanitization.per_sample import (
 )
 
 __all__ = ["DPSGD"]
+
+
+def _batched(t: torch.Tensor, size: int) -> bool:
+    return t.dim() > 0 and t.shape[0] == size
+
+
+def _take(batch: Any, i: int) -> Any:
+    """Sample ``i`` of a collated batch of two, as a batch of one (every tensor sliced on dim 0)."""
+    return apply_to_collection(batch, torch.Tensor, lambda t: t[i : i + 1] if _batched(t, 2) else t)
+
 
 _FP16 = ("16-mixed", "16-true", "16")
 _INITIAL_LOSS_SCALE = 2.0**16
@@ -321,8 +332,11 @@ class DPSGD(DPCallback):
         """
         assert self.clipper is not None and self._original_training_step is not None
         step = self._original_training_step
-        single = self._chunk([0], pl_module)
-        doubled = self._chunk([0, 0], pl_module)
+        # Collated once and then sliced or repeated: a dataset with random augmentation returns a new
+        # view of an image on every read, and the checks need the very same inputs.
+        pair = self._chunk([0, 1] if len(self._dataset) > 1 else [0, 0], pl_module)
+        single, second = _take(pair, 0), _take(pair, 1)
+        doubled = apply_to_collection(single, torch.Tensor, lambda t: torch.cat([t, t]) if _batched(t, 1) else t)
         was_training = pl_module.training
         pl_module.eval()
         with torch.no_grad(), self._quiet(pl_module):
@@ -346,14 +360,13 @@ class DPSGD(DPCallback):
             m.eval()
         sums = []
         with self._quiet(pl_module):
-            for indices in ([0], [1], [0, 1]):
+            for chunk, size in ((single, 1), (second, 1), (pair, 2)):
                 self.clipper.reset()
-                chunk = self._chunk(indices, pl_module)
 
                 def loss(chunk: Any = chunk) -> torch.Tensor:
                     return self._loss(step(chunk, 0))
 
-                self.clipper.accumulate(loss, len(indices))
+                self.clipper.accumulate(loss, size)
                 sums.append(self.clipper.flat_sum.clone())
         for m in dropouts:
             m.train(pl_module.training)
