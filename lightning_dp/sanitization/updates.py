@@ -7,12 +7,13 @@ through the same clipping and noise. Integer buffers (``num_batches_tracked``) a
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
-__all__ = ["ClipResult", "ModelState", "clip_update"]
+__all__ = ["ClipResult", "ModelState", "clip_factor", "clip_update"]
 
 
 class ModelState:
@@ -44,6 +45,32 @@ class ModelState:
     def vector(self) -> Tensor:
         """A detached fp32 copy of the released tensors, concatenated."""
         return torch.cat([t.detach().reshape(-1).float() for t in self._released()])
+
+    @torch.no_grad()
+    def add_clipped_change(self, theta: Tensor, out: Tensor, clip_norm: float) -> tuple[float, bool, bool]:
+        """Adds clip_C(current − ``theta``) to ``out``, tensor by tensor (no full-size temporaries).
+
+        Returns (norm of the change, whether it was clipped, whether it was finite). A non-finite
+        change adds nothing.
+        """
+        pairs = []
+        offset = 0
+        for t in self._released():
+            n = t.numel()
+            pairs.append((t.detach().reshape(-1), theta[offset : offset + n], out[offset : offset + n]))
+            offset += n
+        sq = 0.0
+        for current, before, _ in pairs:
+            part = float(torch.dist(current.float(), before)) ** 2
+            if not math.isfinite(part):  # a finite change whose square overflowed fp32
+                part = float(torch.dist(current.double(), before.double())) ** 2
+            sq += part
+        norm = math.sqrt(sq)
+        scale, clipped, finite = clip_factor(norm, clip_norm)
+        if finite:
+            for current, before, target in pairs:
+                target.add_(current.float() - before, alpha=scale)
+        return (norm if finite else math.inf), clipped, finite
 
     @torch.no_grad()
     def snapshot_other_buffers(self) -> list[Tensor]:
@@ -89,9 +116,20 @@ def clip_update(update: Tensor, clip_norm: float) -> ClipResult:
     """
     update = update.float() if update.dtype in (torch.float16, torch.bfloat16) else update
     # In float64: the norm of a finite fp32 vector can overflow fp32 (e.g. an entry of 2e19).
-    norm = torch.linalg.vector_norm(update, dtype=torch.float64)
-    if not torch.isfinite(norm):
+    value = float(torch.linalg.vector_norm(update, dtype=torch.float64))
+    scale, clipped, finite = clip_factor(value, clip_norm)
+    if not finite:
         return ClipResult(torch.zeros_like(update), float("inf"), True, False)
-    value = float(norm)
-    scale = min(1.0, clip_norm / value) if value > 0 else 1.0
-    return ClipResult(update * scale, value, value > clip_norm, True)
+    return ClipResult(update * scale, value, clipped, True)
+
+
+def clip_factor(norm: float, clip_norm: float) -> tuple[float, bool, bool]:
+    """(min(1, C/norm), norm > C, norm finite); the factor is 0 for a non-finite norm (the update is dropped).
+
+    Example:
+        >>> clip_factor(5.0, 1.0), clip_factor(0.5, 1.0), clip_factor(float("nan"), 1.0)
+        ((0.2, True, True), (1.0, False, True), (0.0, True, False))
+    """
+    if not math.isfinite(norm):
+        return 0.0, True, False
+    return (min(1.0, clip_norm / norm) if norm > 0 else 1.0), norm > clip_norm, True
