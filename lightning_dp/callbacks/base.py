@@ -16,6 +16,7 @@ from contextlib import contextmanager
 from typing import Any, ClassVar
 
 import pytorch_lightning as pl
+import torch
 from torch.utils.data import DataLoader
 
 from lightning_dp.accounting import PrivacyEvent, PrivacyLedger, PrivacyUnit, RDPAccountant
@@ -39,7 +40,14 @@ class DPCallback(pl.Callback):
     unit: ClassVar[PrivacyUnit]
     format_version: ClassVar[int] = 1
 
-    def __init__(self, delta: float | None, seed: int | None, log_private_diagnostics: bool, name: str | None) -> None:
+    def __init__(
+        self,
+        delta: float | None,
+        seed: int | None,
+        log_private_diagnostics: bool,
+        name: str | None,
+        flush_denormal: bool = True,
+    ) -> None:
         self.delta = (
             None
             if delta is None
@@ -50,6 +58,8 @@ class DPCallback(pl.Callback):
         self.seed = seed
         self.log_private_diagnostics = log_private_diagnostics
         self.name = name
+        self.flush_denormal = flush_denormal
+        self._flushing = False
         self.ledger: PrivacyLedger | None = None
         self.release: NoisyRelease | None = None
         self.report: dict[str, Any] | None = None
@@ -136,7 +146,22 @@ class DPCallback(pl.Callback):
         setattr(owner, attribute, value)
         self._patched.append((owner, attribute))
 
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # Noised weights can drive activations and gradients into denormal floats, which x86 CPUs
+        # compute up to ~10x slower; flushing them to zero changes results by < 1e-38.
+        if self.flush_denormal and trainer.strategy.root_device.type == "cpu":
+            self._flushing = torch.set_flush_denormal(True)
+
+    def _stop_flushing(self) -> None:
+        if self._flushing:
+            torch.set_flush_denormal(False)
+            self._flushing = False
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._stop_flushing()  # a failed fit does not reach teardown
+
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._stop_flushing()
         if stage != "fit":
             return
         while self._patched:
