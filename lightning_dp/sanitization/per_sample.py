@@ -41,11 +41,12 @@ __all__ = [
     "NonFiniteGradientsError",
     "PerSampleClipper",
     "UnsupportedModelError",
+    "clip_coefficients",
     "parameters_next_to_children",
     "trainable_layers",
 ]
 
-LossReduction = Literal["mean", "sum"]
+LossReduction = Literal["mean", "sum", "none"]
 
 _CONV_TYPES = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 
@@ -160,11 +161,11 @@ class PerSampleClipper:
 
     def __init__(self, module: nn.Module, clip_norm: float, loss_reduction: LossReduction = "mean") -> None:
         self.clip_norm = check_finite_positive("PerSampleClipper", "clip_norm", clip_norm, "e.g. 1.0.")
-        if loss_reduction not in ("mean", "sum"):
+        if loss_reduction not in ("mean", "sum", "none"):
             raise PrivacyConfigError(
-                f"`PerSampleClipper(loss_reduction={loss_reduction!r})`: loss_reduction must be 'mean' or 'sum', "
-                f"found {loss_reduction!r}. HINT: 'mean' if your loss averages over the batch (the default of "
-                "torch.nn.functional.cross_entropy)."
+                f"`PerSampleClipper(loss_reduction={loss_reduction!r})`: loss_reduction must be 'mean', 'sum' or "
+                f"'none', found {loss_reduction!r}. HINT: 'mean' if your loss averages over the batch (the default "
+                "of torch.nn.functional.cross_entropy), 'none' if it returns one loss per sample."
             )
         self.loss_reduction: LossReduction = loss_reduction
         samplers = _opacus_grad_samplers()
@@ -229,6 +230,7 @@ class PerSampleClipper:
 
     @contextmanager
     def _record(self) -> Iterator[None]:
+        before = [p.requires_grad for p in self.params]
         for p in self.params:
             p.requires_grad_(False)
         self._recording = True
@@ -236,8 +238,8 @@ class PerSampleClipper:
             yield
         finally:
             self._recording = False
-            for p in self.params:
-                p.requires_grad_(True)
+            for p, flag in zip(self.params, before):
+                p.requires_grad_(flag)
 
     # ------------------------------------------------------------------ the clipped sum
     @property
@@ -275,7 +277,8 @@ class PerSampleClipper:
         """Runs ``compute_loss`` (the forward pass) and backward, and adds the batch's clipped gradients.
 
         Args:
-            compute_loss: returns the batch's scalar loss (sum or mean of per-sample losses).
+            compute_loss: returns the batch's loss: a scalar (the sum or mean of the per-sample
+                losses) or, with ``loss_reduction="none"``, the (B,) per-sample losses.
             batch_size: the number of samples in the batch (> 0).
             loss_scale: the loss is multiplied by it before backward and the gradients divided by it
                 (fp16 loss scaling); clipping always sees the true gradients.
@@ -289,17 +292,21 @@ class PerSampleClipper:
         try:
             with self._record():
                 loss = compute_loss()
-            if not isinstance(loss, Tensor) or loss.numel() != 1:
+            expected = batch_size if self.loss_reduction == "none" else 1
+            if not isinstance(loss, Tensor) or loss.numel() != expected:
+                shape = tuple(loss.shape) if isinstance(loss, Tensor) else type(loss).__name__
                 raise PrivacyConfigError(
-                    f"`PerSampleClipper`: the training step returned {type(loss).__name__}, not a scalar loss tensor. "
-                    "HINT: return the batch loss (or {'loss': loss}) from training_step."
+                    f"`PerSampleClipper(loss_reduction={self.loss_reduction!r})`: the training step must return "
+                    f"{'one loss per sample' if expected > 1 else 'a scalar loss'} for a batch of {batch_size}, "
+                    f"found {shape}. HINT: with loss_reduction='none' return the (B,) per-sample losses, otherwise "
+                    "the batch loss (or {'loss': loss})."
                 )
             if not loss.requires_grad:
                 raise UnsupportedModelError(
                     "`PerSampleClipper`: the loss does not depend on any trainable layer. HINT: check that "
                     "training_step uses the model's output and that its layers are trainable."
                 )
-            (loss * loss_scale).backward()
+            (loss.sum() * loss_scale).backward()
             if not any(r.backprops is not None for layer in self.layers for r in layer.records):
                 raise UnsupportedModelError(
                     "`PerSampleClipper`: the loss does not depend on any trainable layer. HINT: check that "
@@ -313,7 +320,7 @@ class PerSampleClipper:
                 finite = torch.isfinite(norms)
                 if raise_on_nonfinite and not bool(finite.all()):
                     raise NonFiniteGradientsError(f"{int((~finite).sum())} of {batch_size} per-sample gradients")
-                coeff = torch.where(finite, (self.clip_norm / norms.clamp_min(1e-30)).clamp(max=1.0), 0.0)
+                coeff = clip_coefficients(norms, self.clip_norm)
                 self._add_clipped(pending, coeff, finite)
             return ClipStats(
                 batch_size=batch_size,
@@ -406,6 +413,21 @@ class PerSampleClipper:
                     self._sum_views[p].add_(torch.tensordot(coeff, g, dims=1))
             else:
                 _add_weighted(item, coeff, dropped, self._sum_views)
+
+
+def clip_coefficients(norms: Tensor, clip_norm: float) -> Tensor:
+    """min(1, C/‖g_i‖) per sample, or 0 (the sample is dropped).
+
+    The factor is 0 for a non-finite norm and for a factor below the smallest normal fp32 number,
+    which fp32 arithmetic would round up.
+
+    Example:
+        >>> clip_coefficients(torch.tensor([0.5, 4.0, float("nan"), 1e45], dtype=torch.float64), 2.0).tolist()
+        [1.0, 0.5, 0.0, 0.0]
+    """
+    coeff = (clip_norm / norms.clamp_min(1e-300)).clamp(max=1.0)
+    keep = torch.isfinite(norms) & (coeff >= torch.finfo(torch.float32).tiny)
+    return torch.where(keep, coeff, 0.0)
 
 
 @dataclass
@@ -599,23 +621,39 @@ def _ghost_or_materialized(layer: _Layer, record: _Record, scale: float, dtype: 
     p, d = module.weight.shape[0], module.weight[0].numel()  # fan-out, fan-in
     if getattr(module, "groups", 1) == 1 and t * (d + p) < d * p:
         at, gt = _views(layer.kind, module, activation, backprops)  # (B, d, T), (B, p, T)
-        sq = _ghost_norms(module, at, gt)
-        if not bool(torch.isfinite(sq).all()):  # a finite gradient whose square overflowed fp32
-            sq = _ghost_norms(module, at.double(), gt.double())
-        return sq, _Ghost(module, layer.kind, activation, backprops)
+        return _ghost_norms(module, at, gt), _Ghost(module, layer.kind, activation, backprops)
     grads = _materialize(layer.kind, module, activation, backprops)
     return _sum_of_squares(list(grads.values())), _Materialized(grads)
 
 
+#: If a ghost norm is below this fraction of its triangle-inequality bound Σ_t‖g_t‖‖a_t‖, the terms of
+#: the sample's gradient nearly cancel, and fp32 round-off in the clipped sum (of order 1e-7 of the bound)
+#: could be a visible fraction of the norm: such a sample is clipped on the bound instead (it can only
+#: be clipped more).
+GHOST_CANCELLATION = 1e-2
+
+
 def _ghost_norms(module: Any, at: Tensor, gt: Tensor) -> Tensor:
-    """‖Σ_t g_t a_tᵀ‖² (+ ‖Σ_t g_t‖² for the bias) per sample, as float64, without forming the gradients."""
+    """‖Σ_t g_t a_tᵀ‖² (+ ‖Σ_t g_t‖² for the bias) per sample, in float64, without forming the gradients.
+
+    Computed in float64 (the Gram products cancel when a sample's gradient terms nearly do), and
+    replaced by the squared triangle-inequality bound where they cancel by more than
+    ``GHOST_CANCELLATION``, so the norm never falls short of the contribution actually added.
+    """
+    at, gt = at.double(), gt.double()
     if at.shape[2] == 1:
         sq = at.pow(2).sum((1, 2)) * gt.pow(2).sum((1, 2))
     else:
         sq = (torch.bmm(at.transpose(1, 2), at) * torch.bmm(gt.transpose(1, 2), gt)).sum((1, 2))
+    g_norms = gt.norm(dim=1)  # (B, T)
+    sq = _guard(sq, (at.norm(dim=1) * g_norms).sum(1))
     if module.bias is not None and module.bias.requires_grad:
-        sq = sq + gt.sum(2).pow(2).sum(1)
-    return sq.double()
+        sq = sq + _guard(gt.sum(2).pow(2).sum(1), g_norms.sum(1))
+    return sq
+
+
+def _guard(sq: Tensor, bound: Tensor) -> Tensor:
+    return torch.where(sq < (GHOST_CANCELLATION * bound) ** 2, bound**2, sq)
 
 
 def _add_weighted(item: _Ghost, coeff: Tensor, dropped: Tensor | None, sums: dict[nn.Parameter, Tensor]) -> None:

@@ -123,8 +123,14 @@ def clip_update(update: Tensor, clip_norm: float) -> ClipResult:
     return ClipResult(update * scale, value, clipped, True)
 
 
+_FP32_TINY = float(torch.finfo(torch.float32).tiny)
+
+
 def clip_factor(norm: float, clip_norm: float) -> tuple[float, bool, bool]:
-    """(min(1, C/norm), norm > C, norm finite); the factor is 0 for a non-finite norm (the update is dropped).
+    """(min(1, C/norm), norm > C, kept): the factor that clips an update of L2 norm ``norm`` to C.
+
+    The factor is 0 and the update dropped for a non-finite norm and for a factor below the smallest
+    normal fp32 number (fp32 arithmetic would round it up).
 
     Example:
         >>> clip_factor(5.0, 1.0), clip_factor(0.5, 1.0), clip_factor(float("nan"), 1.0)
@@ -132,4 +138,7 @@ def clip_factor(norm: float, clip_norm: float) -> tuple[float, bool, bool]:
     """
     if not math.isfinite(norm):
         return 0.0, True, False
-    return (min(1.0, clip_norm / norm) if norm > 0 else 1.0), norm > clip_norm, True
+    factor = min(1.0, clip_norm / norm) if norm > 0 else 1.0
+    if factor < _FP32_TINY:  # fp32 arithmetic would round such a factor up: drop the update instead
+        return 0.0, True, False
+    return factor, norm > clip_norm, True

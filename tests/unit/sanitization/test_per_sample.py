@@ -598,7 +598,7 @@ def test_loss_not_depending_on_trainable_layers_is_refused(loss: Loss) -> None:
 def test_non_scalar_loss_is_refused() -> None:
     model = nn.Linear(3, 2)
     clipper = PerSampleClipper(model, 1.0)
-    with pytest.raises(PrivacyConfigError, match="not a scalar loss tensor"):
+    with pytest.raises(PrivacyConfigError, match="must return a scalar loss for a batch of 4"):
         clipper.accumulate(lambda: model(torch.randn(BATCH, 3)), BATCH)
 
 
@@ -608,8 +608,8 @@ def test_clip_norm_must_be_finite_positive(clip_norm: float) -> None:
         PerSampleClipper(nn.Linear(2, 1), clip_norm)
 
 
-def test_loss_reduction_must_be_mean_or_sum() -> None:
-    with pytest.raises(PrivacyConfigError, match="loss_reduction must be 'mean' or 'sum', found 'avg'"):
+def test_loss_reduction_must_be_mean_sum_or_none() -> None:
+    with pytest.raises(PrivacyConfigError, match="loss_reduction must be 'mean', 'sum' or 'none', found 'avg'"):
         PerSampleClipper(nn.Linear(2, 1), 1.0, loss_reduction="avg")  # type: ignore[arg-type]
 
 
@@ -667,3 +667,59 @@ def test_bf16_autocast_is_close_to_float32() -> None:
     # rounding of the weight gradients: measured 6e-4·batch·C; 5e-3 leaves room for other CPU kernels.
     assert float((bf16 - naive[True]).norm()) <= 5e-3 * scale
     assert float((fp32 - naive[False]).norm()) <= 1e-5 * scale
+
+
+# --- fp32 round-off must not let a sample past the bound (privacy review, finding 1) --------------
+
+
+@pytest.mark.parametrize("layer", ["linear", "conv"])
+def test_cancelling_ghost_terms_never_let_a_sample_exceed_the_clip_norm(layer: str) -> None:
+    # One sample whose two output positions see the same input a with output gradients v and -(1 - eps)v:
+    # its gradient eps·v·aᵀ is tiny next to the Gram terms, which cancel in the ghost norm. In fp32 the
+    # norm used to be lost to round-off, so the sample was added un-clipped (hundreds of times C).
+    generator = torch.Generator().manual_seed(0)
+    clip = 0.01
+    net: nn.Module = nn.Linear(64, 64, bias=True) if layer == "linear" else nn.Conv2d(64, 64, 1, bias=True)
+    clipper = PerSampleClipper(net, clip_norm=clip, loss_reduction="sum")
+    worst = 0.0
+    for _ in range(60):
+        eps = 10 ** float(torch.empty(1).uniform_(-4.5, -2, generator=generator))
+        a = torch.randn(64, generator=generator) * 100
+        v = torch.randn(64, generator=generator) * 100
+        if layer == "linear":
+            x = torch.stack([a, a]).unsqueeze(0)  # (B=1, T=2, d)
+            weights = torch.stack([v, -(1 - eps) * v]).unsqueeze(0)
+        else:
+            x = torch.stack([a, a], -1)[None, :, None, :]  # (1, C, 1, 2): the same input at both positions
+            weights = torch.stack([v, -(1 - eps) * v], -1)[None, :, None, :]
+        clipper.reset()
+        clipper.accumulate(lambda x=x, w=weights: (net(x) * w).sum(), batch_size=1)
+        worst = max(worst, float(clipper.flat_sum.double().norm()) / clip)
+    assert worst <= 1 + 1e-5, f"a single sample contributed {worst:.3f} × C"
+
+
+def test_a_clip_factor_fp32_cannot_represent_drops_the_sample() -> None:
+    # A factor below fp32's smallest normal number would be rounded up in fp32 (contributions of 1.2–1.9 C
+    # were seen): the sample is dropped instead, which can only lower its contribution.
+    net = nn.Linear(1, 1, bias=False)
+    with torch.no_grad():
+        net.weight.fill_(1.0)
+    clipper = PerSampleClipper(net, clip_norm=1e-3, loss_reduction="sum")
+    x = torch.tensor([[1e18], [1.0]])  # sample 0's gradient is 1e36: finite in fp32, factor 1e-39
+    stats = clipper.accumulate(lambda: (net(x) * torch.tensor([[1e18], [1.0]])).sum(), batch_size=2)
+    assert stats.nonfinite == 0 and stats.clipped == 2
+    torch.testing.assert_close(clipper.flat_sum, torch.tensor([1e-3]))  # only sample 1, clipped to C
+
+
+def test_per_sample_losses_with_reduction_none_equal_the_summed_loss() -> None:
+    torch.manual_seed(0)
+    net = nn.Linear(5, 3)
+    x, y = torch.randn(6, 5), torch.randint(0, 3, (6,))
+    weights = torch.tensor([1.0, 5.0, 20.0])  # class weights: fine per sample, not as a batch mean
+    none = PerSampleClipper(net, clip_norm=0.5, loss_reduction="none")
+    none.accumulate(lambda: nn.functional.cross_entropy(net(x), y, weight=weights, reduction="none"), 6)
+    by_sum = PerSampleClipper(net, clip_norm=0.5, loss_reduction="sum")
+    by_sum.accumulate(lambda: nn.functional.cross_entropy(net(x), y, weight=weights, reduction="sum"), 6)
+    torch.testing.assert_close(none.flat_sum, by_sum.flat_sum)
+    with pytest.raises(PrivacyConfigError, match="one loss per sample for a batch of 6"):
+        none.accumulate(lambda: nn.functional.cross_entropy(net(x), y), 6)
