@@ -395,7 +395,7 @@ def test_batchnorm_without_conversion_fails_before_training(tmp_path: Path) -> N
         ({"batch_size": None, "sample_rate": 0.0}, "sample_rate"),
         ({"batch_size": None, "sample_rate": 1.5}, "sample_rate"),
         ({"batch_size": None, "sample_rate": -0.1}, "sample_rate"),
-        ({"loss_reduction": "none"}, "loss_reduction must be 'mean' or 'sum'"),
+        ({"loss_reduction": "avg"}, "loss_reduction must be 'mean', 'sum' or 'none'"),
     ],
 )
 def test_bad_arguments_fail_at_construction(kwargs: dict[str, Any], match: str) -> None:
@@ -443,7 +443,7 @@ class _StreamDataModule(SampleDataModule):
         (SampleClassifier, SampleDataModule, {"batch_size": 121}, PrivacyConfigError, "at most the 120 training"),
         (SampleClassifier, SampleDataModule, {"loss_reduction": "sum"}, PrivacyConfigError, "loss is the mean"),
         (lambda: SampleClassifier(reduction="sum"), SampleDataModule, {}, PrivacyConfigError, "loss is the sum"),
-        (_BatchMeanMixer, SampleDataModule, {}, UnsupportedModelError, "mixes the samples"),
+        (_BatchMeanMixer, SampleDataModule, {}, UnsupportedModelError, "not the sum of its samples' own gradients"),
         (_WithLSTM, SampleDataModule, {}, UnsupportedModelError, r"rnn \(LSTM\)"),
         (_NoLoss, SampleDataModule, {}, PrivacyConfigError, "not a scalar loss"),
         (_TwoOptimizers, SampleDataModule, {}, PrivacyConfigError, "exactly one optimizer, found 2"),
