@@ -11,12 +11,12 @@ describe). Metrics the module logs while the callback computes on private data a
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import pytorch_lightning as pl
 import torch
+from pytorch_lightning.utilities import rank_zero_info
 from torch.utils.data import DataLoader
 
 from lightning_dp.accounting import PrivacyEvent, PrivacyLedger, PrivacyUnit, RDPAccountant
@@ -69,6 +69,7 @@ class DPCallback(pl.Callback):
         self._patched: list[tuple[Any, str]] = []
         self._original_training_step: Callable[..., Any] | None = None
         self._accountant = RDPAccountant()
+        self._logging = False
 
     @property
     def state_key(self) -> str:
@@ -113,6 +114,13 @@ class DPCallback(pl.Callback):
                 f"`{self.state_key}`: the Trainer also has {[cb.state_key for cb in others]}; one DP training callback "
                 "trains the model. HINT: keep one of them."
             )
+        if self.ledger is not None and trainer.ckpt_path is None:
+            raise PrivacyStateError(
+                f"`{self.state_key}`: this callback already trained a model ({self.ledger.steps} steps in its ledger); "
+                "a new fit would start a new ledger while the model keeps what it learned, and the ε printed would "
+                "no longer bound it. HINT: resume with trainer.fit(..., ckpt_path=...), or use a new callback for a "
+                "new model."
+            )
         units = self._prepare(trainer, pl_module)
         for budget in (cb for cb in trainer.callbacks if isinstance(cb, PrivacyBudget)):  # type: ignore[attr-defined]
             if self._budget is None:
@@ -141,6 +149,7 @@ class DPCallback(pl.Callback):
             self._private_step(trainer, pl_module, batch)
 
         self._patch(pl_module, "training_step", private_step)
+        self._install_log_filter(trainer, pl_module)
 
     def _patch(self, owner: Any, attribute: str, value: Any) -> None:
         setattr(owner, attribute, value)
@@ -181,16 +190,39 @@ class DPCallback(pl.Callback):
                 "trainer.fit; pass a datamodule, or define train_dataloader() in the LightningModule."
             )
 
-    # ------------------------------------------------------------------ helpers of the step
-    @contextmanager
-    def _quiet(self, pl_module: pl.LightningModule) -> Iterator[None]:
-        """Drops what the module logs while it computes on private data (unsanitized)."""
-        pl_module.log = lambda *a, **k: None  # type: ignore[method-assign]
-        pl_module.log_dict = lambda *a, **k: None  # type: ignore[method-assign]
-        try:
-            yield
-        finally:
-            del pl_module.log, pl_module.log_dict
+    # ------------------------------------------------------------------ logging
+    def _install_log_filter(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Drops the module's own `log`/`log_dict` calls while training.
+
+        They are computed from private data and not sanitized (a loss logged in training_step or in
+        on_train_epoch_end alike). Validation and test logging pass. During training only the
+        callback's sanitized ``privacy/*`` metrics are logged.
+        """
+        log, log_dict = pl_module.log, pl_module.log_dict
+        dropped: set[str] = set()
+
+        def blocked(names: list[str]) -> bool:
+            if not trainer.training or self._logging:
+                return False
+            fresh = sorted(set(names) - dropped)
+            if fresh:
+                dropped.update(fresh)
+                rank_zero_info(
+                    f"{self.mechanism}: not logging {fresh} during training: computed from private training data and "
+                    "not sanitized. Validation and test metrics are logged as usual."
+                )
+            return True
+
+        def filtered_log(name: str, *args: Any, **kwargs: Any) -> None:
+            if not blocked([name]):
+                log(name, *args, **kwargs)
+
+        def filtered_log_dict(dictionary: Any, *args: Any, **kwargs: Any) -> None:
+            if not blocked([str(k) for k in dictionary]):
+                log_dict(dictionary, *args, **kwargs)
+
+        self._patch(pl_module, "log", filtered_log)
+        self._patch(pl_module, "log_dict", filtered_log_dict)
 
     def _budget_allows(self, trainer: pl.Trainer, next_event: PrivacyEvent) -> bool:
         """False (and the trainer stops) if ``next_event`` would exceed the PrivacyBudget."""
@@ -202,8 +234,15 @@ class DPCallback(pl.Callback):
         return True
 
     def _log(self, pl_module: pl.LightningModule, metrics: dict[str, float]) -> None:
-        pl_module.log_dict(metrics, on_step=True, on_epoch=False, prog_bar=False, sync_dist=False, rank_zero_only=True)
-        pl_module.log("privacy/eps", metrics["privacy/epsilon"], prog_bar=True, on_step=True, rank_zero_only=True)
+        """Logs the callback's sanitized metrics (the only ones logged during training)."""
+        self._logging = True
+        try:
+            pl_module.log_dict(
+                metrics, on_step=True, on_epoch=False, prog_bar=False, sync_dist=False, rank_zero_only=True
+            )
+            pl_module.log("privacy/eps", metrics["privacy/epsilon"], prog_bar=True, on_step=True, rank_zero_only=True)
+        finally:
+            self._logging = False
 
     # ------------------------------------------------------------------ end of run
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -255,6 +294,11 @@ class DPCallback(pl.Callback):
         # Parse and validate everything into throw-away objects before assigning any state.
         ledger = PrivacyLedger(self.unit, self.ledger.delta)
         ledger.load_state_dict(state_dict["ledger"])
+        if ledger.unit != self.unit:
+            raise PrivacyStateError(
+                f"`{self.state_key}`: the checkpoint's ledger is for unit={ledger.unit!r}, this run's for "
+                f"unit={self.unit!r}. HINT: resume with the callback that wrote the checkpoint."
+            )
         if not math.isclose(ledger.delta, self.ledger.delta):
             raise PrivacyStateError(
                 f"`{self.state_key}`: the checkpoint's δ is {ledger.delta:.3g}, this run's is {self.ledger.delta:.3g}. "

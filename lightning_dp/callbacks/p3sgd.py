@@ -237,8 +237,7 @@ class P3SGD(DPCallback):
         assert self._state is not None and self._original_training_step is not None
         theta, other = self._state.vector(), self._state.snapshot_other_buffers()
         first = next(iter(self._dataset.patient_to_indices.values()))[:2]
-        with self._quiet(pl_module):
-            out = self._original_training_step(self._batch(first, pl_module), 0)
+        out = self._original_training_step(self._batch(first, pl_module), 0)
         self._state.load(theta, other)
         loss = out.get("loss") if isinstance(out, dict) else out
         if not isinstance(loss, Tensor) or loss.numel() != 1:
@@ -309,7 +308,7 @@ class P3SGD(DPCallback):
         theta, other = state.vector(), state.snapshot_other_buffers()
         clipped_sum = torch.zeros_like(theta)
         stats = torch.zeros(4, dtype=torch.float64)  # patients, clipped, norm sum, non-finite
-        with self._quiet(pl_module), torch.enable_grad():
+        with torch.enable_grad():
             for patient in mine:
                 state.load(theta, other)
                 self._local_update(patient, pl_module, local_generator)
@@ -322,8 +321,7 @@ class P3SGD(DPCallback):
         stats = trainer.strategy.reduce(stats.to(pl_module.device), reduce_op="sum").cpu()
 
         def loss_of(update: Tensor) -> float:
-            with self._quiet(pl_module):
-                return self._round_loss(theta + self.server_lr * update, mine, pl_module, trainer)
+            return self._round_loss(theta + self.server_lr * update, mine, pl_module, trainer)
 
         released = self.release.release(clipped_sum, self.sampler.expected_count, loss_of)
         state.load(theta + self.server_lr * released.update, other)
