@@ -321,7 +321,7 @@ class PRVAccountant:
         dprvs = [discretize(TruncatedPrivacyRandomVariable(p, domain.t_min, domain.t_max), domain) for p in prvs]
         dprv = compose_heterogeneous(dprvs=dprvs, num_self_compositions=counts)
         _, _, eps_upper = dprv.compute_epsilon(delta, delta_error, self.eps_error)
-        return float(eps_upper)
+        return max(0.0, float(eps_upper))  # the numerical bound can dip a hair below 0 for tiny ledgers
 
 
 _ACCOUNTANTS: dict[str, type[RDPAccountant] | type[PRVAccountant] | type[MomentsAccountant]] = {

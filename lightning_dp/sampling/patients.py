@@ -6,6 +6,7 @@ and would make the reported ε wrong.
 
 from __future__ import annotations
 
+import math
 import secrets
 from typing import Any
 
@@ -13,9 +14,23 @@ import torch
 
 from lightning_dp.errors import PrivacyStateError, check_count, check_sample_rate
 
-__all__ = ["PoissonPatientSampler", "secure_seed"]
+__all__ = ["PoissonPatientSampler", "inclusion_threshold", "secure_seed"]
 
 FORMAT_VERSION = 1
+
+
+def inclusion_threshold(sample_rate: float) -> float:
+    """The threshold t with P(u < t) ≤ q for torch's float64 uniforms u, which lie on the grid k·2⁻⁵³.
+
+    ``u < q`` would include a unit with probability ⌈q·2⁵³⌉/2⁵³, a hair *above* q (in fp32 up to
+    6e-8 above); rounding q down onto the grid makes the probability exactly t ≤ q, so the accountant's
+    q is an upper bound of the true rate.
+
+    Example:
+        >>> inclusion_threshold(0.5), inclusion_threshold(1.0), inclusion_threshold(0.1) <= 0.1
+        (0.5, 1.0, True)
+    """
+    return math.floor(sample_rate * 2.0**53) / 2.0**53
 
 
 def secure_seed() -> int:
@@ -35,7 +50,7 @@ class PoissonPatientSampler:
     Example:
         >>> sampler = PoissonPatientSampler(num_patients=10, sample_rate=0.5, seed=0)
         >>> sampler.sample().tolist()
-        [0, 2, 3, 4, 6, 8]
+        [2, 6, 7, 9]
     """
 
     def __init__(self, num_patients: int, sample_rate: float, seed: int | None = None) -> None:
@@ -52,8 +67,8 @@ class PoissonPatientSampler:
 
     def sample(self) -> torch.Tensor:
         """Indices (int64, sorted) of the patients in the next round; may be empty."""
-        draws = torch.rand(self.num_patients, generator=self.generator)
-        return torch.nonzero(draws < self.sample_rate).flatten()
+        draws = torch.rand(self.num_patients, generator=self.generator, dtype=torch.float64)
+        return torch.nonzero(draws < inclusion_threshold(self.sample_rate)).flatten()
 
     def state_dict(self) -> dict[str, Any]:
         return {

@@ -19,7 +19,7 @@ from torch import Tensor
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
 from lightning_dp.errors import PrivacyConfigError, check_count, check_sample_rate
-from lightning_dp.sampling.patients import secure_seed
+from lightning_dp.sampling.patients import inclusion_threshold, secure_seed
 
 __all__ = ["LogicalBatch", "PoissonBatches", "PoissonSampleSampler", "identity_collate"]
 
@@ -73,8 +73,8 @@ class PoissonSampleSampler:
     def indices(self, step: int) -> Tensor:
         """Indices (int64, sorted) of all samples in step ``step`` over all ranks; may be empty."""
         generator = torch.Generator().manual_seed(_step_seed(self.seed, step))
-        draws = torch.rand(self.num_samples, generator=generator)
-        return torch.nonzero(draws < self.sample_rate).flatten()
+        draws = torch.rand(self.num_samples, generator=generator, dtype=torch.float64)
+        return torch.nonzero(draws < inclusion_threshold(self.sample_rate)).flatten()
 
     def local_indices(self, step: int) -> Tensor:
         """This rank's share of step ``step``'s sample."""
