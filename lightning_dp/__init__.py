@@ -7,6 +7,7 @@ from lightning_dp.accounting import (
     calibrate_steps,
     get_accountant,
 )
+from lightning_dp.checkpoints import publishable_checkpoint
 from lightning_dp.errors import (
     PrivacyBudgetExceededError,
     PrivacyConfigError,
@@ -29,4 +30,5 @@ __all__ = [
     "calibrate_noise_multiplier",
     "calibrate_steps",
     "get_accountant",
+    "publishable_checkpoint",
 ]

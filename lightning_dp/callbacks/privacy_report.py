@@ -54,6 +54,10 @@ def _text(report: dict[str, Any]) -> str:
         lines.append(f"  epsilon [{name}]: {eps:.4f}" if isinstance(eps, float) else f"  epsilon [{name}]: {eps}")
     if "warning" in report:
         lines.append(f"  WARNING: {report['warning']}")
+    lines.append(
+        "  checkpoints: training checkpoints hold the noise and sampling seeds; keep them private and publish the "
+        "model via lightning_dp.publishable_checkpoint()"
+    )
     for key in ("stopped_by_budget", "private_diagnostics_logged"):
         if key in report:
             lines.append(f"  {key}: {report[key]}")

@@ -213,3 +213,23 @@ class _SubsetData(SampleDataModule):
 def test_a_training_loader_that_chooses_its_samples_is_refused(tmp_path: Path) -> None:
     with pytest.raises(PrivacyConfigError, match="SubsetRandomSampler.*torch.utils.data.Subset"):
         _trainer(tmp_path, [_dpsgd()]).fit(SampleClassifier(), _SubsetData())
+
+
+# ---------------------------------------------------------------------- publishing a model
+def test_a_publishable_checkpoint_holds_the_weights_but_no_secret_state(tmp_path: Path) -> None:
+    from lightning_dp import publishable_checkpoint
+
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True, every_n_train_steps=1)
+    model = SampleClassifier()
+    _trainer(tmp_path, [_dpsgd(), ckpt], enable_checkpointing=True, max_steps=2).fit(model, SampleDataModule())
+    removed = publishable_checkpoint(tmp_path / "ckpt" / "last.ckpt", tmp_path / "public.ckpt")
+    public = torch.load(tmp_path / "public.ckpt", weights_only=True)
+    assert removed == ["DPSGD"] and "DPSGD" not in public["callbacks"]
+    assert "sampler_seed" not in str(public) and "generator" not in str(public["callbacks"])
+    restored = SampleClassifier()
+    restored.load_state_dict(public["state_dict"])
+    assert all(torch.equal(a, b) for a, b in zip(restored.state_dict().values(), model.state_dict().values()))
+    with pytest.raises(PrivacyStateError, match="no DPSGD privacy state"):
+        _trainer(tmp_path, [_dpsgd()], max_steps=4).fit(
+            SampleClassifier(), SampleDataModule(), ckpt_path=str(tmp_path / "public.ckpt")
+        )

@@ -1,0 +1,43 @@
+"""Publishing a model trained with lightning-dp: a checkpoint copy without the secret privacy state.
+
+A training checkpoint of a DP callback holds what exact resumption needs: the noise generator's
+state and the sampler's seed. With them anyone holding two checkpoints can subtract the noise from
+a step's update and see which samples (or patients) each step used: the guarantee is gone. Keep
+training checkpoints as private as the data, and publish the model from `publishable_checkpoint`
+(or from ``model.state_dict()``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+__all__ = ["publishable_checkpoint"]
+
+_SECRET_STATE_OWNERS = ("P3SGD", "DPSGD")
+
+
+def publishable_checkpoint(source: str | Path, destination: str | Path) -> list[str]:
+    """Writes a copy of a Lightning checkpoint without the DP callbacks' state; returns the keys removed.
+
+    The weights, optimizer state (post-processing of noisy updates) and hyper-parameters are kept. The
+    copy cannot resume private training: resuming from it raises the missing-privacy-state error.
+
+    Example:
+        >>> import tempfile, os
+        >>> folder = tempfile.mkdtemp()
+        >>> torch.save({"state_dict": {}, "callbacks": {"DPSGD": {"sampler_seed": 1}, "Other": {}}},
+        ...            os.path.join(folder, "last.ckpt"))
+        >>> publishable_checkpoint(os.path.join(folder, "last.ckpt"), os.path.join(folder, "public.ckpt"))
+        ['DPSGD']
+        >>> sorted(torch.load(os.path.join(folder, "public.ckpt"), weights_only=True)["callbacks"])
+        ['Other']
+    """
+    checkpoint = torch.load(source, map_location="cpu", weights_only=True)
+    callbacks = checkpoint.get("callbacks", {})
+    removed = [key for key in callbacks if str(key).split("[")[0] in _SECRET_STATE_OWNERS]
+    for key in removed:
+        del callbacks[key]
+    torch.save(checkpoint, destination)
+    return removed
