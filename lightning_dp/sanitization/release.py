@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -27,7 +28,7 @@ from lightning_dp.accounting import (
 from lightning_dp.errors import PrivacyConfigError, PrivacyStateError, check_finite_positive
 from lightning_dp.sampling.patients import secure_seed
 
-__all__ = ["AccountingMode", "NoisyRelease", "RoundRelease", "Selection"]
+__all__ = ["AccountingMode", "NoisyRelease", "RoundRelease", "Selection", "standard_normal"]
 
 AccountingMode = Literal["rigorous", "paper"]
 FORMAT_VERSION = 1
@@ -66,6 +67,42 @@ class RoundRelease:
     noise_std: float
     event: PrivacyEvent
     losses: list[float] = field(default_factory=list)
+
+
+#: The noise of a release is drawn in this many chunks, each from its own generator seeded by the release's
+#: generator, filled by parallel threads. A fixed number, so the noise is the same on every machine and rank.
+NOISE_CHUNKS = 16
+_MIN_PARALLEL = 1 << 20
+
+
+def standard_normal(numel: int, generator: torch.Generator) -> Tensor:
+    """``numel`` independent N(0, 1) fp32 draws, a deterministic function of ``generator``'s state.
+
+    The draws come in `NOISE_CHUNKS` chunks with seeds taken from ``generator``, filled in parallel
+    (torch's CPU ``randn`` with a generator is single-threaded: ~90 ms for 14M values on one core).
+
+    Example:
+        >>> a = standard_normal(10, torch.Generator().manual_seed(0))
+        >>> b = standard_normal(10, torch.Generator().manual_seed(0))
+        >>> a.shape, bool(torch.equal(a, b))
+        (torch.Size([10]), True)
+    """
+    out = torch.empty(numel, dtype=torch.float32)
+    seeds = torch.randint(2**62, (NOISE_CHUNKS,), generator=generator).tolist()
+    bounds = [numel * k // NOISE_CHUNKS for k in range(NOISE_CHUNKS + 1)]
+
+    def fill(k: int) -> None:
+        chunk = torch.Generator().manual_seed(seeds[k])
+        torch.randn(bounds[k + 1] - bounds[k], generator=chunk, out=out[bounds[k] : bounds[k + 1]])
+
+    threads = min(NOISE_CHUNKS, torch.get_num_threads())
+    if threads > 1 and numel >= _MIN_PARALLEL:
+        with ThreadPoolExecutor(threads) as pool:
+            list(pool.map(fill, range(NOISE_CHUNKS)))
+    else:
+        for k in range(NOISE_CHUNKS):
+            fill(k)
+    return out
 
 
 class NoisyRelease:
@@ -157,8 +194,9 @@ class NoisyRelease:
         return self.event(self.z_min)
 
     def _gaussian(self, like: Tensor, std: float) -> Tensor:
-        noise = torch.randn(like.shape, generator=self.generator, dtype=torch.float32)
-        return noise.to(device=like.device, dtype=like.dtype) * std
+        """N(0, std²) noise shaped like ``like`` (drawn in fp32 on the CPU, then moved and cast)."""
+        noise = standard_normal(like.numel(), self.generator).view(like.shape)
+        return noise.to(device=like.device, dtype=like.dtype).mul_(std)
 
     def release(
         self,
@@ -178,12 +216,12 @@ class NoisyRelease:
         n = check_finite_positive("NoisyRelease.release", "expected_count", expected_count, "q·N must be > 0.")
         unit = self.clip_norm / n
         base_std = self.z_min * unit
-        mean = clipped_sum.to(torch.promote_types(clipped_sum.dtype, torch.float32)) / n
+        dtype = torch.promote_types(clipped_sum.dtype, torch.float32)
         if self.accounting == "rigorous":
             # Charged before any noisy value exists; the event does not depend on the selection.
             event = self.event()
             self.ledger.record(event)
-        base = mean + self._gaussian(mean, base_std)
+        base = self._gaussian(clipped_sum.to(dtype), base_std).add_(clipped_sum, alpha=1.0 / n)
         if len(self.noise_scales) == 1:
             if self.accounting == "paper":
                 event = self.event(self.z_min)
