@@ -28,6 +28,8 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/accounting.py
+	$(PY) benchmarks/dpsgd_step.py
+	$(PY) benchmarks/p3sgd_round.py
 
 clean:
 	rm -rf $(VENV) lightning_logs data/synthetic_pathology
