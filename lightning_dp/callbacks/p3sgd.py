@@ -321,10 +321,10 @@ class P3SGD(DPCallback):
         stats = trainer.strategy.reduce(stats.to(pl_module.device), reduce_op="sum").cpu()
 
         def loss_of(update: Tensor) -> float:
-            return self._round_loss(theta + self.server_lr * update, mine, pl_module, trainer)
+            return self._round_loss(torch.add(theta, update, alpha=self.server_lr), mine, pl_module, trainer)
 
         released = self.release.release(clipped_sum, self.sampler.expected_count, loss_of)
-        state.load(theta + self.server_lr * released.update, other)
+        state.load(torch.add(theta, released.update, alpha=self.server_lr), other)
         self.rounds += 1
         self.selection_counts[self.noise_scales.index(released.noise_multiplier)] += 1
         self.nonfinite_updates += int(stats[3])
