@@ -300,6 +300,7 @@ class P3SGD(DPCallback):
         if not self._budget_allows(trainer, self.release.worst_case_event()):
             return
         state = self._state
+        state.refresh()  # what a round releases follows requires_grad and train/eval modes
         patients = self.sampler.sample().tolist()
         mine = patients[trainer.global_rank :: trainer.world_size]
         local_generator = torch.Generator().manual_seed(

@@ -1,8 +1,10 @@
 """Model updates as flat fp32 vectors, and per-unit clipping.
 
-What a P3SGD round releases is the change of everything in the model that data can change:
-all trainable parameters *and* floating-point buffers (BatchNorm running statistics). Both go
-through the same clipping and noise. Integer buffers (``num_batches_tracked``) are restored.
+What a P3SGD round releases is the change of everything in the model that data can change: all
+trainable parameters *and* the floating-point buffers of modules in training mode (BatchNorm
+running statistics). Both go through the same clipping and noise. Every other buffer — integer
+buffers (``num_batches_tracked``) and the buffers of modules in eval mode (a frozen backbone) — is
+restored after each unit's local update, so no statistic of private data leaves un-sanitized.
 """
 
 from __future__ import annotations
@@ -17,25 +19,41 @@ __all__ = ["ClipResult", "ModelState", "clip_factor", "clip_update"]
 
 
 class ModelState:
-    """The released tensors of a module (trainable parameters + float buffers) as one flat fp32 vector.
+    """The released tensors of a module as one flat fp32 vector.
+
+    Released: the trainable parameters and the float buffers of modules in training mode, as they
+    are when `refresh` is called (at the start of every round). All other buffers are kept aside and
+    restored by `load`.
 
     Example:
         >>> net = nn.BatchNorm1d(2)
         >>> state = ModelState(net)
         >>> state.numel  # weight, bias, running_mean, running_var
         8
+        >>> state.refresh() or ModelState(net.eval()).numel  # in eval mode its statistics are not trained
+        4
     """
 
     def __init__(self, module: nn.Module) -> None:
+        self.module = module
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Re-reads which tensors are released (requires_grad and train/eval modes can change)."""
+        module = self.module
         self.variances = [
             m.running_var
             for m in module.modules()
             if isinstance(m, (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm))
             and m.running_var is not None
+            and m.training
         ]
         self.params = [p for p in module.parameters() if p.requires_grad]
-        self.float_buffers = [b for b in module.buffers() if b.is_floating_point()]
-        self.other_buffers = [b for b in module.buffers() if not b.is_floating_point()]
+        trained = {id(b) for m in module.modules() if m.training for b in m.buffers(recurse=False)}
+        buffers = list({id(b): b for b in module.buffers()}.values())
+        self.float_buffers = [b for b in buffers if b.is_floating_point() and id(b) in trained]
+        released = {id(b) for b in self.float_buffers}
+        self.other_buffers = [b for b in buffers if id(b) not in released]
         self.numel = sum(t.numel() for t in self._released())
 
     def _released(self) -> list[Tensor]:

@@ -186,3 +186,28 @@ def test_datamodule_without_patients_is_rejected(tmp_path: Path) -> None:
 
     with pytest.raises(PrivacyConfigError, match="no patients"):
         _trainer(tmp_path, [_p3sgd()]).fit(TinyClassifier(), NoPatients())
+
+
+def test_a_frozen_eval_mode_backbone_is_neither_trained_nor_noised(tmp_path: Path) -> None:
+    # Only the head trains; the backbone's BatchNorm is in eval mode, so its statistics are not released:
+    # they must come out bit-identical (no noise added to them), while the head moves.
+    from lightning_dp.models import ImageClassifier
+
+    model = ImageClassifier(arch="resnet18", freeze_backbone=True)  # BatchNorm in the backbone
+    backbone = [t.detach().clone() for n, t in model.net.state_dict().items() if not n.startswith("fc.")]
+    head = model.net.fc.weight.detach().clone()
+    data = TinyPatientDataModule()
+    data.train_dataset.x = torch.rand(len(data.train_dataset), 3, 16, 16)  # images for the CNN (4 poolings)
+    _trainer(tmp_path, [_p3sgd(noise_scales=(3.0,))], max_steps=3).fit(model, data)
+    after = [t for n, t in model.net.state_dict().items() if not n.startswith("fc.")]
+    assert all(torch.equal(a, b) for a, b in zip(backbone, after)), "a frozen backbone changed"
+    assert not torch.equal(head, model.net.fc.weight), "the head must train"
+
+
+def test_batchnorm_statistics_of_an_eval_mode_module_are_not_released() -> None:
+    from lightning_dp.sanitization import ModelState
+
+    net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+    assert ModelState(net).numel == 20 + 8 + 8  # Linear, BN affine, BN running mean + var
+    net[1].eval()
+    assert ModelState(net).numel == 20 + 8
