@@ -36,6 +36,7 @@ class SmallCNN(nn.Module):
 
 
 Norm = Literal["batch", "group"]
+_HEADS = {"resnet18": "fc", "resnet34": "fc", "mobilenet_v2": "classifier", "small_cnn": "head"}
 
 
 def build_backbone(arch: Architecture, num_classes: int, norm: Norm = "batch") -> nn.Module:
@@ -82,6 +83,9 @@ class ImageClassifier(pl.LightningModule):
         weight_decay: L2 weight decay (the P3SGD paper uses 1e-4).
         optimizer: ``"sgd"`` or ``"adam"``.
         norm: ``"batch"`` (BatchNorm) or ``"group"`` (GroupNorm, for per-sample DP-SGD).
+        freeze_backbone: train only the classifier head; the backbone's parameters are frozen and it
+            stays in eval mode (its BatchNorm statistics are not updated). The usual recipe for DP
+            fine-tuning of a network pre-trained on public data.
 
     Example:
         >>> model = ImageClassifier(arch="small_cnn", num_classes=2)
@@ -98,6 +102,7 @@ class ImageClassifier(pl.LightningModule):
         weight_decay: float = 1e-4,
         optimizer: Literal["sgd", "adam"] = "sgd",
         norm: Norm = "batch",
+        freeze_backbone: bool = False,
     ) -> None:
         super().__init__()
         check_finite_positive("ImageClassifier", "lr", lr, "e.g. 0.05 for SGD, 1e-3 for Adam.")
@@ -108,6 +113,11 @@ class ImageClassifier(pl.LightningModule):
             )
         self.save_hyperparameters()
         self.net = build_backbone(arch, num_classes, norm)
+        self.freeze_backbone = freeze_backbone
+        if freeze_backbone:
+            for name, param in self.net.named_parameters():
+                param.requires_grad_(name.startswith(_HEADS[arch] + "."))
+            self.train()  # Lightning keeps each module's mode: the backbone must start in eval mode
         task: Literal["binary", "multiclass"] = "multiclass"
         metrics: dict[str, torchmetrics.Metric | torchmetrics.MetricCollection] = {
             "acc": torchmetrics.Accuracy(task=task, num_classes=num_classes),
@@ -118,6 +128,15 @@ class ImageClassifier(pl.LightningModule):
 
     def forward(self, x: Tensor) -> Tensor:
         return self.net(x)
+
+    def train(self, mode: bool = True) -> ImageClassifier:
+        super().train(mode)
+        if self.freeze_backbone:
+            head = _HEADS[self.hparams["arch"]]
+            for name, child in self.net.named_children():
+                if name != head:
+                    child.eval()
+        return self
 
     def _shared(self, batch: Any) -> tuple[Tensor, Tensor, Tensor]:
         x, y = batch[0], batch[1]
