@@ -315,3 +315,18 @@ class DPCallback(pl.Callback):
     def _optimizers(pl_module: pl.LightningModule) -> list[Any]:
         optimizers = pl_module.optimizers()
         return optimizers if isinstance(optimizers, list) else [optimizers]
+
+    def _step_optimizers(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Steps the module's optimizers with the gradients now set (advancing Lightning's step), then zeroes them.
+
+        The gradients are already true (unscaled) gradients: a GradScaler of the precision plugin
+        (fp16) is set to scale 1 so that it neither divides them again nor fails for want of a
+        ``scale(loss)`` call.
+        """
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        if scaler is not None and scaler.is_enabled() and scaler.get_scale() != 1.0:
+            scaler.scale(torch.ones((), device=pl_module.device))  # initializes the scale tensor if needed
+            scaler.update(new_scale=1.0)
+        for optimizer in self._optimizers(pl_module):
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)

@@ -565,14 +565,7 @@ class DPSGD(DPCallback):
                         param.grad = None  # only the released, noised gradient may reach the optimizer
         for param, grad in self.clipper.views(update):
             param.grad = grad.to(param.dtype)
-        scaler = getattr(trainer.precision_plugin, "scaler", None)
-        if scaler is not None and scaler.is_enabled() and scaler.get_scale() != 1.0:
-            # The precision plugin would divide our (already unscaled) gradient by its loss scale.
-            scaler.scale(torch.ones((), device=pl_module.device))  # initializes the scale tensor if needed
-            scaler.update(new_scale=1.0)
-        for optimizer in self._optimizers(pl_module):
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+        self._step_optimizers(trainer, pl_module)
 
     @staticmethod
     def _step_schedulers(trainer: pl.Trainer, interval: str, counter: int) -> None:

@@ -173,6 +173,7 @@ class P3SGD(DPCallback):
         self.nonfinite_updates = 0
         self._dataset: Any = None
         self._state: ModelState | None = None
+        self._tick: torch.nn.Parameter | None = None
 
     def __repr__(self) -> str:
         return (
@@ -206,8 +207,19 @@ class P3SGD(DPCallback):
                 "P3SGD(accounting='paper') reproduces the paper's ε, which is NOT a differential-privacy guarantee.",
                 category=PrivacyWarning,
             )
+        # P3SGD applies its noisy update itself (local SGD and server step are its own): the module's optimizer
+        # would have nothing to do. A no-op optimizer over one tick parameter advances Lightning's step counter
+        # and gives an fp16 GradScaler the (zero) gradient it insists on inspecting.
+        self._patch(pl_module, "configure_optimizers", self._tick_optimizer(pl_module))
         rounds = self.rounds_per_epoch or max(1, round(1 / self.sample_rate))
         return DataLoader(_RoundTicks(rounds), batch_size=None)
+
+    def _tick_optimizer(self, pl_module: pl.LightningModule) -> Callable[[], torch.optim.Optimizer]:
+        def configure_optimizers() -> torch.optim.Optimizer:
+            self._tick = torch.nn.Parameter(torch.zeros(1, device=pl_module.device))
+            return torch.optim.SGD([self._tick], lr=0.0)
+
+        return configure_optimizers
 
     def _find_patient_dataset(self, trainer: pl.Trainer) -> Any:
         datamodule = getattr(trainer, "datamodule", None)
@@ -329,10 +341,10 @@ class P3SGD(DPCallback):
         self.rounds += 1
         self.selection_counts[self.noise_scales.index(released.noise_multiplier)] += 1
         self.nonfinite_updates += int(stats[3])
-        # Advances Lightning's step counter; no gradients are set, so the module's optimizer changes nothing.
-        for optimizer in self._optimizers(pl_module):
-            optimizer.zero_grad(set_to_none=True)
-            optimizer.step()
+        # Advances Lightning's step counter (the tick optimizer changes nothing).
+        assert self._tick is not None
+        self._tick.grad = torch.zeros_like(self._tick)
+        self._step_optimizers(trainer, pl_module)
         metrics = {
             "privacy/epsilon": self._accountant.epsilon(self.ledger),
             "privacy/delta": self.ledger.delta,

@@ -211,3 +211,23 @@ def test_batchnorm_statistics_of_an_eval_mode_module_are_not_released() -> None:
     assert ModelState(net).numel == 20 + 8 + 8  # Linear, BN affine, BN running mean + var
     net[1].eval()
     assert ModelState(net).numel == 20 + 8
+
+
+def test_fp16_with_a_grad_scaler_does_not_inflate_the_clipped_update(tmp_path: Path) -> None:
+    # Lightning turns precision="16-mixed" on CPU into bf16, so the fp16 plugin with its GradScaler is given
+    # explicitly. With negligible noise one round moves the released tensors by Σ clipped / (q·N): at most
+    # (patients in the round)·C/(q·N). A loss scale leaking into the local updates would inflate the norms
+    # that clipping sees (over-clipping) or the update itself (beyond the bound).
+    from pytorch_lightning.plugins.precision import MixedPrecision
+
+    model = TinyClassifier()
+    before = _weights(model)
+    cb = _p3sgd(sample_rate=0.5, clip_norm=0.01, noise_scales=(1e-6,), local_lr=1.0, log_private_diagnostics=True)
+    plugin = MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu"))
+    trainer = _trainer(tmp_path, [cb], max_steps=1, plugins=[plugin])
+    trainer.fit(model, TinyPatientDataModule())
+    patients = float(trainer.logged_metrics["private_diagnostics/patients_in_round"])
+    bound = patients * 0.01 / (0.5 * 20)
+    change = float((_weights(model) - before).norm())
+    assert patients > 0 and 0.5 * bound < change <= bound * (1 + 1e-3), (change, bound)
+    assert all(p.dtype == torch.float32 for p in model.parameters())
