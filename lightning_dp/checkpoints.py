@@ -11,8 +11,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
-
 __all__ = ["publishable_checkpoint"]
 
 _SECRET_STATE_OWNERS = ("P3SGD", "DPSGD")
@@ -25,7 +23,7 @@ def publishable_checkpoint(source: str | Path, destination: str | Path) -> list[
     copy cannot resume private training: resuming from it raises the missing-privacy-state error.
 
     Example:
-        >>> import tempfile, os
+        >>> import os, tempfile, torch
         >>> folder = tempfile.mkdtemp()
         >>> torch.save({"state_dict": {}, "callbacks": {"DPSGD": {"sampler_seed": 1}, "Other": {}}},
         ...            os.path.join(folder, "last.ckpt"))
@@ -34,6 +32,8 @@ def publishable_checkpoint(source: str | Path, destination: str | Path) -> list[
         >>> sorted(torch.load(os.path.join(folder, "public.ckpt"), weights_only=True)["callbacks"])
         ['Other']
     """
+    import torch  # here: the package root must import without torch (the accounting layer is pure math)
+
     checkpoint = torch.load(source, map_location="cpu", weights_only=True)
     callbacks = checkpoint.get("callbacks", {})
     removed = [key for key in callbacks if str(key).split("[")[0] in _SECRET_STATE_OWNERS]
