@@ -24,7 +24,7 @@ from lightning_dp.callbacks.budget import PrivacyBudget
 from lightning_dp.callbacks.privacy_report import write_privacy_report
 from lightning_dp.errors import PrivacyConfigError, PrivacyStateError, check_in_interval
 from lightning_dp.sampling.patients import secure_seed
-from lightning_dp.sanitization import NoisyRelease
+from lightning_dp.sanitization import NoisyRelease, RoundRelease
 
 __all__ = ["DPCallback"]
 
@@ -232,6 +232,34 @@ class DPCallback(pl.Callback):
             trainer.should_stop = True
             return False
         return True
+
+    def _log_step(
+        self,
+        pl_module: pl.LightningModule,
+        released: RoundRelease,
+        public: dict[str, float],
+        stats: torch.Tensor,
+        names: tuple[str, str, str, str],
+    ) -> None:
+        """Logs a step's sanitized metrics and, if the user opted in, its private diagnostics.
+
+        ``stats`` holds (units in the step, units clipped, sum of their norms, non-finite units), summed
+        over ranks; ``names`` are the diagnostics' names for those four (count, clipped fraction,
+        mean norm, non-finite count). The diagnostics are computed from private data, not sanitized.
+        """
+        assert self.ledger is not None
+        metrics = {
+            "privacy/epsilon": self._accountant.epsilon(self.ledger),
+            "privacy/delta": self.ledger.delta,
+            "privacy/noise_multiplier": released.noise_multiplier,
+            "privacy/noise_std": released.noise_std,
+            **public,
+        }
+        if self.log_private_diagnostics:
+            n = max(stats[0].item(), 1.0)
+            values = (stats[0].item(), stats[1].item() / n, stats[2].item() / n, stats[3].item())
+            metrics.update({f"private_diagnostics/{name}": value for name, value in zip(names, values)})
+        self._log(pl_module, metrics)
 
     def _log(self, pl_module: pl.LightningModule, metrics: dict[str, float]) -> None:
         """Logs the callback's sanitized metrics (the only ones logged during training)."""

@@ -44,6 +44,7 @@ from lightning_dp.sanitization.per_sample import (
     NonFiniteGradientsError,
     PerSampleClipper,
     UnsupportedModelError,
+    check_loss_reduction,
 )
 
 __all__ = ["DPSGD"]
@@ -164,13 +165,7 @@ class DPSGD(DPCallback):
         self.max_physical_batch_size = check_count(
             owner, "max_physical_batch_size", max_physical_batch_size, "as many samples as fit in memory.", minimum=1
         )
-        if loss_reduction not in ("mean", "sum", "none"):
-            raise PrivacyConfigError(
-                f"`DPSGD(loss_reduction={loss_reduction!r})`: loss_reduction must be 'mean', 'sum' or 'none', found "
-                f"{loss_reduction!r}. HINT: 'mean' if training_step averages the per-sample losses, 'none' if it "
-                "returns them."
-            )
-        self.loss_reduction: LossReduction = loss_reduction
+        self.loss_reduction: LossReduction = check_loss_reduction(owner, loss_reduction)
         self.steps_per_epoch = (
             None if steps_per_epoch is None else check_count(owner, "steps_per_epoch", steps_per_epoch, "", minimum=1)
         )
@@ -514,25 +509,9 @@ class DPSGD(DPCallback):
         self._apply(trainer, pl_module, released.update)
         self.steps += 1
         self._step_schedulers(trainer, "step", self.steps)
-        metrics = {
-            "privacy/epsilon": self._accountant.epsilon(self.ledger),
-            "privacy/delta": self.ledger.delta,
-            "privacy/noise_multiplier": released.noise_multiplier,
-            "privacy/noise_std": released.noise_std,
-            "privacy/steps": float(self.steps),
-            "privacy/expected_batch_size": self.sampler.expected_batch_size,
-        }
-        if self.log_private_diagnostics:
-            n = max(stats[0].item(), 1.0)
-            metrics.update(
-                {
-                    "private_diagnostics/batch_size": stats[0].item(),
-                    "private_diagnostics/clipped_fraction": stats[1].item() / n,
-                    "private_diagnostics/mean_per_sample_norm": stats[2].item() / n,
-                    "private_diagnostics/nonfinite_samples": stats[3].item(),
-                }
-            )
-        self._log(pl_module, metrics)
+        public = {"privacy/steps": float(self.steps), "privacy/expected_batch_size": self.sampler.expected_batch_size}
+        names = ("batch_size", "clipped_fraction", "mean_per_sample_norm", "nonfinite_samples")
+        self._log_step(pl_module, released, public, stats, names)
 
     def _accumulate_chunk(self, chunk: Any, size: int, index: int, scale: list[float]) -> Any:
         """Clips one physical chunk into the clipper's sum; with fp16, retries at half the loss scale on overflow.

@@ -345,24 +345,8 @@ class P3SGD(DPCallback):
         assert self._tick is not None
         self._tick.grad = torch.zeros_like(self._tick)
         self._step_optimizers(trainer, pl_module)
-        metrics = {
-            "privacy/epsilon": self._accountant.epsilon(self.ledger),
-            "privacy/delta": self.ledger.delta,
-            "privacy/noise_multiplier": released.noise_multiplier,
-            "privacy/noise_std": released.noise_std,
-            "privacy/rounds": float(self.rounds),
-        }
-        if self.log_private_diagnostics:
-            n = max(stats[0].item(), 1.0)
-            metrics.update(
-                {
-                    "private_diagnostics/patients_in_round": stats[0].item(),
-                    "private_diagnostics/clipped_fraction": stats[1].item() / n,
-                    "private_diagnostics/mean_update_norm": stats[2].item() / n,
-                    "private_diagnostics/nonfinite_updates": stats[3].item(),
-                }
-            )
-        self._log(pl_module, metrics)
+        names = ("patients_in_round", "clipped_fraction", "mean_update_norm", "nonfinite_updates")
+        self._log_step(pl_module, released, {"privacy/rounds": float(self.rounds)}, stats, names)
 
     # ------------------------------------------------------------------ report and checkpoints
     def _accounting_mode(self) -> str:

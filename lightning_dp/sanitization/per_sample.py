@@ -41,6 +41,7 @@ __all__ = [
     "NonFiniteGradientsError",
     "PerSampleClipper",
     "UnsupportedModelError",
+    "check_loss_reduction",
     "clip_coefficients",
     "parameters_next_to_children",
     "trainable_layers",
@@ -49,6 +50,17 @@ __all__ = [
 LossReduction = Literal["mean", "sum", "none"]
 
 _CONV_TYPES = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+
+
+def check_loss_reduction(owner: str, value: Any) -> LossReduction:
+    """Returns ``value`` if it is 'mean', 'sum' or 'none', else raises `PrivacyConfigError`."""
+    if value not in ("mean", "sum", "none"):
+        raise PrivacyConfigError(
+            f"`{owner}(loss_reduction={value!r})`: loss_reduction must be 'mean', 'sum' or 'none', found {value!r}. "
+            "HINT: 'mean' if the loss averages the per-sample losses over the batch (the default of "
+            "torch.nn.functional.cross_entropy), 'sum' if it adds them, 'none' if it returns one loss per sample."
+        )
+    return value
 
 
 class UnsupportedModelError(PrivacyConfigError):
@@ -161,13 +173,7 @@ class PerSampleClipper:
 
     def __init__(self, module: nn.Module, clip_norm: float, loss_reduction: LossReduction = "mean") -> None:
         self.clip_norm = check_finite_positive("PerSampleClipper", "clip_norm", clip_norm, "e.g. 1.0.")
-        if loss_reduction not in ("mean", "sum", "none"):
-            raise PrivacyConfigError(
-                f"`PerSampleClipper(loss_reduction={loss_reduction!r})`: loss_reduction must be 'mean', 'sum' or "
-                f"'none', found {loss_reduction!r}. HINT: 'mean' if your loss averages over the batch (the default "
-                "of torch.nn.functional.cross_entropy), 'none' if it returns one loss per sample."
-            )
-        self.loss_reduction: LossReduction = loss_reduction
+        self.loss_reduction: LossReduction = check_loss_reduction("PerSampleClipper", loss_reduction)
         samplers = _opacus_grad_samplers()
         self.layers: list[_Layer] = []
         for name, sub in trainable_layers(module):
