@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Literal
 
 import pytorch_lightning as pl
 import torch
+from pytorch_lightning.loggers import CSVLogger
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset
 
+from lightning_dp.callbacks import DPSGD
 from lightning_dp.sampling.samples import LogicalBatch
 
 OptimizerName = Literal["sgd", "adam", "rmsprop"]
@@ -161,3 +164,29 @@ class WeightSnapshots(pl.Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         self.weights.append(flat_weights(pl_module))
+
+
+def dpsgd(**kwargs: Any) -> DPSGD:
+    """A DPSGD callback with the tests' defaults (C = 1, z = 1, expected batch 10, seed 7), overridable."""
+    args: dict[str, Any] = {"clip_norm": 1.0, "noise_multiplier": 1.0, "batch_size": 10, "seed": 7}
+    args.update(kwargs)
+    return DPSGD(**args)
+
+
+def trainer(root: Path, callbacks: list[pl.Callback], **kwargs: Any) -> pl.Trainer:
+    """A quiet CPU Trainer for 3 steps that logs to a CSV file under ``root``; keyword arguments override."""
+    args: dict[str, Any] = {
+        "accelerator": "cpu",
+        "devices": 1,
+        "max_steps": 3,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "logger": CSVLogger(root),
+        "default_root_dir": root,
+        "enable_checkpointing": False,
+        "num_sanity_val_steps": 0,
+        "limit_val_batches": 0,
+        "log_every_n_steps": 1,
+    }
+    args.update(kwargs)
+    return pl.Trainer(callbacks=callbacks, **args)

@@ -10,7 +10,6 @@ import pytest
 import pytorch_lightning as pl
 import torch
 from pytorch_lightning.callbacks import ModelCheckpoint
-from pytorch_lightning.loggers import CSVLogger
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, IterableDataset
 
@@ -27,32 +26,12 @@ from tests.helpers.samples import (
     SampleClassifier,
     SampleDataModule,
     WeightSnapshots,
+    dpsgd,
     flat_weights,
+    trainer,
 )
 
-
-def _dpsgd(**kwargs: Any) -> DPSGD:
-    args: dict[str, Any] = {"clip_norm": 1.0, "noise_multiplier": 1.0, "batch_size": 10, "seed": 7}
-    args.update(kwargs)
-    return DPSGD(**args)
-
-
-def _trainer(root: Path, callbacks: list[pl.Callback], **kwargs: Any) -> pl.Trainer:
-    args: dict[str, Any] = {
-        "accelerator": "cpu",
-        "devices": 1,
-        "max_steps": 3,
-        "enable_progress_bar": False,
-        "enable_model_summary": False,
-        "logger": CSVLogger(root),
-        "default_root_dir": root,
-        "enable_checkpointing": False,
-        "num_sanity_val_steps": 0,
-        "limit_val_batches": 0,
-        "log_every_n_steps": 1,
-    }
-    args.update(kwargs)
-    return pl.Trainer(callbacks=callbacks, **args)
+_dpsgd, _trainer = dpsgd, trainer
 
 
 # ---------------------------------------------------------------------- one step = one DP step = one ledger entry
