@@ -36,7 +36,7 @@ from lightning_dp.errors import (
     check_finite_positive,
     check_sample_rate,
 )
-from lightning_dp.models.fixers import fix_model, validate_model
+from lightning_dp.models.fixers import batch_norm_layers, fix_model, validate_model
 from lightning_dp.sampling.samples import LogicalBatch, PoissonBatches, PoissonSampleSampler, identity_collate
 from lightning_dp.sanitization import NoisyRelease
 from lightning_dp.sanitization.per_sample import (
@@ -235,11 +235,12 @@ class DPSGD(DPCallback):
                 "training samples. HINT: use a smaller batch_size."
             )
         self._dataset, self._source_loader = dataset, loader
-        if any(True for _ in self._batch_norms(pl_module)):
+        batch_norms = batch_norm_layers(pl_module)
+        if batch_norms:
             if not self.convert_batchnorm:
                 raise UnsupportedModelError(
                     f"`DPSGD(convert_batchnorm=False)`: {type(pl_module).__name__} has BatchNorm layers "
-                    f"{[n for n, _ in self._batch_norms(pl_module)][:5]}, which mix the samples of a batch. HINT: "
+                    f"{batch_norms[:5]}, which mix the samples of a batch. HINT: "
                     "build the model with GroupNorm, or let DPSGD convert them (convert_batchnorm=True)."
                 )
             self.converted_layers = fix_model(pl_module, warn=False)
@@ -257,12 +258,6 @@ class DPSGD(DPCallback):
                 f"`DPSGD`: {type(pl_module).__name__} cannot be trained with per-sample gradients:\n  {listed}"
             )
         return num_samples
-
-    @staticmethod
-    def _batch_norms(module: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
-        from lightning_dp.models.fixers import _BATCH_NORMS
-
-        return [(n, m) for n, m in module.named_modules() if isinstance(m, _BATCH_NORMS)]
 
     def _rate(self, num_samples: int) -> float:
         return self.sample_rate if self.sample_rate is not None else self.batch_size / num_samples  # type: ignore[operator]

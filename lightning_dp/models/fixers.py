@@ -28,7 +28,7 @@ from torch import nn
 
 from lightning_dp.errors import PrivacyWarning
 
-__all__ = ["ModelProblem", "fix_model", "group_norm_for", "validate_model"]
+__all__ = ["ModelProblem", "batch_norm_layers", "fix_model", "group_norm_for", "validate_model"]
 
 _BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
 _INSTANCE_NORMS = (nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)
@@ -46,6 +46,11 @@ class ModelProblem:
 
     def __str__(self) -> str:
         return f"{self.name or '<root>'} ({self.layer}): {self.problem}. FIX: {self.fix}"
+
+
+def batch_norm_layers(module: nn.Module) -> list[str]:
+    """The qualified names of ``module``'s BatchNorm layers (which per-sample DP-SGD cannot train)."""
+    return [name for name, sub in module.named_modules() if isinstance(sub, _BATCH_NORMS)]
 
 
 def group_norm_for(num_channels: int, max_groups: int = 32, **kwargs: Any) -> nn.GroupNorm:
