@@ -17,7 +17,7 @@ from dp_accounting import pld
 from dp_accounting.pld import common
 from dp_accounting.pld import privacy_loss_distribution as pld_lib
 from dp_accounting.rdp import RdpAccountant
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from opacus.accountants.analysis.rdp import _compute_rdp as opacus_compute_rdp
 from prv_accountant import PoissonSubsampledGaussianMechanism
@@ -66,6 +66,18 @@ def _pld_epsilon(history: tuple[tuple[float, float, int], ...], delta: float, in
     for q, z, steps in history:
         reference.compose(_dp_event(q, z), steps)
     return float(reference.get_epsilon(delta))
+
+
+def _pld_lower_epsilon(q: float, z: float, steps: int, delta: float, interval: float) -> float:
+    """dp-accounting's *optimistic* PLD ε: at or below the true ε up to its discretization error.
+
+    The pessimistic estimate is not a lower reference: with tiny noise its truncated tail becomes mass at
+    infinity, and after many compositions it reports ε = inf where the true ε is finite.
+    """
+    distribution = pld_lib.from_gaussian_mechanism(
+        z, sampling_prob=q, pessimistic_estimate=False, value_discretization_interval=interval, use_connect_dots=False
+    )
+    return float(distribution.self_compose(steps).get_epsilon_for_delta(delta))
 
 
 # --------------------------------------------------------------------------------------------
@@ -352,7 +364,8 @@ def test_rdp_is_never_below_pld(q: float, sigma: float, steps: int, log10_delta:
     ours = RDPAccountant().epsilon(_ledger([(q, sigma, steps)], delta))
     # Connect-the-dots PLD (pessimistic). Its grid is 1e-4 (dp-accounting's default) scaled up with ε so large-ε
     # cases stay fast; at that relative resolution its error is far inside the tolerance below.
-    reference = _pld_epsilon(((q, sigma, steps),), delta, interval=1e-4 * max(1.0, ours))
+    reference = _pld_lower_epsilon(q, sigma, steps, delta, interval=1e-4 * max(1.0, ours))
+    assume(math.isfinite(reference))  # beyond ε ≈ 700 even the optimistic PLD overflows to inf: nothing to compare
     assert ours >= reference - 1e-3 * max(1.0, reference), (
         f"q={q}, σ={sigma}, T={steps}, δ={delta}: RDP ε = {ours} < PLD ε = {reference} (tolerance 1e-3·max(1, ε))"
     )
