@@ -2,9 +2,13 @@
 
 * ``rdp`` (default): Rényi DP composition with the Balle et al. (2020) conversion.
 * ``prv``: numerical composition of privacy random variables (Gopi et al. 2021), via Opacus'
-  PRV analysis, for the Poisson-subsampled Gaussian part of the ledger; any other events are
-  accounted by RDP at δ/2 and the two guarantees added (basic composition), so the result is
+  PRV analysis, for every Poisson-sampled mechanism with a Gaussian part (a release alone, or a
+  release and the selections run on its sample, `lightning_dp.accounting.prv`); any other events
+  are accounted by RDP at δ/2 and the two guarantees added (basic composition), so the result is
   always a valid bound.
+
+Mechanisms that read one Poisson sample are one `PoissonSampledEvent` and are amplified together
+(their joint pair, both neighbouring directions); never each on its own.
 * ``moments``: the moments accountant of Abadi et al. (2016) with integer λ = 1..32 and the
   classic tail bound — kept to reproduce the papers' numbers; it is valid but looser.
 
@@ -31,11 +35,13 @@ from lightning_dp.accounting.events import (
     ZCDPEvent,
 )
 from lightning_dp.accounting.ledger import PrivacyLedger, _check_delta
+from lightning_dp.accounting.prv import MAX_PRV_POINTS, SampledKey, prv_epsilon
 from lightning_dp.accounting.rdp import (
     DEFAULT_ORDERS,
     MOMENTS_ORDERS,
     epsilon_from_rdp,
     epsilon_from_rdp_moments,
+    rdp_poisson_joint,
     rdp_pure_dp,
     rdp_subsampled_gaussian,
 )
@@ -55,8 +61,6 @@ AccountantName = Literal["rdp", "prv", "moments"]
 #: Above this many distinct (rate, multiplier) pairs, multipliers are rounded *down* onto a geometric
 #: grid: a smaller multiplier means more noise is assumed absent, so the bound only gets larger.
 MAX_EXACT_GAUSSIANS = 256
-#: The PRV accountant refuses ledgers whose discretized domain would exceed this many points (memory).
-MAX_PRV_POINTS = 5e6
 
 
 class Accountant(Protocol):
@@ -87,11 +91,13 @@ def _leaves(entries: Iterable[tuple[PrivacyEvent, int]]) -> list[tuple[PrivacyEv
     return out
 
 
-def _gaussian_key(event: PrivacyEvent) -> tuple[float, float] | None:
+def _sampled_key(event: PrivacyEvent) -> SampledKey | None:
+    """(q, z, selection ε's) of a mechanism with a Gaussian part; None for any other leaf event."""
     if isinstance(event, PoissonSampledEvent):
-        return (event.sample_rate, event.event.noise_multiplier)
+        multiplier, epsilons = event.components()
+        return None if multiplier is None else (event.sample_rate, multiplier, epsilons)
     if isinstance(event, GaussianEvent):
-        return (1.0, event.noise_multiplier)
+        return (1.0, event.noise_multiplier, ())
     return None
 
 
@@ -104,21 +110,24 @@ def round_down_geometric(values: NDArray[np.float64], ratio: float) -> NDArray[n
 
 def _group_gaussians(
     entries: Iterable[tuple[PrivacyEvent, int]], grid_ratio: float
-) -> tuple[Counter[tuple[float, float]], list[tuple[PrivacyEvent, int]]]:
-    """Counts Gaussian steps by (rate, multiplier); returns them and the other leaf events."""
-    gaussians: Counter[tuple[float, float]] = Counter()
+) -> tuple[Counter[SampledKey], list[tuple[PrivacyEvent, int]]]:
+    """Counts the steps of each mechanism with a Gaussian part by (rate, multiplier, selection ε's).
+
+    Returns them and the other leaf events (zCDP, selections without a Gaussian on their sample).
+    """
+    gaussians: Counter[SampledKey] = Counter()
     others: list[tuple[PrivacyEvent, int]] = []
     for entry_event, entry_count in entries:
         if entry_count == 0:
             continue
         # Fast path: a ledger of a decaying schedule is 100,000s of plain subsampled Gaussians.
-        if type(entry_event) is PoissonSampledEvent:
-            gaussians[(entry_event.sample_rate, entry_event.event.noise_multiplier)] += entry_count
+        if type(entry_event) is PoissonSampledEvent and type(entry_event.event) is GaussianEvent:
+            gaussians[(entry_event.sample_rate, entry_event.event.noise_multiplier, ())] += entry_count
             continue
         for event, count in _leaves([(entry_event, entry_count)]):
             if count == 0:
                 continue
-            key = _gaussian_key(event)
+            key = _sampled_key(event)
             if key is None:
                 others.append((event, count))
             else:
@@ -126,9 +135,9 @@ def _group_gaussians(
     if len(gaussians) > MAX_EXACT_GAUSSIANS:
         keys = list(gaussians)
         sigmas = round_down_geometric(np.array([k[1] for k in keys]), grid_ratio)
-        regrouped: Counter[tuple[float, float]] = Counter()
+        regrouped: Counter[SampledKey] = Counter()
         for key, sigma in zip(keys, sigmas.tolist()):
-            regrouped[(key[0], sigma)] += gaussians[key]
+            regrouped[(key[0], sigma, key[2])] += gaussians[key]
         gaussians = regrouped
     return gaussians, others
 
@@ -137,34 +146,43 @@ def _rdp_of_others(others: list[tuple[PrivacyEvent, int]], orders: NDArray[np.fl
     total = np.zeros_like(orders)
     for event, count in others:
         if isinstance(event, ExponentialMechanismEvent):
-            total += count * rdp_pure_dp(event.amplified_epsilon, orders)
+            total += count * rdp_pure_dp(event.pure_epsilon, orders)
         elif isinstance(event, ZCDPEvent):
             total += count * event.rho * orders
+        elif isinstance(event, PoissonSampledEvent):  # selections alone on a sample, no Gaussian
+            total += count * rdp_poisson_joint(event.sample_rate, None, event.components()[1], orders)
         else:  # pragma: no cover - events are validated on construction
             raise UnsupportedEventError(f"No RDP analysis for {type(event).__name__}.")
     return total
 
 
-#: RDP curves of recently seen (rate, multiplier, orders): a training run asks for ε after every step
-#: with the same few events, and one curve costs ~0.1 s.
-_CURVES: dict[tuple[float, float, bytes], NDArray[np.float64]] = {}
+#: RDP curves of recently seen (rate, multiplier, selections, orders): a training run asks for ε after every
+#: step with the same few events, and one curve costs ~0.1 s.
+_CURVES: dict[tuple[float, float, tuple[float, ...], bytes], NDArray[np.float64]] = {}
 _MAX_CACHED_CURVES = 256
 
 
-def _gaussian_curves(keys: list[tuple[float, float]], orders: NDArray[np.float64]) -> NDArray[np.float64]:
-    """RDP of each (rate, multiplier) at ``orders``, one row per key (memoized for a few keys)."""
-    if len(keys) > 16:  # noise decay: many distinct multipliers, computed in one vectorized pass
-        return rdp_subsampled_gaussian(np.array([k[0] for k in keys]), np.array([k[1] for k in keys]), orders)
+def _curves(keys: list[SampledKey], orders: NDArray[np.float64]) -> NDArray[np.float64]:
+    """RDP of each plain subsampled Gaussian, in one vectorized pass."""
+    return rdp_subsampled_gaussian(np.array([k[0] for k in keys]), np.array([k[1] for k in keys]), orders)
+
+
+def _gaussian_curves(keys: list[SampledKey], orders: NDArray[np.float64]) -> NDArray[np.float64]:
+    """RDP of each key at ``orders``, one row per key (memoized for a few keys)."""
+    if len(keys) > 16 and all(not k[2] for k in keys):  # noise decay: many distinct multipliers, one pass
+        return _curves(keys, orders)
     tag = orders.tobytes()
-    missing = [k for k in keys if (k[0], k[1], tag) not in _CURVES]
+    missing = [k for k in keys if (k[0], k[1], k[2], tag) not in _CURVES]
     if missing:
         if len(_CURVES) + len(missing) > _MAX_CACHED_CURVES:
             _CURVES.clear()
-        fresh = rdp_subsampled_gaussian(np.array([k[0] for k in missing]), np.array([k[1] for k in missing]), orders)
-        for key, curve in zip(missing, fresh):
+        plain = [k for k in missing if not k[2]]
+        fresh = list(zip(plain, _curves(plain, orders))) if plain else []
+        fresh += [(k, rdp_poisson_joint(k[0], k[1], k[2], orders)) for k in missing if k[2]]
+        for key, curve in fresh:
             curve.setflags(write=False)
-            _CURVES[(key[0], key[1], tag)] = curve
-    return np.stack([_CURVES[(k[0], k[1], tag)] for k in keys])
+            _CURVES[(key[0], key[1], key[2], tag)] = curve
+    return np.stack([_CURVES[(k[0], k[1], k[2], tag)] for k in keys])
 
 
 def ledger_rdp(
@@ -257,8 +275,9 @@ class MomentsAccountant:
 class PRVAccountant:
     """Privacy-random-variable accountant (Gopi et al. 2021) using Opacus' PRV analysis.
 
-    The Poisson-subsampled Gaussian part of the ledger is composed numerically and reported as the
-    *upper* end of its error interval (``eps_error``). If the ledger also holds selection or zCDP
+    The Poisson-sampled mechanisms with a Gaussian part (alone, or with the selections run on their
+    sample: the joint pair, remove and add directions) are composed numerically and reported as the
+    *upper* end of the error interval (``eps_error``). If the ledger also holds un-sampled selection or zCDP
     events, those are accounted by RDP and the two (ε, δ/2) guarantees are added — basic
     composition, always valid, sometimes looser than `RDPAccountant` alone.
 
@@ -293,7 +312,9 @@ class PRVAccountant:
             return rest
         return self._gaussian_epsilon(gaussians, delta / 2) + rest
 
-    def _gaussian_epsilon(self, gaussians: Counter[tuple[float, float]], delta: float) -> float:
+    def _gaussian_epsilon(self, gaussians: Counter[SampledKey], delta: float) -> float:
+        if any(key[2] for key in gaussians):  # selections on a release's sample: the joint pair, both directions
+            return prv_epsilon(list(gaussians), list(gaussians.values()), delta, self.eps_error)
         # Imported here: Opacus imports torch, and the accounting layer must stay importable without it.
         from opacus.accountants.analysis.prv import (
             Domain,
@@ -306,7 +327,7 @@ class PRVAccountant:
 
         # The same steps as Opacus' PRVAccountant, with the domain size checked before allocating it.
         delta_error = delta / 1000
-        prvs = [PoissonSubsampledGaussianPRV(rate, sigma) for rate, sigma in gaussians]
+        prvs = [PoissonSubsampledGaussianPRV(rate, sigma) for rate, sigma, _ in gaussians]
         counts = list(gaussians.values())
         half_width = compute_safe_domain_size(prvs, counts, eps_error=self.eps_error, delta_error=delta_error)
         mesh = self.eps_error / math.sqrt(sum(counts) * math.log(12 / delta_error) / 2)

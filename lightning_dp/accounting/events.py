@@ -57,28 +57,50 @@ class GaussianEvent:
 
 @dataclass(frozen=True)
 class PoissonSampledEvent:
-    """``event`` applied to a Poisson sample of the data: each unit is included with probability ``sample_rate``.
+    """``event`` run on **one** Poisson sample of the data: each unit is included with probability ``sample_rate``.
 
-    Only the Gaussian mechanism may be subsampled this way (the subsampled exponential mechanism
-    has its own ``sample_rate`` field).
+    Everything inside ``event`` reads the same sample, and is amplified *together*: a Gaussian
+    release and a selection computed on the same sampled units are
+    ``PoissonSampledEvent(q, ComposedEvent((GaussianEvent(z), ExponentialMechanismEvent(ε′, k))))``, whose
+    cost is that of the subsampled joint mechanism (ALGORITHMS.md §1). Two ``PoissonSampledEvent`` s
+    composed side by side claim two *independent* samples. ``event`` is a `GaussianEvent`, an
+    `ExponentialMechanismEvent`, or a `ComposedEvent` of those.
 
     Example:
         >>> PoissonSampledEvent(0.01, GaussianEvent(1.0)).sample_rate
         0.01
+        >>> joint = PoissonSampledEvent(0.1, ComposedEvent((GaussianEvent(1.0), ExponentialMechanismEvent(0.316, 2))))
+        >>> joint.components()
+        (1.0, (0.158,))
     """
 
     sample_rate: float
-    event: GaussianEvent
+    event: GaussianEvent | ExponentialMechanismEvent | ComposedEvent
 
     def __post_init__(self) -> None:
         rate = check_sample_rate("PoissonSampledEvent", self.sample_rate)
         object.__setattr__(self, "sample_rate", rate)
-        if not isinstance(self.event, GaussianEvent):
+        inner = self.event.events if isinstance(self.event, ComposedEvent) else (self.event,)
+        bad = [e for e in inner if not isinstance(e, (GaussianEvent, ExponentialMechanismEvent))]
+        if bad or not inner:
+            found = type(bad[0]).__name__ if bad else "an empty composition"
             raise PrivacyConfigError(
-                f"`PoissonSampledEvent(event={self.event!r})`: event must be a GaussianEvent, found "
-                f"{type(self.event).__name__}. HINT: use ExponentialMechanismEvent(sample_rate=...) for a "
-                "subsampled selection."
+                f"`PoissonSampledEvent(event={self.event!r})`: event must be a GaussianEvent, an "
+                f"ExponentialMechanismEvent or a ComposedEvent of those (the mechanisms run on one sample), found "
+                f"{found}. HINT: mechanisms on independent samples are separate PoissonSampledEvents in a "
+                "ComposedEvent."
             )
+
+    def components(self) -> tuple[float | None, tuple[float, ...]]:
+        """(noise multiplier of the Gaussian part or None, pure-DP ε of every selection), as accountants read them.
+
+        Several Gaussian releases of one sample are one Gaussian with 1/z² = Σ 1/z_i² (exact).
+        """
+        inner = self.event.events if isinstance(self.event, ComposedEvent) else (self.event,)
+        precision = sum(1.0 / e.noise_multiplier**2 for e in inner if isinstance(e, GaussianEvent))
+        multiplier = 1.0 / math.sqrt(precision) if precision > 0 else None
+        epsilons = tuple(sorted(e.pure_epsilon for e in inner if isinstance(e, ExponentialMechanismEvent)))
+        return multiplier, epsilons
 
     def to_dict(self) -> dict[str, Any]:
         return {"type": "poisson_sampled", "sample_rate": self.sample_rate, "event": self.event.to_dict()}
@@ -86,34 +108,50 @@ class PoissonSampledEvent:
 
 @dataclass(frozen=True)
 class ExponentialMechanismEvent:
-    """The exponential mechanism with privacy parameter ``epsilon`` (ε′-DP), optionally run on a Poisson sample.
+    """The exponential mechanism P(c) ∝ exp(ε′·u(c) / (2Δ)), over ``candidates`` choices if known.
 
-    With ``sample_rate`` q < 1 the mechanism sees only a Poisson sample, and it is
-    ε_q = log(1 + q(e^ε′ − 1))-DP (amplification by subsampling, add/remove neighbours).
+    Without ``candidates`` it is charged as ε′-DP. With ``candidates`` = k it is charged at
+    ε_k = log[(a + k − 1) / (a(1 + (k − 1)a))], a = e^{−ε′/2}: exact for a utility whose values lie
+    in a range of width Δ for every dataset (P3SGD's loss clipped to [0, C_o]); ε_2 = ε′/2, ε_k → ε′.
+    To run it on a Poisson sample wrap it in `PoissonSampledEvent`, together with every other
+    mechanism that reads the same sample.
 
     Example:
-        >>> round(ExponentialMechanismEvent(epsilon=1.0, sample_rate=0.1).amplified_epsilon, 4)
-        0.1586
+        >>> ExponentialMechanismEvent(epsilon=1.0).pure_epsilon
+        1.0
+        >>> ExponentialMechanismEvent(epsilon=1.0, candidates=2).pure_epsilon
+        0.5
     """
 
     epsilon: float
-    sample_rate: float = 1.0
+    candidates: int | None = None
 
     def __post_init__(self) -> None:
         eps = check_finite_positive(
             "ExponentialMechanismEvent", "epsilon", self.epsilon, "P3SGD's selection uses epsilon = sqrt(0.1) ≈ 0.316."
         )
-        rate = check_sample_rate("ExponentialMechanismEvent", self.sample_rate)
         object.__setattr__(self, "epsilon", eps)
-        object.__setattr__(self, "sample_rate", rate)
+        if self.candidates is not None:
+            check_count(
+                "ExponentialMechanismEvent",
+                "candidates",
+                self.candidates,
+                "the number of choices (noise scales) the mechanism selects among, e.g. 2.",
+                minimum=2,
+            )
 
     @property
-    def amplified_epsilon(self) -> float:
-        """ε of the mechanism after amplification by Poisson subsampling."""
-        return math.log1p(self.sample_rate * math.expm1(self.epsilon))
+    def pure_epsilon(self) -> float:
+        """The ε of the pure ε-DP guarantee charged for one run."""
+        if self.candidates is None:
+            return self.epsilon
+        a = math.exp(-self.epsilon / 2)
+        k = self.candidates
+        # log[(a + k − 1) / (a(1 + (k − 1)a))] with −log a = ε′/2 taken out: exactly ε′/2 for k = 2.
+        return min(self.epsilon, self.epsilon / 2 + math.log((a + (k - 1)) / (1 + (k - 1) * a)))
 
     def to_dict(self) -> dict[str, Any]:
-        return {"type": "exponential_mechanism", "epsilon": self.epsilon, "sample_rate": self.sample_rate}
+        return {"type": "exponential_mechanism", "epsilon": self.epsilon, "candidates": self.candidates}
 
 
 @dataclass(frozen=True)
@@ -214,7 +252,13 @@ def event_from_dict(data: Any) -> PrivacyEvent:
             inner = event_from_dict(data["event"])
             return PoissonSampledEvent(data["sample_rate"], inner)  # type: ignore[arg-type]
         if kind == "exponential_mechanism":
-            return ExponentialMechanismEvent(data["epsilon"], data["sample_rate"])
+            if "sample_rate" in data:
+                raise PrivacyConfigError(
+                    f"`event_from_dict(data={data!r})`: an exponential mechanism with its own sample_rate is format 1, "
+                    "which amplified a selection apart from the release on the same sample. HINT: load the ledger "
+                    "with PrivacyLedger.load_state_dict, which converts format 1 to the joint charge."
+                )
+            return ExponentialMechanismEvent(data["epsilon"], data["candidates"])
         if kind == "zcdp":
             return ZCDPEvent(data["rho"])
         if kind == "self_composed":

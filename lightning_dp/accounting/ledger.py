@@ -7,16 +7,19 @@ grouped into one entry with a count, so a constant-noise run of a million steps 
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any, Literal, get_args
 
 from lightning_dp.accounting.events import PrivacyEvent, _check_event, event_from_dict
-from lightning_dp.errors import PrivacyConfigError, PrivacyStateError, check_count, check_in_interval
+from lightning_dp.errors import PrivacyConfigError, PrivacyStateError, PrivacyWarning, check_count, check_in_interval
 
 __all__ = ["PrivacyLedger", "PrivacyUnit"]
 
 PrivacyUnit = Literal["patient", "sample"]
-FORMAT_VERSION = 1
+#: 2: mechanisms that read one Poisson sample are one `PoissonSampledEvent` (the exponential mechanism has no
+#: sample_rate of its own). Format 1 ledgers are converted on load (`_upgrade_v1_event`).
+FORMAT_VERSION = 2
 
 
 class PrivacyLedger:
@@ -104,15 +107,17 @@ class PrivacyLedger:
                 f"PrivacyLedger state is missing {sorted(missing)}. HINT: the checkpoint was not written by "
                 "lightning-dp's PrivacyLedger.state_dict()."
             )
-        if state["format_version"] != FORMAT_VERSION:
+        version = state["format_version"]
+        if version not in (1, FORMAT_VERSION):
             raise PrivacyStateError(
-                f"PrivacyLedger state has format_version {state['format_version']!r}; this version reads "
+                f"PrivacyLedger state has format_version {version!r}; this version reads 1 and "
                 f"{FORMAT_VERSION}. HINT: resume with the lightning-dp version that wrote the checkpoint."
             )
         try:
             unit = _check_unit(state["unit"])
             delta = _check_delta("PrivacyLedger.load_state_dict", state["delta"])
-            events = [event_from_dict(e) for e in state["events"]]
+            raw = [_upgrade_v1_event(e) for e in state["events"]] if version == 1 else list(state["events"])
+            events = [event_from_dict(e) for e in raw]
             counts = [
                 check_count("PrivacyLedger.load_state_dict", "counts[i]", c, "counts are step counts.", minimum=1)
                 for c in state["counts"]
@@ -122,6 +127,15 @@ class PrivacyLedger:
         if len(events) != len(counts):
             raise PrivacyStateError(
                 f"PrivacyLedger state has {len(events)} events but {len(counts)} counts; they must match."
+            )
+        if version == 1 and raw != list(state["events"]):
+            warnings.warn(
+                "PrivacyLedger: this checkpoint's ledger (format 1) charged a selection and the release it followed "
+                "as two independently sampled mechanisms, which under-counts. Its rounds are now charged as the "
+                "subsampled joint mechanism, with the selection at its full ε′: the ε printed from now on is "
+                "higher than the old run printed, and valid.",
+                PrivacyWarning,
+                stacklevel=2,
             )
         self.unit, self.delta, self._events, self._counts = unit, delta, events, counts
 
@@ -154,3 +168,50 @@ def _check_delta(owner: str, delta: Any) -> float:
     if math.isnan(value):  # pragma: no cover - check_in_interval rejects NaN
         raise PrivacyConfigError(f"`{owner}(delta=nan)`: delta must be a number.")
     return value
+
+
+def _upgrade_v1_event(data: Any) -> Any:
+    """A format-1 event dict in format 2, charged at least as much as the mechanism it records cost.
+
+    Format 1 wrote a P3SGD round as ``composed(poisson_sampled(q, gaussian), exponential_mechanism(ε′, q))``:
+    one sample, amplified as two. It becomes ``poisson_sampled(q, composed(gaussian, exponential_mechanism(ε′)))``
+    (the joint mechanism; the number of candidates is unknown, so ε′ itself is charged). A lone
+    ``exponential_mechanism(ε′, q)`` becomes ``poisson_sampled(q, exponential_mechanism(ε′))``.
+    """
+    if not isinstance(data, dict):
+        return data
+    kind = data.get("type")
+    if kind == "exponential_mechanism" and "sample_rate" in data:
+        inner = {"type": "exponential_mechanism", "epsilon": data.get("epsilon"), "candidates": None}
+        rate = data["sample_rate"]
+        return inner if rate == 1.0 else {"type": "poisson_sampled", "sample_rate": rate, "event": inner}
+    if kind == "self_composed":
+        return {**data, "event": _upgrade_v1_event(data.get("event"))}
+    if kind != "composed" or not isinstance(data.get("events"), list):
+        return data
+    parts: list[Any] = [dict(p) if isinstance(p, dict) else p for p in data["events"]]
+    selections = [
+        p
+        for p in parts
+        if isinstance(p, dict) and p.get("type") == "exponential_mechanism" and p.get("sample_rate", 1.0) < 1.0
+    ]
+    for selection in selections:
+        release = next(
+            (
+                p
+                for p in parts
+                if isinstance(p, dict)
+                and p.get("type") == "poisson_sampled"
+                and p.get("sample_rate") == selection["sample_rate"]
+            ),
+            None,
+        )
+        if release is None:
+            continue  # no release on the same sample: upgraded on its own below
+        inner = release["event"]
+        inner_events = inner["events"] if isinstance(inner, dict) and inner.get("type") == "composed" else [inner]
+        converted = {"type": "exponential_mechanism", "epsilon": selection.get("epsilon"), "candidates": None}
+        release["event"] = {"type": "composed", "events": [*inner_events, converted]}
+        parts.remove(selection)
+    upgraded = [_upgrade_v1_event(p) for p in parts]
+    return upgraded[0] if len(upgraded) == 1 else {"type": "composed", "events": upgraded}

@@ -112,7 +112,8 @@ class NoisyRelease:
     units (dividing by the private count would leak it). With several noise scales the candidate
     for z is built from the smallest-noise release by adding independent extra noise
     N(0, (z² − z_min²)(C/n)²) — every candidate is post-processing of one Gaussian release at
-    z_min, so a round costs Gaussian(z_min) + the selection (ALGORITHMS.md §1). In ``"paper"``
+    z_min, so a round costs the Poisson-subsampled *joint* mechanism of Gaussian(z_min) and the
+    selection, which reads the same sampled units (ALGORITHMS.md §1). In ``"paper"``
     accounting mode the round is charged at the *selected* z plus ρ = q·ε′²/2 zCDP, which
     reproduces the paper's Table 2 and is **not** a valid guarantee.
 
@@ -183,11 +184,13 @@ class NoisyRelease:
             if self.selection is not None:
                 events.append(ZCDPEvent(q * self.selection.epsilon**2 / 2))
             return ComposedEvent(tuple(events)) if len(events) > 1 else events[0]
-        gaussian = PoissonSampledEvent(q, GaussianEvent(self.z_min))
         if len(self.noise_scales) == 1:
-            return gaussian
+            return PoissonSampledEvent(q, GaussianEvent(self.z_min))
         assert self.selection is not None
-        return ComposedEvent((gaussian, ExponentialMechanismEvent(self.selection.epsilon, sample_rate=q)))
+        # The selection scores the candidates on the round's sampled patients: the same sample as the release,
+        # so the two are one subsampled mechanism (ALGORITHMS.md §1), charged jointly.
+        selection = ExponentialMechanismEvent(self.selection.epsilon, candidates=len(self.noise_scales))
+        return PoissonSampledEvent(q, ComposedEvent((GaussianEvent(self.z_min), selection)))
 
     def worst_case_event(self) -> PrivacyEvent:
         """The most expensive event a round can be charged (for budget checks before the round)."""

@@ -85,7 +85,12 @@ def test_epsilon_strictly_grows_with_steps(accountant: Accountant) -> None:
 def test_epsilon_grows_when_a_different_event_is_added(accountant: Accountant) -> None:
     base = _ledger((_sampled(0.05, 1.0), 200))
     eps_base = accountant.epsilon(base)
-    for extra in [ZCDPEvent(0.005), ExponentialMechanismEvent(0.316, 0.1), GaussianEvent(5.0)]:
+    for extra in [
+        ZCDPEvent(0.005),
+        PoissonSampledEvent(0.1, ExponentialMechanismEvent(0.316)),
+        PoissonSampledEvent(0.05, ComposedEvent((GaussianEvent(1.0), ExponentialMechanismEvent(0.316, 2)))),
+        GaussianEvent(5.0),
+    ]:
         more = base.copy()
         more.record(extra)
         assert accountant.epsilon(more) > eps_base, extra
@@ -130,7 +135,8 @@ def test_state_round_trip_gives_same_epsilon(accountant: Accountant) -> None:
         (_sampled(0.05, 1.0), 150),
         (_sampled(0.05, 1.3), 50),
         (ComposedEvent((_sampled(0.1, 2.0), ZCDPEvent(0.005))), 20),
-        (ExponentialMechanismEvent(0.316, 0.1), 5),
+        (PoissonSampledEvent(0.1, ExponentialMechanismEvent(0.316)), 5),
+        (PoissonSampledEvent(0.1, ComposedEvent((GaussianEvent(1.0), ExponentialMechanismEvent(0.316, 2)))), 7),
     )
     restored = PrivacyLedger(unit="patient", delta=0.5)
     restored.load_state_dict(ledger.state_dict())

@@ -12,7 +12,10 @@ from lightning_dp.schedules import ExponentialDecay
 
 ledger = a.PrivacyLedger(unit="patient", delta=1e-5)
 ledger.record(a.PoissonSampledEvent(0.04, a.GaussianEvent(1.5)), count=2250)
-ledger.record(a.ComposedEvent((a.ZCDPEvent(0.005), a.ExponentialMechanismEvent(0.316, 0.1))), count=10)
+alone = a.PoissonSampledEvent(0.1, a.ExponentialMechanismEvent(0.316))
+ledger.record(a.ComposedEvent((a.ZCDPEvent(0.005), alone)), count=10)
+selection = a.ComposedEvent((a.GaussianEvent(1.0), a.ExponentialMechanismEvent(0.316, 2)))
+ledger.record(a.PoissonSampledEvent(0.1, selection), count=10)
 assert a.get_accountant("rdp").epsilon(ledger) > 0
 assert a.get_accountant("moments").epsilon(ledger) > 0
 assert a.calibrate_noise_multiplier(1.0, 1e-5, 0.01, 100) > 0

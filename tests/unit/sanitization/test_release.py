@@ -35,12 +35,11 @@ def test_every_release_is_recorded_once() -> None:
     assert release.ledger.entries[0][0] == PoissonSampledEvent(0.1, GaussianEvent(1.0))
 
 
-def test_rigorous_selection_is_charged_at_smallest_noise_plus_selection() -> None:
+def test_rigorous_selection_is_charged_as_one_joint_mechanism_of_the_shared_sample() -> None:
     release = _release((3.0, 1.0))
     out = release.release(torch.zeros(3), expected_count=10.0, loss_of=lambda u: 0.0)
-    expected = ComposedEvent(
-        (PoissonSampledEvent(0.1, GaussianEvent(1.0)), ExponentialMechanismEvent(0.316, sample_rate=0.1))
-    )
+    # One sample, one event: the selection scores candidates on the round's sampled patients.
+    expected = PoissonSampledEvent(0.1, ComposedEvent((GaussianEvent(1.0), ExponentialMechanismEvent(0.316, 2))))
     assert out.event == expected and release.ledger.entries == ((expected, 1),)
 
 
