@@ -29,7 +29,6 @@ from typing import Any
 import pytorch_lightning as pl
 import torch
 
-from lightning_dp.accounting import RDPAccountant
 from lightning_dp.callbacks import P3SGD, evaluate_accuracy
 from lightning_dp.data import SyntheticPathologyDataModule
 from lightning_dp.models import ImageClassifier
@@ -137,7 +136,7 @@ def main() -> None:
                 "trained": "head",
                 "train": train,
                 "test": test,
-                "epsilon": RDPAccountant().epsilon(cb.ledger),
+                "epsilon": cb.accountant.epsilon(cb.ledger),
                 "delta": cb.ledger.delta,
                 "rounds": cb.rounds,
                 "selection_counts": cb.selection_counts,

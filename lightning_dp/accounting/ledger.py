@@ -163,7 +163,7 @@ def _check_delta(owner: str, delta: Any) -> float:
         1.0,
         low_closed=False,
         high_closed=False,
-        hint="choose delta well below 1/N for N units, e.g. 1/N**1.1.",
+        hint="choose delta far below 1/N for N units, e.g. min(1e-5, 1/(10 N)).",
     )
     if math.isnan(value):  # pragma: no cover - check_in_interval rejects NaN
         raise PrivacyConfigError(f"`{owner}(delta=nan)`: delta must be a number.")

@@ -12,21 +12,36 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal, get_args
 
 import pytorch_lightning as pl
 import torch
-from pytorch_lightning.utilities import rank_zero_info
+from pytorch_lightning.callbacks import BatchSizeFinder, LearningRateFinder, StochasticWeightAveraging
+from pytorch_lightning.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader
 
-from lightning_dp.accounting import PrivacyEvent, PrivacyLedger, PrivacyUnit, RDPAccountant
+from lightning_dp.accounting import PrivacyEvent, PrivacyLedger, PrivacyUnit, get_accountant
 from lightning_dp.callbacks.budget import PrivacyBudget
 from lightning_dp.callbacks.privacy_report import write_privacy_report
-from lightning_dp.errors import PrivacyConfigError, PrivacyStateError, check_in_interval
+from lightning_dp.errors import PrivacyConfigError, PrivacyStateError, PrivacyWarning, check_in_interval
 from lightning_dp.sampling.patients import secure_seed
 from lightning_dp.sanitization import NoisyRelease, RoundRelease
 
-__all__ = ["DPCallback"]
+__all__ = ["DPAccountantName", "DPCallback", "default_delta"]
+
+DPAccountantName = Literal["rdp", "prv"]
+#: Above this δ·N a guarantee allows exposing some unit with non-negligible probability (ALGORITHMS.md §0).
+MAX_SAFE_DELTA_TIMES_N = 0.1
+
+
+def default_delta(units: int) -> float:
+    """The default δ for N units: min(1e-5, 1/(10N)), far below 1/N (ALGORITHMS.md §0).
+
+    Example:
+        >>> default_delta(42), default_delta(1_000_000)
+        (1e-05, 1e-07)
+    """
+    return min(1e-5, 1.0 / (10 * units))
 
 
 class DPCallback(pl.Callback):
@@ -47,7 +62,16 @@ class DPCallback(pl.Callback):
         log_private_diagnostics: bool,
         name: str | None,
         flush_denormal: bool = True,
+        accountant: DPAccountantName = "rdp",
     ) -> None:
+        if accountant not in get_args(DPAccountantName):
+            raise PrivacyConfigError(
+                f"`{self.mechanism}(accountant={accountant!r})`: accountant must be one of "
+                f"{list(get_args(DPAccountantName))}, found {accountant!r}. HINT: 'rdp' (default) is fast; 'prv' is "
+                "tighter and slower."
+            )
+        #: The one accountant of this callback: it calibrates, logs ε, and decides the PrivacyBudget's stop.
+        self.accountant = get_accountant(accountant)
         self.delta = (
             None
             if delta is None
@@ -68,12 +92,16 @@ class DPCallback(pl.Callback):
         self._loader: DataLoader[Any] | None = None
         self._patched: list[tuple[Any, str]] = []
         self._original_training_step: Callable[..., Any] | None = None
-        self._accountant = RDPAccountant()
         self._logging = False
 
     @property
     def state_key(self) -> str:
         return f"{self.mechanism}[{self.name}]" if self.name else self.mechanism
+
+    @property
+    def _epsilon_key(self) -> str:
+        """The logged ε's name, which names its accountant (``privacy/epsilon_rdp``)."""
+        return f"privacy/epsilon_{self.accountant.name}"
 
     def attach_budget(self, budget: PrivacyBudget) -> None:
         self._budget = budget
@@ -104,6 +132,9 @@ class DPCallback(pl.Callback):
     def _new_release(self, ledger: PrivacyLedger, seed: int) -> NoisyRelease:
         raise NotImplementedError
 
+    def _default_delta(self, units: int) -> float:
+        return default_delta(units)
+
     # ------------------------------------------------------------------ setup and teardown
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
@@ -121,10 +152,19 @@ class DPCallback(pl.Callback):
                 "no longer bound it. HINT: resume with trainer.fit(..., ckpt_path=...), or use a new callback for a "
                 "new model."
             )
+        self._refuse_unsupported_trainer(trainer, pl_module)
         units = self._prepare(trainer, pl_module)
         for budget in (cb for cb in trainer.callbacks if isinstance(cb, PrivacyBudget)):  # type: ignore[attr-defined]
             if self._budget is None:
                 self.attach_budget(budget)
+        minimum = {"min_steps": trainer.min_steps, "min_epochs": trainer.min_epochs}
+        if self._budget is not None and any((value or 0) > 0 for value in minimum.values()):
+            given = ", ".join(f"{key}={value}" for key, value in minimum.items() if (value or 0) > 0)
+            raise PrivacyConfigError(
+                f"`{self.mechanism}` with `PrivacyBudget`: Trainer({given}) would keep training past the budget's "
+                "stop, which is a hard stop before the step that would exceed the target ε. HINT: drop min_steps / "
+                "min_epochs; plan the run with lightning-dp plan so that the budget allows the steps you want."
+            )
         delta = self.delta
         if self._budget is not None and self._budget.delta is not None:
             if delta is not None and not math.isclose(delta, self._budget.delta):
@@ -134,7 +174,14 @@ class DPCallback(pl.Callback):
                 )
             delta = self._budget.delta
         if delta is None:
-            delta = 1.0 / units**1.1
+            delta = self._default_delta(units)
+        if delta * units > MAX_SAFE_DELTA_TIMES_N:
+            rank_zero_warn(
+                f"{self.mechanism}: δ = {delta:.3g} with N = {units} {self.unit}s gives δ·N = {delta * units:.2f} > "
+                f"{MAX_SAFE_DELTA_TIMES_N}: the guarantee allows exposing some {self.unit} entirely with probability "
+                f"up to about δ·N. HINT: use δ ≤ {default_delta(units):.2g} (the default when delta is not set).",
+                category=PrivacyWarning,
+            )
         seeds = [secure_seed(), secure_seed()] if self.seed is None else [self.seed, self.seed + 1]
         seeds = trainer.strategy.broadcast(seeds, src=0)  # every rank samples and noises identically
         self.ledger = PrivacyLedger(self.unit, delta)
@@ -143,13 +190,60 @@ class DPCallback(pl.Callback):
         owner = trainer.datamodule if getattr(trainer, "datamodule", None) is not None else pl_module  # type: ignore[attr-defined]
         self._patch(owner, "train_dataloader", lambda: loader)
         pl_module.automatic_optimization = False
+        pl_module.__dict__["_lightning_dp_step"] = True  # manual optimization is ours, not the user's
         self._original_training_step = pl_module.training_step
 
         def private_step(batch: Any, batch_idx: int, *args: Any, **kwargs: Any) -> None:
+            if self._stopped_by_budget:  # the budget's stop is final, whatever keeps the loop going
+                trainer.should_stop = True
+                return
             self._private_step(trainer, pl_module, batch)
 
         self._patch(pl_module, "training_step", private_step)
         self._install_log_filter(trainer, pl_module)
+
+    def _refuse_unsupported_trainer(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Trainer settings and modules that the private step would silently ignore or break, refused up front."""
+        name = self.mechanism
+        if trainer.accumulate_grad_batches != 1:
+            raise PrivacyConfigError(
+                f"`{name}`: Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches}) would be ignored: every "
+                f"optimizer step is one private step of its own Poisson sample. HINT: for larger steps raise "
+                f"{'batch_size' if self.unit == 'sample' else 'sample_rate'} (DPSGD's max_physical_batch_size keeps "
+                "the memory bounded)."
+            )
+        if trainer.gradient_clip_val is not None:
+            raise PrivacyConfigError(
+                f"`{name}`: Trainer(gradient_clip_val={trainer.gradient_clip_val}) would be ignored: the private step "
+                f"clips every {self.unit}'s contribution itself. HINT: set {name}(clip_norm=...) instead and leave "
+                "gradient_clip_val unset."
+            )
+        if not pl_module.automatic_optimization and not getattr(pl_module, "_lightning_dp_step", False):
+            raise PrivacyConfigError(
+                f"`{name}`: {type(pl_module).__name__} uses manual optimization (automatic_optimization=False); "
+                f"{name} takes over the optimization step and would bypass your training_step's optimizer calls. "
+                "HINT: return the loss from training_step with automatic optimization and let the callback step."
+            )
+        callbacks: list[pl.Callback] = trainer.callbacks  # type: ignore[attr-defined]
+        finders = [type(cb).__name__ for cb in callbacks if isinstance(cb, (LearningRateFinder, BatchSizeFinder))]
+        if finders:
+            raise PrivacyConfigError(
+                f"`{name}`: {finders[0]} (Tuner.lr_find / scale_batch_size) runs training steps on the private data "
+                "that would each be charged, and fails part-way. HINT: tune on public or synthetic data without the "
+                "DP callback, then train with the values found."
+            )
+
+    def _refuse_batch_norm_reset(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        swa = any(isinstance(cb, StochasticWeightAveraging) for cb in trainer.callbacks)  # type: ignore[attr-defined]
+        norms = [n for n, m in pl_module.named_modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
+        if swa and norms:
+            raise PrivacyConfigError(
+                f"`{self.mechanism}`: StochasticWeightAveraging recomputes the statistics of BatchNorm layers "
+                f"({norms[:3]}) with one more pass over the training data after its last epoch: under "
+                f"{self.mechanism} that pass is extra private steps, charged without being asked for (and a frozen "
+                "BatchNorm's pre-trained statistics are reset). HINT: use EMAWeightAveraging or WeightAveraging "
+                "(averaging released weights is post-processing), or a model with GroupNorm."
+            )
 
     def _patch(self, owner: Any, attribute: str, value: Any) -> None:
         setattr(owner, attribute, value)
@@ -179,6 +273,7 @@ class DPCallback(pl.Callback):
         self._original_training_step = None
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._refuse_batch_norm_reset(trainer, pl_module)
         loader = trainer.train_dataloader
         loaders = loader if isinstance(loader, (list, tuple)) else [loader]
         assert self._loader is not None
@@ -227,7 +322,7 @@ class DPCallback(pl.Callback):
     def _budget_allows(self, trainer: pl.Trainer, next_event: PrivacyEvent) -> bool:
         """False (and the trainer stops) if ``next_event`` would exceed the PrivacyBudget."""
         assert self.ledger is not None
-        if self._budget is not None and not self._budget.allows(self.ledger, next_event):
+        if self._budget is not None and not self._budget.allows(self.ledger, next_event, self.accountant):
             self._stopped_by_budget = True
             trainer.should_stop = True
             return False
@@ -249,7 +344,7 @@ class DPCallback(pl.Callback):
         """
         assert self.ledger is not None
         metrics = {
-            "privacy/epsilon": self._accountant.epsilon(self.ledger),
+            self._epsilon_key: self.accountant.epsilon(self.ledger),
             "privacy/delta": self.ledger.delta,
             "privacy/noise_multiplier": released.noise_multiplier,
             "privacy/noise_std": released.noise_std,
@@ -268,7 +363,8 @@ class DPCallback(pl.Callback):
             pl_module.log_dict(
                 metrics, on_step=True, on_epoch=False, prog_bar=False, sync_dist=False, rank_zero_only=True
             )
-            pl_module.log("privacy/eps", metrics["privacy/epsilon"], prog_bar=True, on_step=True, rank_zero_only=True)
+            eps = metrics[self._epsilon_key]
+            pl_module.log(f"eps_{self.accountant.name}", eps, prog_bar=True, on_step=True, rank_zero_only=True)
         finally:
             self._logging = False
 
@@ -276,7 +372,12 @@ class DPCallback(pl.Callback):
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.ledger is None:
             return
-        extra = {"mechanism": self.mechanism, **self._report_extra(), "stopped_by_budget": self._stopped_by_budget}
+        extra = {
+            "mechanism": self.mechanism,
+            "accountant": self.accountant.name,
+            **self._report_extra(),
+            "stopped_by_budget": self._stopped_by_budget,
+        }
         extra["private_diagnostics_logged"] = self.log_private_diagnostics
         if self._budget is not None and self._budget.stop_reason:
             extra["stop_reason"] = self._budget.stop_reason

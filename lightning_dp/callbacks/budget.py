@@ -7,7 +7,7 @@ from typing import Any
 import pytorch_lightning as pl
 from pytorch_lightning.utilities import rank_zero_info
 
-from lightning_dp.accounting import PrivacyEvent, PrivacyLedger, get_accountant
+from lightning_dp.accounting import Accountant, PrivacyEvent, PrivacyLedger, get_accountant
 from lightning_dp.accounting.accountants import AccountantName
 from lightning_dp.errors import PrivacyConfigError, check_finite_positive, check_in_interval
 
@@ -24,7 +24,9 @@ class PrivacyBudget(pl.Callback):
     Args:
         target_epsilon: the budget ε.
         delta: the δ of the budget; the DP callback's ledger uses it. ``None``: the DP callback's δ.
-        accountant: which accountant decides (``rdp`` by default; ``prv`` is tighter but slower).
+        accountant: which accountant decides. ``None`` (default): the DP callback's own accountant, the
+            one it calibrates with and logs — so the run stops where the logged ε says it should.
+            Name one (``rdp``, ``prv``, ``moments``) to budget with another on purpose.
 
     Example:
         >>> from lightning_dp.accounting import GaussianEvent, PoissonSampledEvent
@@ -34,7 +36,9 @@ class PrivacyBudget(pl.Callback):
         True
     """
 
-    def __init__(self, target_epsilon: float, delta: float | None = None, accountant: AccountantName = "rdp") -> None:
+    def __init__(
+        self, target_epsilon: float, delta: float | None = None, accountant: AccountantName | None = None
+    ) -> None:
         self.target_epsilon = check_finite_positive("PrivacyBudget", "target_epsilon", target_epsilon, "e.g. 8.0.")
         self.delta = (
             None
@@ -43,19 +47,23 @@ class PrivacyBudget(pl.Callback):
                 "PrivacyBudget", "delta", delta, 0.0, 1.0, low_closed=False, high_closed=False, hint="e.g. 1e-5."
             )
         )
-        self.accountant = get_accountant(accountant)
+        self.accountant: Accountant | None = None if accountant is None else get_accountant(accountant)
         self.stop_reason: str | None = None
 
-    def allows(self, ledger: PrivacyLedger, next_event: PrivacyEvent) -> bool:
-        """Whether recording ``next_event`` keeps ε ≤ target (for the ledger's unit and δ)."""
+    def allows(self, ledger: PrivacyLedger, next_event: PrivacyEvent, default: Accountant | None = None) -> bool:
+        """Whether recording ``next_event`` keeps ε ≤ target (for the ledger's unit and δ).
+
+        ``default`` is the DP callback's accountant, used unless this budget names its own (else RDP).
+        """
+        accountant = self.accountant or default or get_accountant("rdp")
         trial = ledger.copy()
         trial.record(next_event)
-        eps_next = self.accountant.epsilon(trial)
+        eps_next = accountant.epsilon(trial)
         if eps_next <= self.target_epsilon:
             return True
         self.stop_reason = (
-            f"PrivacyBudget: stopped before step {ledger.steps + 1}: it would raise ε [{self.accountant.name}, "
-            f"unit={ledger.unit}, δ={ledger.delta:.3g}] from {self.accountant.epsilon(ledger):.4f} to {eps_next:.4f}, "
+            f"PrivacyBudget: stopped before step {ledger.steps + 1}: it would raise ε [{accountant.name}, "
+            f"unit={ledger.unit}, δ={ledger.delta:.3g}] from {accountant.epsilon(ledger):.4f} to {eps_next:.4f}, "
             f"above the target {self.target_epsilon:g}."
         )
         rank_zero_info(self.stop_reason)

@@ -15,19 +15,16 @@ Each optimizer step becomes one DP-SGD step:
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from typing import Any, Literal
+from collections.abc import Callable
+from typing import Any
 
 import pytorch_lightning as pl
 import torch
-from lightning_utilities.core.apply_func import apply_to_collection
 from pytorch_lightning.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, SequentialSampler
 
 from lightning_dp.accounting import PrivacyLedger, calibrate_noise_multiplier
-from lightning_dp.callbacks.base import DPCallback
+from lightning_dp.callbacks.base import DPAccountantName, DPCallback
 from lightning_dp.errors import (
     PrivacyConfigError,
     PrivacyStateError,
@@ -36,7 +33,7 @@ from lightning_dp.errors import (
     check_finite_positive,
     check_sample_rate,
 )
-from lightning_dp.models.fixers import batch_norm_layers, fix_model, validate_model
+from lightning_dp.models.fixers import batch_norm_layers, fix_model, is_frozen_batch_norm, validate_model
 from lightning_dp.sampling.samples import LogicalBatch, PoissonBatches, PoissonSampleSampler, identity_collate
 from lightning_dp.sanitization import NoisyRelease
 from lightning_dp.sanitization.per_sample import (
@@ -46,38 +43,31 @@ from lightning_dp.sanitization.per_sample import (
     UnsupportedModelError,
     check_loss_reduction,
 )
+from lightning_dp.training.checks import (
+    FLOAT32_TOLERANCE,
+    FLOAT64_TOLERANCE,
+    HALF_TOLERANCE,
+    Cause,
+    IndependenceCheck,
+    bind,
+    collate_is_per_sample,
+    diverse_indices,
+    float64_copy,
+    public_subsets,
+    take,
+    take_range,
+    to_float64,
+    with_targets_rolled,
+)
 
 __all__ = ["DPSGD"]
 
 
-def _batched(t: torch.Tensor, size: int) -> bool:
-    return t.dim() > 0 and t.shape[0] == size
-
-
-def _take(batch: Any, i: int, size: int) -> Any:
-    """Sample ``i`` of a collated batch of ``size``, as a batch of one (every tensor sliced on dim 0)."""
-    return apply_to_collection(batch, torch.Tensor, lambda t: t[i : i + 1] if _batched(t, size) else t)
-
-
-@contextmanager
-def _dropout_off(module: torch.nn.Module) -> Iterator[None]:
-    """Dropout layers in eval mode (their masks differ between runs; nothing else changes)."""
-    dropouts = [m for m in module.modules() if isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.training]
-    for m in dropouts:
-        m.eval()
-    try:
-        yield
-    finally:
-        for m in dropouts:
-            m.train()
-
-
 _FP16 = ("16-mixed", "16-true", "16")
 _INITIAL_LOSS_SCALE = 2.0**16
-_LIGHTNING_DEFAULT_EPOCHS = 1000
-#: fp32 round-off between a batch's gradient and the sum of its samples' stays far below this (2.5e-6
-#: measured on a GroupNorm ResNet-18 and smp U-Net); coupling layers or losses move it by O(1).
-_DECOMPOSITION_TOLERANCE = 1e-3  # what Trainer() sets when neither max_epochs nor max_steps is given
+_LIGHTNING_DEFAULT_EPOCHS = 1000  # what Trainer() sets when neither max_epochs nor max_steps is given
+#: Samples of the first real chunk that the start-up check also runs on (before the first release).
+_FIRST_CHUNK_CHECKED = 8
 
 
 class DPSGD(DPCallback):
@@ -103,8 +93,11 @@ class DPSGD(DPCallback):
             (needed for class-weighted or ``ignore_index`` losses, whose batch mean couples the samples).
             Checked on the data before training.
         steps_per_epoch: steps per Lightning epoch; default round(1/q) (one pass in expectation).
-        delta: δ; default the PrivacyBudget's, else 1/N^1.1.
-        accountant: the accountant used to calibrate ``target_epsilon`` (``rdp`` or ``prv``).
+        delta: δ; default the PrivacyBudget's, else min(1e-5, 1/(10N)) for N training samples. A δ with
+            δ·N > 0.1 is warned about.
+        accountant: this callback's one accountant (``rdp`` or ``prv``): it calibrates ``target_epsilon``,
+            computes the logged ε (``privacy/epsilon_rdp`` / ``privacy/epsilon_prv``) and decides a
+            `PrivacyBudget`'s stop (unless the budget names another).
         convert_batchnorm: replace BatchNorm by GroupNorm (with a `PrivacyWarning`); if False a
             model with BatchNorm is an error.
         seed: seed of the sampler and the noise; ``None`` (default) draws them from the OS CSPRNG.
@@ -133,7 +126,7 @@ class DPSGD(DPCallback):
         loss_reduction: LossReduction = "mean",
         steps_per_epoch: int | None = None,
         delta: float | None = None,
-        accountant: Literal["rdp", "prv"] = "rdp",
+        accountant: DPAccountantName = "rdp",
         convert_batchnorm: bool = True,
         seed: int | None = None,
         log_private_diagnostics: bool = False,
@@ -169,13 +162,8 @@ class DPSGD(DPCallback):
         self.steps_per_epoch = (
             None if steps_per_epoch is None else check_count(owner, "steps_per_epoch", steps_per_epoch, "", minimum=1)
         )
-        if accountant not in ("rdp", "prv"):
-            raise PrivacyConfigError(
-                f"`DPSGD(accountant={accountant!r})`: accountant must be 'rdp' or 'prv', found {accountant!r}."
-            )
-        self.accountant_name: Literal["rdp", "prv"] = accountant
         self.convert_batchnorm = convert_batchnorm
-        super().__init__(delta, seed, log_private_diagnostics, name, flush_denormal)
+        super().__init__(delta, seed, log_private_diagnostics, name, flush_denormal, accountant)
         self.steps = 0
         self.sampler: PoissonSampleSampler | None = None
         self.clipper: PerSampleClipper | None = None
@@ -185,6 +173,9 @@ class DPSGD(DPCallback):
         self._source_loader: DataLoader[Any] | None = None
         self._batches: PoissonBatches | None = None
         self._fp16 = False
+        self._float64 = False
+        self._first_chunk_check: IndependenceCheck | None = None
+        self._frozen_batch_norms: list[torch.nn.Module] = []
 
     def __repr__(self) -> str:
         noise = (
@@ -235,7 +226,10 @@ class DPSGD(DPCallback):
                 "training samples. HINT: use a smaller batch_size."
             )
         self._dataset, self._source_loader = dataset, loader
-        batch_norms = batch_norm_layers(pl_module)
+        # A frozen BatchNorm (eval mode, no trainable parameter: the backbone of DP transfer learning) mixes nothing
+        # and keeps its public statistics; it is kept, and checked to stay frozen at every step.
+        self._frozen_batch_norms = [m for m in pl_module.modules() if is_frozen_batch_norm(m)]
+        batch_norms = batch_norm_layers(pl_module, include_frozen=False)
         if batch_norms:
             if not self.convert_batchnorm:
                 raise UnsupportedModelError(
@@ -243,7 +237,7 @@ class DPSGD(DPCallback):
                     f"{batch_norms[:5]}, which mix the samples of a batch. HINT: "
                     "build the model with GroupNorm, or let DPSGD convert them (convert_batchnorm=True)."
                 )
-            self.converted_layers = fix_model(pl_module, warn=False)
+            self.converted_layers = fix_model(pl_module, warn=False, keep_frozen=True)
             rank_zero_warn(
                 f"DPSGD replaced {len(self.converted_layers)} BatchNorm layer(s) of {type(pl_module).__name__} by "
                 f"GroupNorm (e.g. {self.converted_layers[0]}): BatchNorm mixes samples and releases private running "
@@ -292,7 +286,7 @@ class DPSGD(DPCallback):
         if self.target_epsilon is not None:
             self.planned_steps = self._planned_steps(trainer, steps_per_epoch)
             self.noise_multiplier = calibrate_noise_multiplier(
-                self.target_epsilon, self.ledger.delta, rate, self.planned_steps, self.accountant_name
+                self.target_epsilon, self.ledger.delta, rate, self.planned_steps, self.accountant.name
             )
         self.sampler = PoissonSampleSampler(
             num_samples, rate, seed=seeds[0], rank=trainer.global_rank, world_size=trainer.world_size
@@ -322,6 +316,9 @@ class DPSGD(DPCallback):
         super().teardown(trainer, pl_module, stage)
         if stage == "fit" and self.clipper is not None:
             self.clipper.remove()
+        if stage == "fit" and self._first_chunk_check is not None:
+            self._first_chunk_check.close()
+            self._first_chunk_check = None
 
     @staticmethod
     def _trainable_ids(module: torch.nn.Module) -> frozenset[int]:
@@ -359,7 +356,7 @@ class DPSGD(DPCallback):
                 f"{len(optimizers)}. HINT: DPSGD hands the noisy gradient to that optimizer (SGD, Adam, ...)."
             )
         self._sync_clipper(pl_module)
-        self._check_per_sample_decomposition(pl_module)
+        self._start_checks(trainer, pl_module)
 
     def _chunk(self, indices: list[int], pl_module: pl.LightningModule) -> Any:
         assert self._source_loader is not None
@@ -377,97 +374,117 @@ class DPSGD(DPCallback):
             )
         return loss
 
-    def _reduced(self, loss: torch.Tensor, size: int) -> torch.Tensor:
-        """The batch loss as the sum of per-sample losses (what per-sample gradients are gradients of)."""
-        return loss.sum() * (size if self.loss_reduction == "mean" else 1)
-
-    def _check_per_sample_decomposition(self, pl_module: pl.LightningModule) -> None:
-        """Checks, on a few training samples, that per-sample clipping bounds each sample's influence.
-
-        The loss reduction must be the declared one, and the gradient of a batch must be the sum of its
-        samples' own gradients, all of it computed per sample.
-
-        Fails for a model that mixes samples (BatchNorm-like layers), a loss whose normalizer depends on
-        the batch (class-weighted or ``ignore_index`` means), and parameters used outside their layer
-        (weight tying through ``F.linear(x, emb.weight)``, a parameter penalty in ``training_step``): in
-        each case one sample's influence would not be bounded by C, or part of the gradient would be
-        lost. Only pass or fail is reported; no value computed from the samples is.
-        """
-        assert self.clipper is not None and self._original_training_step is not None
-        step = self._original_training_step
-        count = min(len(self._dataset), 6)
-        indices = torch.linspace(0, len(self._dataset) - 1, count).round().long().unique().tolist()
-        # Collated once and then sliced: a dataset with random augmentation returns a new view of an image
-        # on every read, and the comparisons need the very same inputs.
-        batch = self._chunk(indices if len(indices) > 1 else indices * 2, pl_module)
-        size = len(indices) if len(indices) > 1 else 2
-        singles = [_take(batch, i, size) for i in range(size)]
-        with _dropout_off(pl_module):
-            self._check_reduction(pl_module, singles[0])
-            params = [p for p in pl_module.parameters() if p.requires_grad]
-            alone = sum(self._gradient(self._reduced(self._loss(step(s, 0)), 1), params) for s in singles)
-            together = self._gradient(self._reduced(self._loss(step(batch, 0)), size), params)
-            clip_norm, self.clipper.clip_norm = self.clipper.clip_norm, math.inf
+    def _independence_check(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> IndependenceCheck:
+        """The check on a float64 copy of the model, or (if the model cannot run in float64) an fp32 copy."""
+        assert self._original_training_step is not None
+        half = any(p.dtype in (torch.float16, torch.bfloat16) for p in pl_module.parameters())
+        if not half:
+            clone = float64_copy(pl_module, share=[trainer])
+            check = IndependenceCheck(
+                clone, bind(self._original_training_step, clone), self._loss, self.loss_reduction, FLOAT64_TOLERANCE
+            )
+            self._float64 = True
             try:
-                self.clipper.reset()
-                self.clipper.accumulate(lambda: self._loss(step(batch, 0)), size)
-                engine = self._on_params(params)
-            finally:
-                self.clipper.clip_norm = clip_norm
-                self.clipper.reset()
-        half = any(p.dtype in (torch.float16, torch.bfloat16) for p in params)
-        tolerance = _DECOMPOSITION_TOLERANCE * (50 if half else 1)  # half-precision weights round by ~1e-3
-        scale = float(alone.norm()) + 1e-30  # type: ignore[union-attr]
-        if float((together - alone).norm()) > tolerance * scale:
+                sample = to_float64(self._chunk([0, min(1, len(self._dataset) - 1)], pl_module))
+                check.check(sample, 2)
+                return check
+            except (RuntimeError, TypeError):  # a dtype the model's own code fixes (x.float(), fp32 constants)
+                check.close()
+        clone = float64_copy(pl_module, share=[trainer], float64=False)
+        self._float64 = False
+        tolerance = HALF_TOLERANCE if half else FLOAT32_TOLERANCE
+        return IndependenceCheck(
+            clone, bind(self._original_training_step, clone), self._loss, self.loss_reduction, tolerance
+        )
+
+    def _check_batches(self, pl_module: pl.LightningModule) -> list[tuple[Any, int]]:
+        """The batches the start-up check runs on, chosen without looking at private values (see `training.checks`)."""
+        assert self._source_loader is not None
+        collate = self._source_loader.collate_fn
+        n = len(self._dataset)
+        index_sets = [diverse_indices(self._dataset), *public_subsets(n)]
+        index_sets = [ix if len(ix) > 1 else ix * 2 for ix in index_sets]
+        item_sets = [[self._dataset[i] for i in ix] for ix in index_sets]
+        rolled = with_targets_rolled(item_sets[0])
+        if rolled is not None:
+            item_sets.append(rolled)
+        for items in item_sets:
+            if not collate_is_per_sample(collate, items):
+                raise UnsupportedModelError(
+                    "`DPSGD`: the training DataLoader's collate_fn does not collate samples one by one: collating a "
+                    "batch gives other values for a sample than collating it alone (a batch-level transform such as "
+                    "MixUp or CutMix mixes samples), so one sample would reach the others' gradients, which "
+                    "per-sample clipping does not bound. HINT: apply per-sample augmentation in the dataset's "
+                    "__getitem__ and collate with torch.utils.data.default_collate."
+                )
+        return [
+            (pl_module.transfer_batch_to_device(collate(items), pl_module.device, 0), len(items)) for items in item_sets
+        ]
+
+    def _start_checks(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Checks, before the first step, that per-sample clipping bounds each sample's influence.
+
+        The loss reduction must be the declared one; the gradient of a batch must be the sum of its samples'
+        own gradients, all of it computed per sample; no buffer may change from data; ``collate_fn`` must not
+        mix samples. Run on a float64 copy of the model over several batches (`training.checks`), and once
+        more on the first real chunk before the first release. Only pass or fail is reported.
+        """
+        check = self._independence_check(trainer, pl_module)
+        try:
+            batches = self._check_batches(pl_module)
+            if self._float64:
+                batches = [(to_float64(b), size) for b, size in batches]
+            found = check.declared_reduction(take(batches[0][0], 0, batches[0][1]))
+            if found is not None and found != self.loss_reduction:
+                raise PrivacyConfigError(
+                    f"`DPSGD(loss_reduction={self.loss_reduction!r})`: training_step's loss is the {found} of the "
+                    f"per-sample losses, not their {self.loss_reduction}. HINT: DPSGD(loss_reduction={found!r})."
+                )
+            for batch, size in batches:
+                self._refuse(pl_module, check.check(batch, size))
+        except BaseException:
+            check.close()
+            raise
+        self._first_chunk_check = check
+
+    def _check_first_chunk(self, pl_module: pl.LightningModule, chunk: Any, size: int) -> None:
+        """The start-up check once more, on the first samples of the first real chunk (before anything is released)."""
+        check, self._first_chunk_check = self._first_chunk_check, None
+        if check is None:
+            return
+        try:
+            count = min(size, _FIRST_CHUNK_CHECKED)
+            if count >= 2:
+                part = take_range(chunk, 0, count, size)
+                self._refuse(pl_module, check.check(to_float64(part) if self._float64 else part, count))
+        finally:
+            check.close()
+
+    def _refuse(self, pl_module: pl.LightningModule, cause: Cause | None) -> None:
+        name = type(pl_module).__name__
+        if cause == "buffers":
             raise UnsupportedModelError(
-                f"`DPSGD`: the gradient of a batch is not the sum of its samples' own gradients: "
-                f"{type(pl_module).__name__} or its loss couples the samples of a batch, so clipping each sample "
-                "would not bound its influence. HINT: a loss averaged with class weights or ignore_index divides by "
-                "a batch statistic — return per-sample losses (reduction='none') and use "
+                f"`DPSGD`: a training step of {name} changes buffers of the model (running statistics that are not "
+                "BatchNorm's: a custom normalizer, a quantization observer, ActNorm). They would be released without "
+                "noise. HINT: freeze them (eval mode, or compute them from public data before training)."
+            )
+        if cause == "coupled":
+            raise UnsupportedModelError(
+                f"`DPSGD`: the gradient of a batch is not the sum of its samples' own gradients: {name} or its loss "
+                "couples the samples of a batch, so clipping each sample would not bound its influence. HINT: a loss "
+                "reduced over the whole batch divides or aggregates by batch statistics — a class-weighted or "
+                "ignore_index mean, a Dice loss summed over the batch (smp's DiceLoss, MONAI's DiceLoss with "
+                "batch=True): return per-sample losses (reduction='none', Dice per sample) and use "
                 "DPSGD(loss_reduction='none'); remove batch-dependent layers (BatchNorm; "
                 "lightning_dp.models.validate_model lists known ones)."
             )
-        if float((engine - alone).norm()) > tolerance * scale:
+        if cause == "not_per_sample":
             raise UnsupportedModelError(
-                f"`DPSGD`: part of {type(pl_module).__name__}'s gradient is not computed per sample: a parameter is "
-                "used outside its own layer (e.g. weight tying through F.linear(x, embedding.weight), or a penalty on "
-                "the parameters inside training_step). HINT: use the layer itself (tie by sharing the module), and "
-                "put weight decay in the optimizer."
+                f"`DPSGD`: part of {name}'s gradient is not computed per sample: a parameter is used outside its own "
+                "layer (e.g. weight tying through F.linear(x, embedding.weight), or a penalty on the parameters "
+                "inside training_step). HINT: use the layer itself (tie by sharing the module), and put weight decay "
+                "in the optimizer."
             )
-
-    def _check_reduction(self, pl_module: pl.LightningModule, single: Any) -> None:
-        assert self._original_training_step is not None
-        doubled = apply_to_collection(single, torch.Tensor, lambda t: torch.cat([t, t]) if _batched(t, 1) else t)
-        was_training = pl_module.training
-        pl_module.eval()
-        try:
-            with torch.no_grad():
-                one = self._loss(self._original_training_step(single, 0))
-                two = self._loss(self._original_training_step(doubled, 0))
-        finally:
-            pl_module.train(was_training)
-        if self.loss_reduction == "none" or not (math.isfinite(float(one)) and abs(float(one)) > 1e-6):
-            return
-        ratio = float(two) / float(one)
-        found = "mean" if abs(ratio - 1) < 1e-3 else "sum" if abs(ratio - 2) < 1e-3 else None
-        if found is not None and found != self.loss_reduction:
-            raise PrivacyConfigError(
-                f"`DPSGD(loss_reduction={self.loss_reduction!r})`: training_step's loss is the {found} of the "
-                f"per-sample losses, not their {self.loss_reduction}. HINT: DPSGD(loss_reduction={found!r})."
-            )
-
-    @staticmethod
-    def _gradient(loss: torch.Tensor, params: list[torch.nn.Parameter]) -> torch.Tensor:
-        grads = torch.autograd.grad(loss, params, allow_unused=True)
-        return torch.cat(
-            [(torch.zeros_like(p) if g is None else g).reshape(-1).double() for p, g in zip(params, grads)]
-        )
-
-    def _on_params(self, params: list[torch.nn.Parameter]) -> torch.Tensor:
-        """The clipper's flat sum laid out over ``params`` (zeros where the clipper has no entry)."""
-        assert self.clipper is not None
-        mine = {id(p): g for p, g in self.clipper.views(self.clipper.flat_sum)}
-        return torch.cat([mine.get(id(p), torch.zeros_like(p)).reshape(-1).double() for p in params])
 
     # ------------------------------------------------------------------ the step
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -488,15 +505,39 @@ class DPSGD(DPCallback):
             )
         if not self._budget_allows(trainer, self.release.worst_case_event()):
             return
+        if batch.chunks:
+            self._check_first_chunk(pl_module, batch.chunks[0], min(self.max_physical_batch_size, batch.size))
+        thawed = [m for m in self._frozen_batch_norms if not is_frozen_batch_norm(m)]
+        if thawed:
+            raise UnsupportedModelError(
+                f"`DPSGD`: {len(thawed)} BatchNorm layer(s) of {type(pl_module).__name__} were frozen (eval mode, no "
+                "trainable parameter) when training started and are no longer: in training mode a BatchNorm mixes "
+                "the samples of a batch and updates private running statistics. HINT: keep them in eval mode (override "
+                "LightningModule.train, as ImageClassifier(freeze_backbone=True) does), or convert them to GroupNorm."
+            )
         self._sync_clipper(pl_module)
         assert self.clipper is not None
+        buffers = [(name, b) for name, b in pl_module.named_buffers() if b.is_floating_point()]
+        saved = [b.detach().clone() for _, b in buffers]
         self.clipper.reset()
         stats = torch.zeros(4, dtype=torch.float64)  # samples, clipped, norm sum, non-finite
         scale = [_INITIAL_LOSS_SCALE if self._fp16 else 1.0]
-        for k, chunk in enumerate(batch.chunks):
-            size = min(self.max_physical_batch_size, batch.size - k * self.max_physical_batch_size)
-            result = self._accumulate_chunk(chunk, size, k, scale)
-            stats += torch.tensor([size, result.clipped, result.norm_sum, result.nonfinite], dtype=torch.float64)
+        try:
+            for k, chunk in enumerate(batch.chunks):
+                size = min(self.max_physical_batch_size, batch.size - k * self.max_physical_batch_size)
+                result = self._accumulate_chunk(chunk, size, k, scale)
+                stats += torch.tensor([size, result.clipped, result.norm_sum, result.nonfinite], dtype=torch.float64)
+            changed = [name for (name, b), old in zip(buffers, saved) if not torch.equal(b, old)]
+        except BaseException:  # an error mid-step (a corrupt image, OOM, Ctrl-C) leaves no data-dependent buffer
+            self._restore(buffers, saved)
+            raise
+        if changed:
+            self._restore(buffers, saved)
+            raise UnsupportedModelError(
+                f"`DPSGD`: the training step changed buffers of {type(pl_module).__name__} ({changed[:5]}): running "
+                "statistics updated from private samples would be released without noise. They were restored and "
+                "nothing was released. HINT: freeze them (eval mode, or compute them from public data before training)."
+            )
         device = pl_module.device
         clipped_sum = trainer.strategy.reduce(self.clipper.flat_sum, reduce_op="sum")
         stats = trainer.strategy.reduce(stats.to(device), reduce_op="sum").cpu()
@@ -507,6 +548,12 @@ class DPSGD(DPCallback):
         public = {"privacy/steps": float(self.steps), "privacy/expected_batch_size": self.sampler.expected_batch_size}
         names = ("batch_size", "clipped_fraction", "mean_per_sample_norm", "nonfinite_samples")
         self._log_step(pl_module, released, public, stats, names)
+
+    @staticmethod
+    @torch.no_grad()
+    def _restore(buffers: list[tuple[str, torch.Tensor]], saved: list[torch.Tensor]) -> None:
+        for (_, b), old in zip(buffers, saved):
+            b.copy_(old)
 
     def _accumulate_chunk(self, chunk: Any, size: int, index: int, scale: list[float]) -> Any:
         """Clips one physical chunk into the clipper's sum; with fp16, retries at half the loss scale on overflow.

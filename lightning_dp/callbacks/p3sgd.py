@@ -80,9 +80,18 @@ class P3SGD(DPCallback):
         local_weight_decay: weight decay of the local SGD (the paper uses 1e-4).
         server_lr: θ_{t+1} = θ_t + server_lr·Δ̃ (1.0 in the paper).
         rounds_per_epoch: rounds per Lightning epoch; default round(1/q).
-        delta: δ of the ledger. Default: the PrivacyBudget's δ if there is one, else 1/N^1.1 for N
-            training patients (the paper's choice).
+        release_buffers: qualified names of further float buffers that local training updates and that
+            are released (clipped and noised) with the parameters. The running statistics of
+            normalization layers in training mode always are; every other buffer (an input
+            normalization constant, a pruning mask, a spectral-norm vector) is restored after each
+            patient's update and never changes.
+        delta: δ of the ledger. Default: the PrivacyBudget's δ if there is one, else min(1e-5, 1/(10N))
+            for N training patients; in ``accounting="paper"`` mode 1/N^1.1, the paper's choice (δ·N ≈ 0.5:
+            weak). A δ with δ·N > 0.1 is warned about.
         accounting: ``"rigorous"`` (default) or ``"paper"`` (reproduces Table 2; not a guarantee).
+        accountant: this callback's one accountant (``rdp`` or ``prv``): it computes the logged ε
+            (``privacy/epsilon_rdp`` / ``privacy/epsilon_prv``) and decides a `PrivacyBudget`'s stop
+            (unless the budget names another).
         seed: seed of the patient sampler and the noise; ``None`` (default) draws them from the OS
             CSPRNG. Set it only for reproducibility studies; it is never derived from data.
         log_private_diagnostics: also log the number of patients in each round, the fraction clipped
@@ -114,8 +123,10 @@ class P3SGD(DPCallback):
         local_weight_decay: float = 0.0,
         server_lr: float = 1.0,
         rounds_per_epoch: int | None = None,
+        release_buffers: Sequence[str] = (),
         delta: float | None = None,
         accounting: Literal["rigorous", "paper"] = "rigorous",
+        accountant: Literal["rdp", "prv"] = "rdp",
         seed: int | None = None,
         log_private_diagnostics: bool = False,
         name: str | None = None,
@@ -166,7 +177,8 @@ class P3SGD(DPCallback):
                 "HINT: 'rigorous' is the guarantee; 'paper' only reproduces the paper's Table 2."
             )
         self.accounting: Literal["rigorous", "paper"] = accounting
-        super().__init__(delta, seed, log_private_diagnostics, name, flush_denormal)
+        self.release_buffers = tuple(release_buffers)
+        super().__init__(delta, seed, log_private_diagnostics, name, flush_denormal, accountant)
         self.sampler: PoissonPatientSampler | None = None
         self.rounds = 0
         self.selection_counts = [0] * len(self.noise_scales)
@@ -174,6 +186,7 @@ class P3SGD(DPCallback):
         self._dataset: Any = None
         self._state: ModelState | None = None
         self._tick: torch.nn.Parameter | None = None
+        self._collate: Callable[[list[Any]], Any] = default_collate
 
     def __repr__(self) -> str:
         return (
@@ -184,7 +197,40 @@ class P3SGD(DPCallback):
     # ------------------------------------------------------------------ setup
     def _prepare(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> int:
         self._dataset = self._find_patient_dataset(trainer)
+        self._collate = self._find_collate(trainer)
+        # Trainer(sync_batchnorm=True) converts BatchNorm when the strategy wraps the model, after this hook: read
+        # the strategy's layer-sync plugin (Lightning keeps it private; on_train_start checks the converted layers too).
+        requested = getattr(trainer.strategy, "_layer_sync", None) is not None
+        self._refuse_sync_batchnorm(pl_module, requested)
         return int(self._dataset.num_patients)
+
+    @staticmethod
+    def _refuse_sync_batchnorm(pl_module: pl.LightningModule, requested: bool = False) -> None:
+        """Refuses SyncBatchNorm, built by the user or asked for with Trainer(sync_batchnorm=True)."""
+        names = [name for name, m in pl_module.named_modules() if isinstance(m, torch.nn.SyncBatchNorm)]
+        if not names and not requested:
+            return
+        raise PrivacyConfigError(
+            f"`P3SGD`: SyncBatchNorm layers ({names[:3]}; Trainer(sync_batchnorm=True) makes them) compute batch "
+            "statistics across the DDP ranks, so a patient's local update would mix in the images of patients on "
+            "other ranks (and hang when ranks hold different numbers of patients). HINT: leave sync_batchnorm off: "
+            "each patient's update uses that patient's images only, and P3SGD releases the BatchNorm statistics "
+            "clipped and noised."
+        )
+
+    @staticmethod
+    def _find_collate(trainer: pl.Trainer) -> Callable[[list[Any]], Any]:
+        """The collate_fn of the datamodule's training DataLoader (default_collate if there is none)."""
+        datamodule = getattr(trainer, "datamodule", None)
+        try:
+            loader = datamodule.train_dataloader() if datamodule is not None else None
+        except Exception:  # noqa: BLE001 - a datamodule without a usable train_dataloader: P3SGD builds batches itself
+            loader = None
+        collate = getattr(loader, "collate_fn", None) if isinstance(loader, DataLoader) else None
+        return collate if collate is not None else default_collate
+
+    def _default_delta(self, units: int) -> float:
+        return 1.0 / units**1.1 if self.accounting == "paper" else super()._default_delta(units)
 
     def _new_release(self, ledger: PrivacyLedger, seed: int) -> NoisyRelease:
         return NoisyRelease(
@@ -201,7 +247,7 @@ class P3SGD(DPCallback):
         assert self.ledger is not None
         self.sampler = PoissonPatientSampler(int(self._dataset.num_patients), self.sample_rate, seed=seeds[0])
         self.release = self._new_release(self.ledger, seeds[1])
-        self._state = ModelState(pl_module)
+        self._state = ModelState(pl_module, self.release_buffers)
         if self.accounting == "paper":
             rank_zero_warn(
                 "P3SGD(accounting='paper') reproduces the paper's ε, which is NOT a differential-privacy guarantee.",
@@ -242,6 +288,7 @@ class P3SGD(DPCallback):
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_train_start(trainer, pl_module)
+        self._refuse_sync_batchnorm(pl_module)
         self._check_training_step_returns_loss(pl_module)
 
     @torch.no_grad()
@@ -261,7 +308,7 @@ class P3SGD(DPCallback):
     # ------------------------------------------------------------------ the round
     def _batch(self, indices: Sequence[int] | Tensor, pl_module: pl.LightningModule) -> Any:
         items = [self._dataset[int(i)] for i in indices]
-        batch = default_collate(items)
+        batch = self._collate(items)
         return pl_module.transfer_batch_to_device(batch, pl_module.device, 0)
 
     def _local_update(self, patient: int, pl_module: pl.LightningModule, generator: torch.Generator) -> None:
@@ -294,15 +341,17 @@ class P3SGD(DPCallback):
         was_training = pl_module.training
         pl_module.eval()
         total = torch.zeros(2, dtype=torch.float64, device=pl_module.device)
-        for patient in patients:
-            indices = self._dataset.patient_to_indices[patient]
-            for start in range(0, len(indices), self.local_batch_size):
-                chunk = indices[start : start + self.local_batch_size]
-                out = self._original_training_step(self._batch(chunk, pl_module), 0)
-                loss = out["loss"] if isinstance(out, dict) else out
-                total[0] += float(loss) * len(chunk)
-                total[1] += len(chunk)
-        pl_module.train(was_training)
+        try:
+            for patient in patients:
+                indices = self._dataset.patient_to_indices[patient]
+                for start in range(0, len(indices), self.local_batch_size):
+                    chunk = indices[start : start + self.local_batch_size]
+                    out = self._original_training_step(self._batch(chunk, pl_module), 0)
+                    loss = out["loss"] if isinstance(out, dict) else out
+                    total[0] += float(loss) * len(chunk)
+                    total[1] += len(chunk)
+        finally:
+            pl_module.train(was_training)
         total = trainer.strategy.reduce(total, reduce_op="sum")
         return float(total[0] / total[1]) if total[1] > 0 else 0.0
 
@@ -319,24 +368,30 @@ class P3SGD(DPCallback):
             int(torch.randint(2**62, (1,), generator=self.sampler.generator))
         )
         theta, other = state.vector(), state.snapshot_other_buffers()
-        clipped_sum = torch.zeros_like(theta)
-        stats = torch.zeros(4, dtype=torch.float64)  # patients, clipped, norm sum, non-finite
-        with torch.enable_grad():
-            for patient in mine:
-                state.load(theta, other)
-                self._local_update(patient, pl_module, local_generator)
-                norm, clipped, finite = state.add_clipped_change(theta, clipped_sum, self.clip_norm)
-                stats += torch.tensor(
-                    [1.0, float(clipped), norm if finite else 0.0, float(not finite)], dtype=torch.float64
-                )
-        state.load(theta, other)
-        clipped_sum = trainer.strategy.reduce(clipped_sum, reduce_op="sum")
-        stats = trainer.strategy.reduce(stats.to(pl_module.device), reduce_op="sum").cpu()
+        try:
+            clipped_sum = torch.zeros_like(theta)
+            stats = torch.zeros(4, dtype=torch.float64)  # patients, clipped, norm sum, non-finite
+            with torch.enable_grad():
+                for patient in mine:
+                    state.load(theta, other)
+                    self._local_update(patient, pl_module, local_generator)
+                    norm, clipped, finite = state.add_clipped_change(theta, clipped_sum, self.clip_norm)
+                    stats += torch.tensor(
+                        [1.0, float(clipped), norm if finite else 0.0, float(not finite)], dtype=torch.float64
+                    )
+            state.load(theta, other)
+            clipped_sum = trainer.strategy.reduce(clipped_sum, reduce_op="sum")
+            stats = trainer.strategy.reduce(stats.to(pl_module.device), reduce_op="sum").cpu()
 
-        def loss_of(update: Tensor) -> float:
-            return self._round_loss(torch.add(theta, update, alpha=self.server_lr), mine, pl_module, trainer)
+            def loss_of(update: Tensor) -> float:
+                return self._round_loss(torch.add(theta, update, alpha=self.server_lr), mine, pl_module, trainer)
 
-        released = self.release.release(clipped_sum, self.sampler.expected_count, loss_of)
+            released = self.release.release(clipped_sum, self.sampler.expected_count, loss_of)
+        except BaseException:
+            # A corrupt image, an OOM or Ctrl-C mid-round: the model goes back to θ_t, so that no patient's raw
+            # (unclipped, un-noised) change stays in it for a checkpoint to save.
+            state.load(theta, other)
+            raise
         state.load(torch.add(theta, released.update, alpha=self.server_lr), other)
         self.rounds += 1
         self.selection_counts[self.noise_scales.index(released.noise_multiplier)] += 1

@@ -28,7 +28,7 @@ from torch import nn
 
 from lightning_dp.errors import PrivacyWarning
 
-__all__ = ["ModelProblem", "batch_norm_layers", "fix_model", "group_norm_for", "validate_model"]
+__all__ = ["ModelProblem", "batch_norm_layers", "fix_model", "group_norm_for", "is_frozen_batch_norm", "validate_model"]
 
 _BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
 _INSTANCE_NORMS = (nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)
@@ -48,9 +48,31 @@ class ModelProblem:
         return f"{self.name or '<root>'} ({self.layer}): {self.problem}. FIX: {self.fix}"
 
 
-def batch_norm_layers(module: nn.Module) -> list[str]:
-    """The qualified names of ``module``'s BatchNorm layers (which per-sample DP-SGD cannot train)."""
-    return [name for name, sub in module.named_modules() if isinstance(sub, _BATCH_NORMS)]
+def is_frozen_batch_norm(module: nn.Module) -> bool:
+    """A BatchNorm in eval mode with no trainable parameter: a fixed per-sample affine map that mixes nothing.
+
+    The frozen backbone of the standard DP transfer recipe keeps its public (pre-trained) statistics
+    this way; per-sample DP-SGD can train the layers around it as they are.
+
+    Example:
+        >>> bn = nn.BatchNorm2d(4).eval().requires_grad_(False)
+        >>> is_frozen_batch_norm(bn), is_frozen_batch_norm(bn.train())
+        (True, False)
+    """
+    return (
+        isinstance(module, _BATCH_NORMS)
+        and not module.training
+        and not any(p.requires_grad for p in module.parameters(recurse=False))
+    )
+
+
+def batch_norm_layers(module: nn.Module, include_frozen: bool = True) -> list[str]:
+    """The qualified names of ``module``'s BatchNorm layers (without the frozen ones if ``include_frozen`` is False)."""
+    return [
+        name
+        for name, sub in module.named_modules()
+        if isinstance(sub, _BATCH_NORMS) and (include_frozen or not is_frozen_batch_norm(sub))
+    ]
 
 
 def group_norm_for(num_channels: int, max_groups: int = 32, **kwargs: Any) -> nn.GroupNorm:
@@ -67,16 +89,17 @@ def group_norm_for(num_channels: int, max_groups: int = 32, **kwargs: Any) -> nn
 def validate_model(module: nn.Module) -> list[ModelProblem]:
     """Lists what stops ``module`` from being trained with per-sample gradients; empty if nothing does.
 
-    Checks: BatchNorm layers; InstanceNorm with running statistics; recurrent layers (use Opacus'
-    ``DPLSTM``/``DPGRU``/``DPRNN``); trainable parameters that do not belong to a layer whose
-    per-sample gradient can be computed.
+    Checks: BatchNorm layers (a frozen one — eval mode, no trainable parameter — is fine: it mixes
+    nothing and its statistics do not change); InstanceNorm with running statistics; recurrent layers
+    (use Opacus' ``DPLSTM``/``DPGRU``/``DPRNN``); trainable parameters that do not belong to a layer
+    whose per-sample gradient can be computed.
     """
     from lightning_dp.sanitization.per_sample import parameters_next_to_children, trainable_layers
 
     problems: list[ModelProblem] = []
     for name, sub in module.named_modules():
         kind = type(sub).__name__
-        if isinstance(sub, _BATCH_NORMS):
+        if isinstance(sub, _BATCH_NORMS) and not is_frozen_batch_norm(sub):
             problems.append(
                 ModelProblem(
                     name,
@@ -137,8 +160,8 @@ def _has_rule(module: nn.Module) -> bool:
     )
 
 
-def fix_model(module: nn.Module, warn: bool = True) -> list[str]:
-    """Replaces every BatchNorm layer of ``module`` by GroupNorm, in place, and returns what changed.
+def fix_model(module: nn.Module, warn: bool = True, keep_frozen: bool = True) -> list[str]:
+    """Replaces the BatchNorm layers of ``module`` by GroupNorm, in place, and returns what changed.
 
     The GroupNorm keeps the BatchNorm's affine weight and bias, eps, device and dtype. For
     BatchNorm2d/3d the number of groups is the largest divisor of the channel count ≤ 32; a
@@ -150,6 +173,8 @@ def fix_model(module: nn.Module, warn: bool = True) -> list[str]:
     Args:
         module: the model; modified in place.
         warn: emit a `PrivacyWarning` listing the replacements.
+        keep_frozen: keep frozen BatchNorm layers (eval mode, no trainable parameter; `is_frozen_batch_norm`):
+            they mix nothing, and replacing them would throw away their pre-trained statistics.
 
     Returns:
         One line per replaced layer, ``"name: BatchNorm2d(C) -> GroupNorm(G, C)"``.
@@ -157,7 +182,7 @@ def fix_model(module: nn.Module, warn: bool = True) -> list[str]:
     changes: list[str] = []
     for parent_name, parent in list(module.named_modules()):
         for child_name, child in list(parent.named_children()):
-            if not isinstance(child, _BATCH_NORMS):
+            if not isinstance(child, _BATCH_NORMS) or (keep_frozen and is_frozen_batch_norm(child)):
                 continue
             affine = child.affine and child.weight is not None and child.bias is not None
             like = child.weight if affine else next(iter(child.buffers()), None)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
@@ -60,13 +60,15 @@ class Selection:
 
 @dataclass
 class RoundRelease:
-    """What one round released (all of it is safe to log: it is sanitized or public)."""
+    """What one round released (all of it is safe to log: it is sanitized or public).
+
+    The candidates' losses, which the selection scores un-noised, are deliberately not part of it.
+    """
 
     update: Tensor
     noise_multiplier: float
     noise_std: float
     event: PrivacyEvent
-    losses: list[float] = field(default_factory=list)
 
 
 #: The noise of a release is drawn in this many chunks, each from its own generator seeded by the release's
@@ -245,7 +247,7 @@ class NoisyRelease:
                 event = self.event(self.noise_scales[selected])
                 self.ledger.record(event)
         z = self.noise_scales[selected]
-        return RoundRelease(candidates[selected], z, z * unit, event, losses.tolist())
+        return RoundRelease(candidates[selected], z, z * unit, event)
 
     def state_dict(self) -> dict[str, Any]:
         return {"format_version": FORMAT_VERSION, "generator": self.generator.get_state()}

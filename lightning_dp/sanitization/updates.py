@@ -1,19 +1,25 @@
 """Model updates as flat fp32 vectors, and per-unit clipping.
 
-What a P3SGD round releases is the change of everything in the model that data can change: all
-trainable parameters *and* the floating-point buffers of modules in training mode (BatchNorm
-running statistics). Both go through the same clipping and noise. Every other buffer — integer
-buffers (``num_batches_tracked``) and the buffers of modules in eval mode (a frozen backbone) — is
-restored after each unit's local update, so no statistic of private data leaves un-sanitized.
+What a P3SGD round releases is the change of everything in the model that training changes: all
+trainable parameters *and* the running statistics of normalization layers in training mode
+(BatchNorm, InstanceNorm with ``track_running_stats``), plus any buffer the user names. They go
+through the same clipping and noise. Every other buffer — integer buffers (``num_batches_tracked``),
+the buffers of modules in eval mode (a frozen backbone), and constants such as an input-normalization
+mean, a pruning mask or a spectral-norm vector — is restored after each unit's local update: no
+statistic of private data leaves un-sanitized, and no constant drifts with the noise.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
+from torch.nn.modules.batchnorm import _NormBase
+
+from lightning_dp.errors import PrivacyConfigError
 
 __all__ = ["ClipResult", "ModelState", "clip_factor", "clip_update"]
 
@@ -21,9 +27,14 @@ __all__ = ["ClipResult", "ModelState", "clip_factor", "clip_update"]
 class ModelState:
     """The released tensors of a module as one flat fp32 vector.
 
-    Released: the trainable parameters and the float buffers of modules in training mode, as they
-    are when `refresh` is called (at the start of every round). All other buffers are kept aside and
-    restored by `load`.
+    Released: the trainable parameters, the running statistics of normalization layers in training
+    mode, and the float buffers named in ``release_buffers``, as they are when `refresh` is called (at
+    the start of every round). All other buffers are kept aside and restored by `load`.
+
+    Args:
+        module: the model.
+        release_buffers: qualified names of further float buffers that training updates and that are
+            to be released (clipped and noised) with the parameters; every other buffer is restored.
 
     Example:
         >>> net = nn.BatchNorm1d(2)
@@ -34,24 +45,31 @@ class ModelState:
         4
     """
 
-    def __init__(self, module: nn.Module) -> None:
+    def __init__(self, module: nn.Module, release_buffers: Sequence[str] = ()) -> None:
         self.module = module
+        named = dict(module.named_buffers())
+        for name in release_buffers:
+            if name not in named or not named[name].is_floating_point():
+                found = "no such buffer" if name not in named else f"a {named[name].dtype} buffer"
+                raise PrivacyConfigError(
+                    f"`release_buffers=[{name!r}]`: {name!r} must name a floating-point buffer of "
+                    f"{type(module).__name__}, found {found}. HINT: the names are those of "
+                    f"module.named_buffers(), e.g. {list(named)[:3]}."
+                )
+        self.release_buffers = tuple(release_buffers)
         self.refresh()
 
     def refresh(self) -> None:
         """Re-reads which tensors are released (requires_grad and train/eval modes can change)."""
         module = self.module
-        self.variances = [
-            m.running_var
-            for m in module.modules()
-            if isinstance(m, (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm))
-            and m.running_var is not None
-            and m.training
-        ]
+        norms = [m for m in module.modules() if isinstance(m, _NormBase) and m.training and m.track_running_stats]
+        self.variances = [m.running_var for m in norms if m.running_var is not None]
         self.params = [p for p in module.parameters() if p.requires_grad]
-        trained = {id(b) for m in module.modules() if m.training for b in m.buffers(recurse=False)}
+        statistics = {id(t) for m in norms for t in (m.running_mean, m.running_var) if t is not None}
+        named = dict(module.named_buffers())
+        statistics |= {id(named[name]) for name in self.release_buffers}
         buffers = list({id(b): b for b in module.buffers()}.values())
-        self.float_buffers = [b for b in buffers if b.is_floating_point() and id(b) in trained]
+        self.float_buffers = [b for b in buffers if b.is_floating_point() and id(b) in statistics]
         released = {id(b) for b in self.float_buffers}
         self.other_buffers = [b for b in buffers if id(b) not in released]
         self.numel = sum(t.numel() for t in self._released())

@@ -1,7 +1,8 @@
 """Runs P3SGD on the tiny patient data with N CPU processes (Lightning DDP, gloo) and saves what it saw.
 
-Usage: python tests/helpers/ddp_p3sgd.py DEVICES OUT_DIR LOCAL_LR ROUNDS
-Writes OUT_DIR/result.pt (rank 0): final parameters, per-round parameter changes, ε, rounds.
+Usage: python tests/helpers/ddp_p3sgd.py DEVICES OUT_DIR LOCAL_LR ROUNDS [sync]
+Writes OUT_DIR/result.pt (rank 0): final parameters, per-round parameter changes, ε, rounds. With ``sync``
+the Trainer has sync_batchnorm=True, and the script writes OUT_DIR/refused.txt with P3SGD's error.
 Every rank checks after every round that all ranks hold identical weights (exits non-zero if not).
 """
 
@@ -18,6 +19,7 @@ import torch.distributed as dist  # noqa: E402
 
 from lightning_dp.accounting import RDPAccountant  # noqa: E402
 from lightning_dp.callbacks import P3SGD  # noqa: E402
+from lightning_dp.errors import PrivacyConfigError  # noqa: E402
 from tests.helpers.patients import TinyClassifier, TinyPatientDataModule  # noqa: E402
 
 
@@ -46,6 +48,7 @@ class RecordAndCompare(pl.Callback):
 
 def main() -> None:
     devices, out, local_lr, rounds = int(sys.argv[1]), Path(sys.argv[2]), float(sys.argv[3]), int(sys.argv[4])
+    sync = sys.argv[5:] == ["sync"]
     torch.manual_seed(0)
     cb = P3SGD(
         sample_rate=0.5,
@@ -70,9 +73,18 @@ def main() -> None:
         enable_checkpointing=False,
         limit_val_batches=0,
         num_sanity_val_steps=0,
+        sync_batchnorm=sync,
     )
     model = TinyClassifier(hidden=4096)
-    trainer.fit(model, TinyPatientDataModule(num_patients=20))
+    try:
+        trainer.fit(model, TinyPatientDataModule(num_patients=20))
+    except PrivacyConfigError as err:
+        if not sync:
+            raise
+        if trainer.is_global_zero:
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "refused.txt").write_text(f"{err}\nrounds={cb.rounds}")
+        return
     if trainer.is_global_zero:
         out.mkdir(parents=True, exist_ok=True)
         torch.save(

@@ -62,7 +62,7 @@ def test_each_step_is_one_dp_step_and_one_ledger_entry(default_run: _Run) -> Non
     assert cb.ledger is not None
     assert cb.steps == trainer.global_step == cb.ledger.steps == 4
     assert cb.ledger.unit == "sample"
-    assert cb.ledger.delta == pytest.approx(1 / 120**1.1), "default δ is 1/N^1.1 for N = 120 training samples"
+    assert cb.ledger.delta == 1e-5, "default δ is min(1e-5, 1/(10N)) for N = 120 training samples"
     assert not torch.equal(default_run.before, default_run.after), "training must change the weights"
     report = json.loads((Path(str(trainer.log_dir)) / "privacy_report.json").read_text())
     assert report["unit"] == "sample" and report["steps"] == 4 and report["mechanism"] == "DPSGD"
@@ -72,7 +72,7 @@ def test_each_step_is_one_dp_step_and_one_ledger_entry(default_run: _Run) -> Non
 def test_logged_metrics_are_sanitized_or_public(default_run: _Run) -> None:
     cb, logged = default_run.cb, default_run.trainer.logged_metrics
     assert cb.ledger is not None and cb.sampler is not None
-    assert float(logged["privacy/epsilon"]) == pytest.approx(RDPAccountant().epsilon(cb.ledger), rel=1e-6)
+    assert float(logged["privacy/epsilon_rdp"]) == pytest.approx(RDPAccountant().epsilon(cb.ledger), rel=1e-6)
     q, n = cb.sampler.sample_rate, cb.sampler.num_samples
     assert float(logged["privacy/noise_std"]) == pytest.approx(1.0 * 1.0 / (q * n), rel=1e-6), "σ = z·C/(q·N)"
     assert "train/loss" not in logged, "a loss computed on private samples left the step unsanitized"

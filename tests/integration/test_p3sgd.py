@@ -53,7 +53,7 @@ def test_each_round_is_one_step_and_one_ledger_entry(tmp_path: Path) -> None:
     assert trainer.global_step == cb.rounds == cb.ledger.steps == 6
     assert not torch.equal(before, _weights(model)), "training must change the weights"
     assert cb.ledger.unit == "patient"
-    assert cb.ledger.delta == pytest.approx(1 / 20**1.1), "default δ is 1/N^1.1 for N = 20 training patients"
+    assert cb.ledger.delta == 1e-5, "default δ is min(1e-5, 1/(10N)) for N = 20 training patients"
     report = (tmp_path / "lightning_logs" / "version_0" / "privacy_report.json").read_text()
     assert '"unit": "patient"' in report
     assert "nonfinite" not in report, "a count over private patients must not be reported unless opted in"
@@ -64,7 +64,7 @@ def test_training_metrics_of_the_module_are_not_logged(tmp_path: Path) -> None:
     trainer.fit(TinyClassifier(), TinyPatientDataModule())
     logged = set(trainer.logged_metrics)
     assert "train/loss" not in logged, "a loss computed on private images left the round unsanitized"
-    assert {"privacy/epsilon", "privacy/noise_std", "privacy/noise_multiplier"} <= logged
+    assert {"privacy/epsilon_rdp", "privacy/noise_std", "privacy/noise_multiplier"} <= logged
     assert not any(k.startswith("private_diagnostics/") for k in logged), "private diagnostics are opt-in"
 
 
@@ -72,7 +72,7 @@ def test_logged_epsilon_is_the_ledger_epsilon(tmp_path: Path) -> None:
     cb = _p3sgd(noise_scales=(3.0, 1.0), selection_epsilon=0.316, loss_bound=3.0)
     trainer = _trainer(tmp_path, [cb])
     trainer.fit(TinyClassifier(), TinyPatientDataModule())
-    assert float(trainer.logged_metrics["privacy/epsilon"]) == pytest.approx(RDPAccountant().epsilon(cb.ledger))
+    assert float(trainer.logged_metrics["privacy/epsilon_rdp"]) == pytest.approx(RDPAccountant().epsilon(cb.ledger))
     assert sum(cb.selection_counts) == 6
 
 

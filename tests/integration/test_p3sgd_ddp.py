@@ -14,16 +14,25 @@ pytestmark = pytest.mark.distributed
 SCRIPT = Path(__file__).resolve().parents[1] / "helpers" / "ddp_p3sgd.py"
 
 
-def _run(devices: int, out: Path, local_lr: float, rounds: int) -> dict:
+def _run(devices: int, out: Path, local_lr: float, rounds: int, *extra: str) -> dict:
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), str(devices), str(out), str(local_lr), str(rounds)],
+        [sys.executable, str(SCRIPT), str(devices), str(out), str(local_lr), str(rounds), *extra],
         capture_output=True,
         text=True,
         timeout=300,
         cwd=Path(__file__).resolve().parents[2],
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    if extra:
+        return {"refused": (out / "refused.txt").read_text()}
     return torch.load(out / "result.pt", weights_only=True)
+
+
+def test_sync_batchnorm_under_ddp_is_refused(tmp_path: Path) -> None:
+    # SyncBatchNorm mixes patients of different ranks into a local update (or hangs on unequal patient counts).
+    result = _run(2, tmp_path / "sync", 0.1, 2, "sync")
+    assert "SyncBatchNorm" in result["refused"] and "sync_batchnorm off" in result["refused"]
+    assert result["refused"].endswith("rounds=0"), "refused before the first round"
 
 
 def test_two_processes_match_one_process(tmp_path: Path) -> None:
