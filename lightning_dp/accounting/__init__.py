@@ -8,7 +8,13 @@ from lightning_dp.accounting.accountants import (
     RDPAccountant,
     get_accountant,
 )
-from lightning_dp.accounting.calibration import calibrate_noise_multiplier, calibrate_steps, epsilon_for
+from lightning_dp.accounting.calibration import (
+    EventFactory,
+    calibrate_noise_multiplier,
+    calibrate_schedule,
+    calibrate_steps,
+    epsilon_for,
+)
 from lightning_dp.accounting.events import (
     ComposedEvent,
     ExponentialMechanismEvent,
@@ -26,6 +32,7 @@ __all__ = [
     "Accountant",
     "AccountantName",
     "ComposedEvent",
+    "EventFactory",
     "ExponentialMechanismEvent",
     "GaussianEvent",
     "MomentsAccountant",
@@ -40,6 +47,7 @@ __all__ = [
     "TCDPPlan",
     "ZCDPEvent",
     "calibrate_noise_multiplier",
+    "calibrate_schedule",
     "calibrate_steps",
     "epsilon_for",
     "event_from_dict",

@@ -7,11 +7,12 @@ never exceeds the target.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import numpy as np
 
 from lightning_dp.accounting.accountants import AccountantName, get_accountant, round_down_geometric
-from lightning_dp.accounting.events import GaussianEvent, PoissonSampledEvent
+from lightning_dp.accounting.events import GaussianEvent, PoissonSampledEvent, PrivacyEvent
 from lightning_dp.accounting.ledger import PrivacyLedger
 from lightning_dp.accounting.rdp import (
     DEFAULT_ORDERS,
@@ -26,9 +27,9 @@ from lightning_dp.errors import (
     check_in_interval,
     check_sample_rate,
 )
-from lightning_dp.schedules import ConstantNoise, ExponentialDecay, NoiseSchedule
+from lightning_dp.schedules import ConstantNoise, NoiseSchedule
 
-__all__ = ["calibrate_noise_multiplier", "calibrate_steps", "epsilon_for"]
+__all__ = ["EventFactory", "calibrate_noise_multiplier", "calibrate_schedule", "calibrate_steps", "epsilon_for"]
 
 # Rounding multipliers down by at most 0.5 % keeps a schedule to a few hundred distinct RDP curves.
 _CALIBRATION_GRID = 5e-3
@@ -40,6 +41,10 @@ def _check_common(owner: str, target_epsilon: float, delta: float, sample_rate: 
     check_sample_rate(owner, sample_rate)
 
 
+#: One step's event at noise multiplier z (a subsampled Gaussian, or a release and its selection on one sample).
+EventFactory = Callable[[float], PrivacyEvent]
+
+
 def epsilon_for(
     sample_rate: float,
     schedule: NoiseSchedule,
@@ -47,21 +52,86 @@ def epsilon_for(
     delta: float,
     accountant: AccountantName = "rdp",
     unit: str = "sample",
+    event_of: EventFactory | None = None,
 ) -> float:
-    """ε after ``steps`` Poisson-subsampled Gaussian steps following ``schedule``.
+    """ε after ``steps`` steps following ``schedule``: Poisson-subsampled Gaussians unless ``event_of`` says otherwise.
+
+    Args:
+        sample_rate: q of each step's Poisson sample.
+        schedule: the multiplier z_t of each step.
+        steps: the number of steps.
+        delta: δ of the guarantee.
+        accountant: which accountant computes ε.
+        unit: the ledger's neighbouring relation (it does not change the number).
+        event_of: z → the event of one step (calibration through a factory of events, as dp-accounting's
+            ``mechanism_calibration``); default ``PoissonSampledEvent(sample_rate, GaussianEvent(z))``.
 
     Example:
         >>> round(epsilon_for(0.04, ConstantNoise(1.5), 2250, 1e-5), 4)
         7.3291
     """
     check_count("epsilon_for", "steps", steps, "steps is the number of training steps.")
+    make = event_of or (lambda z: PoissonSampledEvent(sample_rate, GaussianEvent(z)))
     ledger = PrivacyLedger(unit, delta)  # type: ignore[arg-type]
     if isinstance(schedule, ConstantNoise):
-        ledger.record(PoissonSampledEvent(sample_rate, GaussianEvent(schedule.multiplier)), steps)
+        ledger.record(make(schedule.multiplier), steps)
     else:
         for z in schedule.multipliers(steps).tolist():
-            ledger.record(PoissonSampledEvent(sample_rate, GaussianEvent(z)))
+            ledger.record(make(z))
     return get_accountant(accountant).epsilon(ledger)
+
+
+def calibrate_schedule(
+    target_epsilon: float,
+    delta: float,
+    sample_rate: float,
+    steps: int,
+    schedule: NoiseSchedule,
+    accountant: AccountantName = "rdp",
+    event_of: EventFactory | None = None,
+    rel_tol: float = 1e-3,
+) -> NoiseSchedule:
+    """``schedule`` scaled by the smallest factor (to ``rel_tol``) whose ε after ``steps`` steps is ≤ the target.
+
+    The shape of the schedule (its decay) is kept; its start z₀ is what is calibrated.
+
+    Example:
+        >>> from lightning_dp.schedules import ExponentialDecay
+        >>> scaled = calibrate_schedule(3.0, 1e-5, 0.01, 1000, ExponentialDecay(initial=1.0, decay=0.999))
+        >>> epsilon_for(0.01, scaled, 1000, 1e-5) <= 3.0
+        True
+    """
+    _check_common("calibrate_schedule", target_epsilon, delta, sample_rate)
+    check_count("calibrate_schedule", "steps", steps, "steps must be >= 1.", minimum=1)
+    check_in_interval(
+        "calibrate_schedule", "rel_tol", rel_tol, 0.0, 0.5, low_closed=False, high_closed=False, hint="1e-3."
+    )
+    schedule.multipliers(steps)  # a bad multiplier anywhere in the run is an error before any search
+
+    def fits(factor: float) -> bool:
+        scaled = schedule.scaled(factor)
+        return epsilon_for(sample_rate, scaled, steps, delta, accountant, event_of=event_of) <= target_epsilon
+
+    low, high = 0.0, 1.0
+    while not fits(high):
+        low, high = high, high * 2.0
+        if high > 1e6:
+            raise PrivacyConfigError(
+                f"`calibrate_schedule(target_epsilon={target_epsilon})`: no scaling of {schedule!r} up to 1e6 "
+                f"reaches ε ≤ {target_epsilon} with sample_rate={sample_rate}, steps={steps}, delta={delta}. "
+                "HINT: raise the target, lower the rate or train fewer steps."
+            )
+    if low == 0.0:
+        low = high / 2.0
+        while low > 1e-4 and fits(low):
+            high, low = low, low / 2.0
+    while (high - low) / high > rel_tol:
+        mid = math.sqrt(low * high)
+        if fits(mid):
+            high = mid
+        else:
+            low = mid
+    return schedule.scaled(high)
 
 
 def calibrate_noise_multiplier(
@@ -134,7 +204,6 @@ def calibrate_steps(
 
     if isinstance(schedule, ConstantNoise) or accountant == "prv":
         return _bisect_steps(target_epsilon, delta, sample_rate, schedule, accountant, max_steps)
-    assert isinstance(schedule, ExponentialDecay)
     moments = accountant == "moments"
     orders = MOMENTS_ORDERS if moments else DEFAULT_ORDERS
     total = np.zeros(orders.shape[0])
