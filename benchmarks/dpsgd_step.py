@@ -4,7 +4,7 @@ For each model the script times, on the same batch and from the same weights:
 
 * the non-private step: forward, backward, optimizer step;
 * lightning-dp's DP step: `PerSampleClipper` (per-sample clipping, one forward + one backward),
-  `NoisyRelease` (noise + ledger), optimizer step;
+  `PrivateStep` (noise + ledger in `GaussianRelease`, the optimizer step through `OptimizerTarget`);
 * Opacus' DP step (PrivacyEngine.make_private: forward, backward, DPOptimizer.step) in each of its
   per-sample gradient modes, on the same model (BatchNorm replaced by GroupNorm, as Opacus requires).
   Modes that fail on the model are reported with their error.
@@ -37,8 +37,9 @@ from torch import Tensor, nn
 from lightning_dp.accounting import PrivacyLedger
 from lightning_dp.models import fix_model
 from lightning_dp.models.classifier import build_backbone
-from lightning_dp.sanitization import NoisyRelease
+from lightning_dp.sanitization import GaussianRelease
 from lightning_dp.sanitization.per_sample import PerSampleClipper
+from lightning_dp.training.step import OptimizerTarget, PrivateStep
 
 CLIP, NOISE, LR = 1.0, 1.0, 0.05
 
@@ -115,16 +116,21 @@ def _lightning_dp(model: nn.Module, x: Tensor, y: Tensor, kind: str) -> Callable
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     loss_fn = _loss_fn(kind)
     clipper = PerSampleClipper(model, CLIP, "mean")
-    release = NoisyRelease(PrivacyLedger("sample", 1e-5), (NOISE,), CLIP, sample_rate=0.01, seed=0)
+    release = GaussianRelease(PrivacyLedger("sample", 1e-5), clip_norm=CLIP, sample_rate=0.01, schedule=NOISE, seed=0)
+    private_step = PrivateStep(release)
+
+    def step_optimizer() -> None:
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    target = OptimizerTarget(model, clipper.params, [optimizer], step_optimizer)
+    counter = [0]
 
     def step() -> None:
         clipper.reset()
         clipper.accumulate(lambda: loss_fn(model(x), y), x.shape[0])
-        released = release.release(clipper.flat_sum, expected_count=float(x.shape[0]))
-        for param, grad in clipper.views(released.update):
-            param.grad = grad
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        private_step(counter[0], clipper.flat_sum, float(x.shape[0]), target)
+        counter[0] += 1
 
     return step
 

@@ -10,6 +10,7 @@ describe). Metrics the module logs while the callback computes on private data a
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Callable
 from typing import Any, ClassVar, Literal, get_args
@@ -20,12 +21,16 @@ from pytorch_lightning.callbacks import BatchSizeFinder, LearningRateFinder, Sto
 from pytorch_lightning.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader
 
-from lightning_dp.accounting import PrivacyEvent, PrivacyLedger, PrivacyUnit, get_accountant
+from lightning_dp.accounting import PrivacyLedger, PrivacyUnit, get_accountant, tcdp_plan_unchecked
 from lightning_dp.callbacks.budget import PrivacyBudget
 from lightning_dp.callbacks.privacy_report import write_privacy_report
 from lightning_dp.errors import PrivacyConfigError, PrivacyStateError, PrivacyWarning, check_in_interval
 from lightning_dp.sampling.patients import secure_seed
-from lightning_dp.sanitization import NoisyRelease, RoundRelease
+from lightning_dp.sanitization import Release
+from lightning_dp.schedules import ExponentialDecay
+from lightning_dp.selection import AlwaysAccept, StepAcceptance
+from lightning_dp.training.checks import eval_mode
+from lightning_dp.training.step import PrivateStep, StepResult
 
 __all__ = ["DPAccountantName", "DPCallback", "default_delta"]
 
@@ -63,6 +68,7 @@ class DPCallback(pl.Callback):
         name: str | None,
         flush_denormal: bool = True,
         accountant: DPAccountantName = "rdp",
+        acceptance: StepAcceptance | None = None,
     ) -> None:
         if accountant not in get_args(DPAccountantName):
             raise PrivacyConfigError(
@@ -72,6 +78,12 @@ class DPCallback(pl.Callback):
             )
         #: The one accountant of this callback: it calibrates, logs ε, and decides the PrivacyBudget's stop.
         self.accountant = get_accountant(accountant)
+        if acceptance is not None and not isinstance(acceptance, StepAcceptance):
+            raise PrivacyConfigError(
+                f"`{self.mechanism}(acceptance={acceptance!r})`: acceptance must be a StepAcceptance, found "
+                f"{type(acceptance).__name__}. HINT: lightning_dp.selection.AnnealedAcceptance(q0=10.0, mu0=10)."
+            )
+        self.acceptance: StepAcceptance = acceptance or AlwaysAccept()
         self.delta = (
             None
             if delta is None
@@ -85,7 +97,10 @@ class DPCallback(pl.Callback):
         self.flush_denormal = flush_denormal
         self._flushing = False
         self.ledger: PrivacyLedger | None = None
-        self.release: NoisyRelease | None = None
+        self.release: Release | None = None
+        self.private_step: PrivateStep | None = None
+        #: The steps the acceptance rule kept, charged as the SA-DPSGD / DPSUR papers do: NOT a guarantee.
+        self.accepted_ledger: PrivacyLedger | None = None
         self.report: dict[str, Any] | None = None
         self._budget: PrivacyBudget | None = None
         self._stopped_by_budget = False
@@ -129,7 +144,8 @@ class DPCallback(pl.Callback):
     def _report_extra(self) -> dict[str, Any]:
         raise NotImplementedError
 
-    def _new_release(self, ledger: PrivacyLedger, seed: int) -> NoisyRelease:
+    def _new_release(self, ledger: PrivacyLedger, seed: int) -> Release:
+        """The step's release (the schedule it holds is the one place the noise multiplier lives)."""
         raise NotImplementedError
 
     def _default_delta(self, units: int) -> float:
@@ -153,6 +169,7 @@ class DPCallback(pl.Callback):
                 "new model."
             )
         self._refuse_unsupported_trainer(trainer, pl_module)
+        self._check_public_energy(trainer)
         units = self._prepare(trainer, pl_module)
         for budget in (cb for cb in trainer.callbacks if isinstance(cb, PrivacyBudget)):  # type: ignore[attr-defined]
             if self._budget is None:
@@ -182,10 +199,14 @@ class DPCallback(pl.Callback):
                 f"up to about δ·N. HINT: use δ ≤ {default_delta(units):.2g} (the default when delta is not set).",
                 category=PrivacyWarning,
             )
-        seeds = [secure_seed(), secure_seed()] if self.seed is None else [self.seed, self.seed + 1]
-        seeds = trainer.strategy.broadcast(seeds, src=0)  # every rank samples and noises identically
+        seeds = [secure_seed() for _ in range(3)] if self.seed is None else [self.seed + k for k in range(3)]
+        seeds = trainer.strategy.broadcast(seeds, src=0)  # every rank samples, noises and decides identically
         self.ledger = PrivacyLedger(self.unit, delta)
+        self.accepted_ledger = PrivacyLedger(self.unit, delta) if self.acceptance.can_reject else None
         self._loader = self._build(trainer, pl_module, seeds)
+        assert self.release is not None
+        self.acceptance.seed(seeds[2])
+        self.private_step = PrivateStep(self.release, self.acceptance)
         loader = self._loader
         owner = trainer.datamodule if getattr(trainer, "datamodule", None) is not None else pl_module  # type: ignore[attr-defined]
         self._patch(owner, "train_dataloader", lambda: loader)
@@ -244,6 +265,36 @@ class DPCallback(pl.Callback):
                 "BatchNorm's pre-trained statistics are reset). HINT: use EMAWeightAveraging or WeightAveraging "
                 "(averaging released weights is post-processing), or a model with GroupNorm."
             )
+
+    def _check_public_energy(self, trainer: pl.Trainer) -> None:
+        """An acceptance rule with a public energy needs a loader the user declares public."""
+        if self.acceptance.energy != "public":
+            return
+        datamodule = getattr(trainer, "datamodule", None)
+        if not callable(getattr(datamodule, "public_dataloader", None)):
+            raise PrivacyConfigError(
+                f"`{self.mechanism}(acceptance={self.acceptance!r})`: a public energy is computed on data you declare "
+                f"public, by giving the datamodule a public_dataloader() method; {type(datamodule).__name__} has "
+                "none. HINT: add public_dataloader() returning data you may use without privacy (a public or "
+                "held-out public set), or use energy='private' (noised and charged)."
+            )
+
+    @torch.no_grad()
+    def _public_loss(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> float:
+        """The mean training loss over the datamodule's public_dataloader() at the current weights (eval mode)."""
+        assert self._original_training_step is not None
+        loader = trainer.datamodule.public_dataloader()  # type: ignore[attr-defined]
+        total, count = 0.0, 0
+        with eval_mode(pl_module):
+            for index, batch in enumerate(loader):
+                batch = pl_module.transfer_batch_to_device(batch, pl_module.device, 0)
+                out = self._original_training_step(batch, index)
+                loss = out["loss"] if isinstance(out, dict) else out
+                total += float(loss.detach().double().mean())
+                count += 1
+        if count == 0:
+            raise PrivacyConfigError(f"`{self.mechanism}`: public_dataloader() yielded no batch.")
+        return total / count
 
     def _patch(self, owner: Any, attribute: str, value: Any) -> None:
         setattr(owner, attribute, value)
@@ -319,9 +370,10 @@ class DPCallback(pl.Callback):
         self._patch(pl_module, "log", filtered_log)
         self._patch(pl_module, "log_dict", filtered_log_dict)
 
-    def _budget_allows(self, trainer: pl.Trainer, next_event: PrivacyEvent) -> bool:
-        """False (and the trainer stops) if ``next_event`` would exceed the PrivacyBudget."""
-        assert self.ledger is not None
+    def _budget_allows(self, trainer: pl.Trainer, step: int) -> bool:
+        """False (and the trainer stops) if what ``step`` would charge (its event) exceeds the PrivacyBudget."""
+        assert self.ledger is not None and self.private_step is not None
+        next_event = self.private_step.event(step)
         if self._budget is not None and not self._budget.allows(self.ledger, next_event, self.accountant):
             self._stopped_by_budget = True
             trainer.should_stop = True
@@ -331,7 +383,7 @@ class DPCallback(pl.Callback):
     def _log_step(
         self,
         pl_module: pl.LightningModule,
-        released: RoundRelease,
+        result: StepResult,
         public: dict[str, float],
         stats: torch.Tensor,
         names: tuple[str, str, str, str],
@@ -343,12 +395,17 @@ class DPCallback(pl.Callback):
         mean norm, non-finite count). The diagnostics are computed from private data, not sanitized.
         """
         assert self.ledger is not None
+        released = result.released
+        if result.accepted and self.accepted_ledger is not None:
+            assert self.release is not None
+            self.accepted_ledger.record(self.release.event(released.step))
         metrics = {
             self._epsilon_key: self.accountant.epsilon(self.ledger),
             "privacy/delta": self.ledger.delta,
             "privacy/noise_multiplier": released.noise_multiplier,
             "privacy/noise_std": released.noise_std,
             **public,
+            **self.acceptance.metrics(),
         }
         if self.log_private_diagnostics:
             n = max(stats[0].item(), 1.0)
@@ -379,6 +436,14 @@ class DPCallback(pl.Callback):
             "stopped_by_budget": self._stopped_by_budget,
         }
         extra["private_diagnostics_logged"] = self.log_private_diagnostics
+        extra.update(self._schedule_report())
+        if self.accepted_ledger is not None:
+            extra["acceptance"] = repr(self.acceptance)
+            extra["claims_not_guarantees"] = {
+                "epsilon_accepted_steps_only": self.accountant.epsilon(self.accepted_ledger),
+                "what": "ε charging only the accepted steps, as the SA-DPSGD and DPSUR papers do. NOT a guarantee: "
+                "rejected proposals were computed from private data and shaped the model through the decision.",
+            }
         if self._budget is not None and self._budget.stop_reason:
             extra["stop_reason"] = self._budget.stop_reason
         log_dir = trainer.log_dir or trainer.default_root_dir  # a collective call: every rank must make it
@@ -388,16 +453,41 @@ class DPCallback(pl.Callback):
     def _accounting_mode(self) -> str:
         return "rigorous"
 
+    def _schedule_report(self) -> dict[str, Any]:
+        """The noise schedule and, for per-step exponential decay, Zhang et al.'s tCDP closed form with its verdict."""
+        assert self.release is not None and self.ledger is not None
+        schedule = self.release.schedule
+        out: dict[str, Any] = {"noise_schedule": schedule.describe()}
+        rate, steps = self.release.sample_rate, self.ledger.steps
+        if not isinstance(schedule, ExponentialDecay) or schedule.every != 1 or schedule.decay >= 1 or not rate:
+            return out
+        if steps < 1:
+            return out
+        plan = tcdp_plan_unchecked(rate, self.release.noise_multiplier(0), schedule.decay, steps, self.ledger.delta)
+        out["tcdp_closed_form"] = {
+            "epsilon": plan.epsilon,
+            "valid": plan.valid,
+            "failed_conditions": [f"{c.name} ({c.detail})" for c in plan.conditions if not c.holds],
+            "what": "Zhang et al.'s closed form for this decay, a planning formula; the guarantee is the "
+            f"{self.accountant.name} ε above, computed from the multiplier each step used.",
+        }
+        return out
+
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
         if self.ledger is None or self.release is None:
             return {}
-        return {
+        state = {
             "format_version": self.format_version,
             "ledger": self.ledger.state_dict(),
             "release": self.release.state_dict(),
+            "schedule": self.release.schedule.describe(),
+            "acceptance": self.acceptance.state_dict(),
             **self._extra_state(),
         }
+        if self.accepted_ledger is not None:
+            state["accepted_ledger"] = self.accepted_ledger.state_dict()
+        return state
 
     def on_load_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
@@ -433,10 +523,23 @@ class DPCallback(pl.Callback):
                 f"`{self.state_key}`: the checkpoint's δ is {ledger.delta:.3g}, this run's is {self.ledger.delta:.3g}. "
                 "HINT: resume with the same delta."
             )
+        if state_dict.get("schedule") != self.release.schedule.describe():
+            raise PrivacyStateError(
+                f"`{self.state_key}`: the checkpoint was written with the noise schedule {state_dict.get('schedule')}; "
+                f"this run has {self.release.schedule.describe()}. HINT: resume with the same noise settings."
+            )
         self._new_release(PrivacyLedger(self.unit, self.ledger.delta), seed=0).load_state_dict(state_dict["release"])
+        copy.deepcopy(self.acceptance).load_state_dict(state_dict.get("acceptance", {}))
+        accepted = None
+        if self.accepted_ledger is not None:
+            accepted = PrivacyLedger(self.unit, self.ledger.delta)
+            accepted.load_state_dict(state_dict.get("accepted_ledger", {}))
         assign_extra = self._load_extra_state(state_dict)
         self.release.load_state_dict(state_dict["release"])
+        self.acceptance.load_state_dict(state_dict["acceptance"])
         self.ledger.load_state_dict(state_dict["ledger"])
+        if accepted is not None:
+            self.accepted_ledger = accepted
         assign_extra()
 
     # ------------------------------------------------------------------ optimizer

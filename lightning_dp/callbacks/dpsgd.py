@@ -23,7 +23,7 @@ import torch
 from pytorch_lightning.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, SequentialSampler
 
-from lightning_dp.accounting import PrivacyLedger, calibrate_noise_multiplier
+from lightning_dp.accounting import PrivacyEvent, PrivacyLedger, calibrate_noise_multiplier, calibrate_schedule
 from lightning_dp.callbacks.base import DPAccountantName, DPCallback
 from lightning_dp.errors import (
     PrivacyConfigError,
@@ -35,7 +35,7 @@ from lightning_dp.errors import (
 )
 from lightning_dp.models.fixers import batch_norm_layers, fix_model, is_frozen_batch_norm, validate_model
 from lightning_dp.sampling.samples import LogicalBatch, PoissonBatches, PoissonSampleSampler, identity_collate
-from lightning_dp.sanitization import NoisyRelease
+from lightning_dp.sanitization import GaussianRelease
 from lightning_dp.sanitization.per_sample import (
     LossReduction,
     NonFiniteGradientsError,
@@ -43,6 +43,8 @@ from lightning_dp.sanitization.per_sample import (
     UnsupportedModelError,
     check_loss_reduction,
 )
+from lightning_dp.schedules import ConstantNoise, NoiseSchedule, as_schedule
+from lightning_dp.selection import StepAcceptance
 from lightning_dp.training.checks import (
     FLOAT32_TOLERANCE,
     FLOAT64_TOLERANCE,
@@ -52,6 +54,7 @@ from lightning_dp.training.checks import (
     bind,
     collate_is_per_sample,
     diverse_indices,
+    eval_mode,
     float64_copy,
     public_subsets,
     take,
@@ -59,6 +62,7 @@ from lightning_dp.training.checks import (
     to_float64,
     with_targets_rolled,
 )
+from lightning_dp.training.step import OptimizerTarget
 
 __all__ = ["DPSGD"]
 
@@ -118,7 +122,7 @@ class DPSGD(DPCallback):
     def __init__(
         self,
         clip_norm: float,
-        noise_multiplier: float | None = None,
+        noise_multiplier: float | NoiseSchedule | None = None,
         target_epsilon: float | None = None,
         batch_size: int | None = None,
         sample_rate: float | None = None,
@@ -132,19 +136,23 @@ class DPSGD(DPCallback):
         log_private_diagnostics: bool = False,
         name: str | None = None,
         flush_denormal: bool = True,
+        acceptance: StepAcceptance | None = None,
     ) -> None:
         owner = "DPSGD"
         self.clip_norm = check_finite_positive(owner, "clip_norm", clip_norm, "e.g. 1.0.")
-        if (noise_multiplier is None) == (target_epsilon is None):
+        schedule = None if noise_multiplier is None else as_schedule(owner, noise_multiplier)
+        if (schedule is None and target_epsilon is None) or (
+            target_epsilon is not None and schedule is not None and schedule.is_constant
+        ):
             raise PrivacyConfigError(
-                f"`DPSGD(noise_multiplier={noise_multiplier}, target_epsilon={target_epsilon})`: give exactly one of "
-                "them. HINT: noise_multiplier=1.0, or target_epsilon=8.0 to calibrate the noise to the planned run."
+                f"`DPSGD(noise_multiplier={noise_multiplier}, target_epsilon={target_epsilon})`: give a noise "
+                "multiplier, or a target ε (alone, or with a decaying schedule whose start is calibrated). HINT: "
+                "noise_multiplier=1.0, or target_epsilon=8.0 to calibrate the noise to the planned run, or "
+                "target_epsilon=8.0 with noise_multiplier=ExponentialDecay(initial=1.0, decay=0.99)."
             )
-        self.noise_multiplier = (
-            None
-            if noise_multiplier is None
-            else check_finite_positive(owner, "noise_multiplier", noise_multiplier, "e.g. 1.0.")
-        )
+        #: The user's argument, never overwritten: the noise actually used is the release's schedule.
+        self.noise_multiplier = noise_multiplier
+        self._schedule = schedule
         self.target_epsilon = (
             None if target_epsilon is None else check_finite_positive(owner, "target_epsilon", target_epsilon, "8.0.")
         )
@@ -163,7 +171,7 @@ class DPSGD(DPCallback):
             None if steps_per_epoch is None else check_count(owner, "steps_per_epoch", steps_per_epoch, "", minimum=1)
         )
         self.convert_batchnorm = convert_batchnorm
-        super().__init__(delta, seed, log_private_diagnostics, name, flush_denormal, accountant)
+        super().__init__(delta, seed, log_private_diagnostics, name, flush_denormal, accountant, acceptance)
         self.steps = 0
         self.sampler: PoissonSampleSampler | None = None
         self.clipper: PerSampleClipper | None = None
@@ -274,9 +282,27 @@ class DPSGD(DPCallback):
             "the Trainer has neither max_steps nor max_epochs. HINT: set one of them, or give noise_multiplier."
         )
 
-    def _new_release(self, ledger: PrivacyLedger, seed: int) -> NoisyRelease:
-        assert self.noise_multiplier is not None and self.sampler is not None
-        return NoisyRelease(ledger, (self.noise_multiplier,), self.clip_norm, self.sampler.sample_rate, seed=seed)
+    def _new_release(self, ledger: PrivacyLedger, seed: int) -> GaussianRelease:
+        assert self._schedule is not None and self.sampler is not None
+        return GaussianRelease(
+            ledger, clip_norm=self.clip_norm, sample_rate=self.sampler.sample_rate, schedule=self._schedule, seed=seed
+        )
+
+    def _calibrated(self, rate: float, steps: int, delta: float) -> NoiseSchedule:
+        """The schedule whose ε over the planned ``steps`` is at most target_epsilon (its start z₀ calibrated)."""
+        assert self.target_epsilon is not None
+        energy = self.acceptance.energy_noise
+        if self._schedule is None and energy is None:  # constant noise: the multiplier itself, as Opacus does
+            return ConstantNoise(
+                calibrate_noise_multiplier(self.target_epsilon, delta, rate, steps, self.accountant.name)
+            )
+        shape = self._schedule or ConstantNoise(1.0)
+        probe = PrivacyLedger(self.unit, delta)
+
+        def event_of(z: float) -> PrivacyEvent:
+            return GaussianRelease(probe, clip_norm=self.clip_norm, sample_rate=rate, schedule=z).event(0, energy)
+
+        return calibrate_schedule(self.target_epsilon, delta, rate, steps, shape, self.accountant.name, event_of)
 
     def _build(self, trainer: pl.Trainer, pl_module: pl.LightningModule, seeds: list[int]) -> DataLoader[Any]:
         assert self.ledger is not None and self._source_loader is not None
@@ -285,9 +311,10 @@ class DPSGD(DPCallback):
         steps_per_epoch = self.steps_per_epoch or max(1, round(1 / rate))
         if self.target_epsilon is not None:
             self.planned_steps = self._planned_steps(trainer, steps_per_epoch)
-            self.noise_multiplier = calibrate_noise_multiplier(
-                self.target_epsilon, self.ledger.delta, rate, self.planned_steps, self.accountant.name
-            )
+            self._schedule = self._calibrated(rate, self.planned_steps, self.ledger.delta)
+        elif trainer.max_steps is not None and trainer.max_steps > 0:
+            assert self._schedule is not None
+            self._schedule.multipliers(trainer.max_steps)  # a bad multiplier anywhere in the run: an error now
         self.sampler = PoissonSampleSampler(
             num_samples, rate, seed=seeds[0], rank=trainer.global_rank, world_size=trainer.world_size
         )
@@ -503,7 +530,7 @@ class DPSGD(DPCallback):
                 f"`DPSGD`: the loader delivered the batch of step {found}, but this is step {self.steps}. Every "
                 "step must use a fresh Poisson sample. HINT: do not use persistent_workers or a custom fit loop."
             )
-        if not self._budget_allows(trainer, self.release.worst_case_event()):
+        if not self._budget_allows(trainer, self.steps):
             return
         if batch.chunks:
             self._check_first_chunk(pl_module, batch.chunks[0], min(self.max_physical_batch_size, batch.size))
@@ -541,13 +568,48 @@ class DPSGD(DPCallback):
         device = pl_module.device
         clipped_sum = trainer.strategy.reduce(self.clipper.flat_sum, reduce_op="sum")
         stats = trainer.strategy.reduce(stats.to(device), reduce_op="sum").cpu()
-        released = self.release.release(clipped_sum, self.sampler.expected_batch_size)
-        self._apply(trainer, pl_module, released.update)
+        target = OptimizerTarget(
+            pl_module,
+            self.clipper.params,
+            self._optimizers(pl_module),
+            step_optimizers=lambda: self._step_optimizers(trainer, pl_module),
+            step_schedulers=lambda: self._step_schedulers(trainer, "step", self.steps + 1),
+            schedulers=[config.scheduler for config in trainer.lr_scheduler_configs],
+        )
+        assert self.private_step is not None
+        result = self.private_step(
+            self.steps,
+            clipped_sum,
+            self.sampler.expected_batch_size,
+            target,
+            unit_losses=lambda: self._sample_losses(pl_module, batch),
+            public_energy=lambda: self._public_loss(trainer, pl_module),
+            reduce=lambda t: trainer.strategy.reduce(t.to(device), reduce_op="sum").cpu(),
+        )
         self.steps += 1
-        self._step_schedulers(trainer, "step", self.steps)
-        public = {"privacy/steps": float(self.steps), "privacy/expected_batch_size": self.sampler.expected_batch_size}
+        public = {
+            "privacy/steps": float(self.steps),
+            "privacy/expected_batch_size": self.sampler.expected_batch_size,
+            "privacy/accepted": float(result.accepted),
+        }
         names = ("batch_size", "clipped_fraction", "mean_per_sample_norm", "nonfinite_samples")
-        self._log_step(pl_module, released, public, stats, names)
+        self._log_step(pl_module, result, public, stats, names)
+
+    @torch.no_grad()
+    def _sample_losses(self, pl_module: pl.LightningModule, batch: LogicalBatch) -> torch.Tensor:
+        """The per-sample losses of this rank's samples of the step, at the current weights (eval mode)."""
+        assert self._original_training_step is not None
+        step = self._original_training_step
+        losses = []
+        with eval_mode(pl_module):
+            for k, chunk in enumerate(batch.chunks):
+                size = min(self.max_physical_batch_size, batch.size - k * self.max_physical_batch_size)
+                if self.loss_reduction == "none":
+                    losses.append(self._loss(step(chunk, k)).reshape(-1).double().cpu())
+                else:
+                    singles = [self._loss(step(take(chunk, i, size), k)) for i in range(size)]
+                    losses.append(torch.stack([s.reshape(()) for s in singles]).double().cpu())
+        return torch.cat(losses) if losses else torch.zeros(0, dtype=torch.float64)
 
     @staticmethod
     @torch.no_grad()
@@ -575,19 +637,6 @@ class DPSGD(DPCallback):
             except NonFiniteGradientsError:
                 scale[0] /= 2.0  # nothing was added; recompute the chunk
 
-    def _apply(self, trainer: pl.Trainer, pl_module: pl.LightningModule, update: torch.Tensor) -> None:
-        """Hands the noisy gradient to the module's optimizer and steps it (advancing Lightning's step)."""
-        assert self.clipper is not None
-        released = {id(p) for p in self.clipper.params}
-        for optimizer in self._optimizers(pl_module):
-            for group in optimizer.param_groups:
-                for param in group["params"]:
-                    if id(param) not in released:
-                        param.grad = None  # only the released, noised gradient may reach the optimizer
-        for param, grad in self.clipper.views(update):
-            param.grad = grad.to(param.dtype)
-        self._step_optimizers(trainer, pl_module)
-
     @staticmethod
     def _step_schedulers(trainer: pl.Trainer, interval: str, counter: int) -> None:
         """Manual optimization leaves LR schedulers to the step: step those configured for ``interval``."""
@@ -606,7 +655,7 @@ class DPSGD(DPCallback):
         assert self.sampler is not None
         extra: dict[str, Any] = {
             "steps": self.steps,
-            "noise_multiplier": self.noise_multiplier,
+            "noise_schedule": self.release.schedule.describe() if self.release is not None else None,
             "clip_norm": self.clip_norm,
             "sample_rate": self.sampler.sample_rate,
             "expected_batch_size": self.sampler.expected_batch_size,
@@ -625,18 +674,17 @@ class DPSGD(DPCallback):
             "sampler_seed": self.sampler.seed,
             "num_samples": self.sampler.num_samples,
             "sample_rate": self.sampler.sample_rate,
-            "noise_multiplier": self.noise_multiplier,
             "clip_norm": self.clip_norm,
         }
 
     def _load_extra_state(self, state: dict[str, Any]) -> Callable[[], None]:
         assert self.sampler is not None
-        mine = (self.sampler.num_samples, self.sampler.sample_rate, self.noise_multiplier, self.clip_norm)
-        theirs = (state["num_samples"], state["sample_rate"], state["noise_multiplier"], state["clip_norm"])
+        mine = (self.sampler.num_samples, self.sampler.sample_rate, self.clip_norm)
+        theirs = (state["num_samples"], state["sample_rate"], state["clip_norm"])
         if mine != theirs:
             raise PrivacyStateError(
-                f"`{self.state_key}`: the checkpoint was written with (samples, sample_rate, noise_multiplier, "
-                f"clip_norm) = {theirs}; this run has {mine}. HINT: resume with the same data and privacy settings."
+                f"`{self.state_key}`: the checkpoint was written with (samples, sample_rate, clip_norm) = {theirs}; "
+                f"this run has {mine}. HINT: resume with the same data and privacy settings."
             )
         steps, seed = state["steps"], state["sampler_seed"]
         if not isinstance(steps, int) or steps < 0 or not isinstance(seed, int):

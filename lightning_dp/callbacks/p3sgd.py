@@ -41,7 +41,19 @@ from lightning_dp.errors import (
     check_sample_rate,
 )
 from lightning_dp.sampling.patients import PoissonPatientSampler
-from lightning_dp.sanitization import ModelState, NoisyRelease, Selection
+from lightning_dp.sanitization import (
+    GaussianRelease,
+    ModelState,
+    PaperSelectedRelease,
+    Release,
+    SelectedRelease,
+    Selection,
+)
+from lightning_dp.sanitization.release import check_scales
+from lightning_dp.schedules import ConstantNoise, NoiseSchedule
+from lightning_dp.selection import StepAcceptance
+from lightning_dp.training.checks import eval_mode
+from lightning_dp.training.step import ModelStateTarget
 
 __all__ = ["P3SGD"]
 
@@ -114,6 +126,7 @@ class P3SGD(DPCallback):
         sample_rate: float,
         clip_norm: float,
         noise_scales: Sequence[float] = (1.0,),
+        noise_schedule: NoiseSchedule | None = None,
         selection_epsilon: float | None = None,
         loss_bound: float | None = None,
         local_lr: float = 0.05,
@@ -131,19 +144,21 @@ class P3SGD(DPCallback):
         log_private_diagnostics: bool = False,
         name: str | None = None,
         flush_denormal: bool = True,
+        acceptance: StepAcceptance | None = None,
     ) -> None:
         owner = "P3SGD"
         self.sample_rate = check_sample_rate(owner, sample_rate)
         self.clip_norm = check_finite_positive(owner, "clip_norm", clip_norm, "the paper uses 5.0.")
-        scales = tuple(noise_scales) if isinstance(noise_scales, (list, tuple)) else ()
-        if not scales:
+        self.noise_scales = check_scales(owner, noise_scales)
+        scales = self.noise_scales
+        if noise_schedule is not None and not isinstance(noise_schedule, NoiseSchedule):
             raise PrivacyConfigError(
-                f"`P3SGD(noise_scales={noise_scales!r})`: noise_scales must be a non-empty list of multipliers > 0, "
-                f"found {noise_scales!r}. HINT: (1.0,) for plain noisy updates, (3.0, 1.0) for adaptive selection."
+                f"`P3SGD(noise_schedule={noise_schedule!r})`: noise_schedule must be a NoiseSchedule, found "
+                f"{type(noise_schedule).__name__}. HINT: ExponentialDecay(initial=1.0, decay=0.99, every=10) "
+                "multiplies every noise scale."
             )
-        for z in scales:
-            check_finite_positive(owner, "noise_scales", z, "every noise multiplier must be a finite number > 0.")
-        self.noise_scales = tuple(sorted(float(z) for z in scales))
+        #: Multiplies every noise scale at every round (constant 1 by default).
+        self.noise_schedule: NoiseSchedule = noise_schedule or ConstantNoise(1.0)
         self.selection: Selection | None = None
         if len(scales) > 1:
             if selection_epsilon is None or loss_bound is None:
@@ -178,7 +193,12 @@ class P3SGD(DPCallback):
             )
         self.accounting: Literal["rigorous", "paper"] = accounting
         self.release_buffers = tuple(release_buffers)
-        super().__init__(delta, seed, log_private_diagnostics, name, flush_denormal, accountant)
+        if accounting == "paper" and acceptance is not None:
+            raise PrivacyConfigError(
+                "`P3SGD(accounting='paper', acceptance=...)`: the paper's accounting has no accept/reject decisions. "
+                "HINT: accounting='rigorous'."
+            )
+        super().__init__(delta, seed, log_private_diagnostics, name, flush_denormal, accountant, acceptance)
         self.sampler: PoissonPatientSampler | None = None
         self.rounds = 0
         self.selection_counts = [0] * len(self.noise_scales)
@@ -232,16 +252,14 @@ class P3SGD(DPCallback):
     def _default_delta(self, units: int) -> float:
         return 1.0 / units**1.1 if self.accounting == "paper" else super()._default_delta(units)
 
-    def _new_release(self, ledger: PrivacyLedger, seed: int) -> NoisyRelease:
-        return NoisyRelease(
-            ledger,
-            self.noise_scales,
-            self.clip_norm,
-            self.sample_rate,
-            selection=self.selection,
-            accounting=self.accounting,
-            seed=seed,
-        )
+    def _new_release(self, ledger: PrivacyLedger, seed: int) -> Release:
+        common: dict[str, Any] = {"clip_norm": self.clip_norm, "sample_rate": self.sample_rate, "seed": seed}
+        if self.selection is not None:
+            kind = PaperSelectedRelease if self.accounting == "paper" else SelectedRelease
+            return kind(
+                ledger, noise_scales=self.noise_scales, selection=self.selection, schedule=self.noise_schedule, **common
+            )
+        return GaussianRelease(ledger, schedule=self.noise_schedule.scaled(self.noise_scales[0]), **common)
 
     def _build(self, trainer: pl.Trainer, pl_module: pl.LightningModule, seeds: list[int]) -> DataLoader[Any]:
         assert self.ledger is not None
@@ -336,29 +354,39 @@ class P3SGD(DPCallback):
         self, candidate_theta: Tensor, patients: list[int], pl_module: pl.LightningModule, trainer: pl.Trainer
     ) -> float:
         """Mean loss over the round's images at ``candidate_theta`` (summed over ranks), eval mode."""
-        assert self._state is not None and self._original_training_step is not None
+        assert self._state is not None
         self._state.load(candidate_theta)
-        was_training = pl_module.training
-        pl_module.eval()
         total = torch.zeros(2, dtype=torch.float64, device=pl_module.device)
-        try:
-            for patient in patients:
-                indices = self._dataset.patient_to_indices[patient]
-                for start in range(0, len(indices), self.local_batch_size):
-                    chunk = indices[start : start + self.local_batch_size]
-                    out = self._original_training_step(self._batch(chunk, pl_module), 0)
-                    loss = out["loss"] if isinstance(out, dict) else out
-                    total[0] += float(loss) * len(chunk)
-                    total[1] += len(chunk)
-        finally:
-            pl_module.train(was_training)
+        for patient in patients:
+            loss_sum, images = self._patient_loss(patient, pl_module)
+            total[0] += loss_sum
+            total[1] += images
         total = trainer.strategy.reduce(total, reduce_op="sum")
         return float(total[0] / total[1]) if total[1] > 0 else 0.0
+
+    @torch.no_grad()
+    def _patient_loss(self, patient: int, pl_module: pl.LightningModule) -> tuple[float, int]:
+        """(Σ of the per-image losses, number of images) of one patient at the current weights, eval mode."""
+        assert self._original_training_step is not None
+        indices = self._dataset.patient_to_indices[patient]
+        total = 0.0
+        with eval_mode(pl_module):  # each module's own mode comes back (a frozen backbone stays in eval mode)
+            for start in range(0, len(indices), self.local_batch_size):
+                chunk = indices[start : start + self.local_batch_size]
+                out = self._original_training_step(self._batch(chunk, pl_module), 0)
+                loss = out["loss"] if isinstance(out, dict) else out
+                total += float(loss) * len(chunk)
+        return total, len(indices)
+
+    def _patient_losses(self, patients: list[int], pl_module: pl.LightningModule) -> Tensor:
+        """The mean loss of each of this rank's patients of the round (a private energy's per-unit losses)."""
+        values = [s / max(n, 1) for s, n in (self._patient_loss(p, pl_module) for p in patients)]
+        return torch.tensor(values, dtype=torch.float64)
 
     def _private_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> None:
         assert self.ledger is not None and self.sampler is not None and self.release is not None
         assert self._state is not None
-        if not self._budget_allows(trainer, self.release.worst_case_event()):
+        if not self._budget_allows(trainer, self.rounds):
             return
         state = self._state
         state.refresh()  # what a round releases follows requires_grad and train/eval modes
@@ -386,22 +414,34 @@ class P3SGD(DPCallback):
             def loss_of(update: Tensor) -> float:
                 return self._round_loss(torch.add(theta, update, alpha=self.server_lr), mine, pl_module, trainer)
 
-            released = self.release.release(clipped_sum, self.sampler.expected_count, loss_of)
+            target = ModelStateTarget(state, theta, other, self.server_lr)
+            assert self.private_step is not None
+            result = self.private_step(
+                self.rounds,
+                clipped_sum,
+                self.sampler.expected_count,
+                target,
+                loss_of=loss_of,
+                unit_losses=lambda: self._patient_losses(mine, pl_module),
+                public_energy=lambda: self._public_loss(trainer, pl_module),
+                reduce=lambda t: trainer.strategy.reduce(t.to(pl_module.device), reduce_op="sum").cpu(),
+            )
         except BaseException:
             # A corrupt image, an OOM or Ctrl-C mid-round: the model goes back to θ_t, so that no patient's raw
             # (unclipped, un-noised) change stays in it for a checkpoint to save.
             state.load(theta, other)
             raise
-        state.load(torch.add(theta, released.update, alpha=self.server_lr), other)
+        released = result.released
         self.rounds += 1
-        self.selection_counts[self.noise_scales.index(released.noise_multiplier)] += 1
+        self.selection_counts[released.selected] += 1
         self.nonfinite_updates += int(stats[3])
         # Advances Lightning's step counter (the tick optimizer changes nothing).
         assert self._tick is not None
         self._tick.grad = torch.zeros_like(self._tick)
         self._step_optimizers(trainer, pl_module)
         names = ("patients_in_round", "clipped_fraction", "mean_update_norm", "nonfinite_updates")
-        self._log_step(pl_module, released, {"privacy/rounds": float(self.rounds)}, stats, names)
+        public = {"privacy/rounds": float(self.rounds), "privacy/accepted": float(result.accepted)}
+        self._log_step(pl_module, result, public, stats, names)
 
     # ------------------------------------------------------------------ report and checkpoints
     def _accounting_mode(self) -> str:

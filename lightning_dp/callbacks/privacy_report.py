@@ -58,9 +58,16 @@ def _text(report: dict[str, Any]) -> str:
         "  checkpoints: training checkpoints hold the noise and sampling seeds; keep them private and publish the "
         "model via lightning_dp.publishable_checkpoint()"
     )
-    for key in ("stopped_by_budget", "private_diagnostics_logged"):
+    for key in ("stopped_by_budget", "private_diagnostics_logged", "noise_schedule", "acceptance"):
         if key in report:
             lines.append(f"  {key}: {report[key]}")
+    if "tcdp_closed_form" in report:
+        tcdp = report["tcdp_closed_form"]
+        verdict = "valid" if tcdp["valid"] else "NOT a valid bound here: " + "; ".join(tcdp["failed_conditions"])
+        lines.append(f"  tCDP closed form (Zhang et al.): {tcdp['epsilon']:.4f} — {verdict}")
+    if "claims_not_guarantees" in report:
+        claim = report["claims_not_guarantees"]["epsilon_accepted_steps_only"]
+        lines.append(f"  accepted steps only (the papers' count, NOT a guarantee): {claim:.4f}")
     return "\n".join(lines)
 
 

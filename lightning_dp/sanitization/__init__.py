@@ -1,15 +1,28 @@
 """Clipping, noise and the release of private updates."""
 
-from lightning_dp.sanitization.release import AccountingMode, NoisyRelease, RoundRelease, Selection
+from lightning_dp.sanitization.release import (
+    AccountingMode,
+    EnergyNoise,
+    GaussianRelease,
+    PaperSelectedRelease,
+    Release,
+    SelectedRelease,
+    Selection,
+    StepRelease,
+)
 from lightning_dp.sanitization.updates import ClipResult, ModelState, clip_factor, clip_update
 
 __all__ = [
     "AccountingMode",
     "ClipResult",
+    "EnergyNoise",
+    "GaussianRelease",
     "ModelState",
-    "NoisyRelease",
-    "RoundRelease",
+    "PaperSelectedRelease",
+    "Release",
+    "SelectedRelease",
     "Selection",
+    "StepRelease",
     "clip_factor",
     "clip_update",
 ]

@@ -34,6 +34,7 @@ __all__ = [
     "collate_is_per_sample",
     "diverse_indices",
     "dropout_off",
+    "eval_mode",
     "float64_copy",
     "public_subsets",
     "take",
@@ -98,6 +99,18 @@ def dropout_off(module: nn.Module) -> Iterator[None]:
     finally:
         for m in dropouts:
             m.train()
+
+
+@contextmanager
+def eval_mode(module: nn.Module) -> Iterator[None]:
+    """Every submodule in eval mode; each one's own mode restored afterwards (a frozen part stays frozen)."""
+    modes = [(m, m.training) for m in module.modules()]
+    module.eval()
+    try:
+        yield
+    finally:
+        for m, mode in modes:
+            m.training = mode
 
 
 def float64_copy(module: nn.Module, share: Iterable[object] = (), float64: bool = True) -> nn.Module:

@@ -18,6 +18,7 @@ from lightning_dp.callbacks import DPSGD, PrivacyBudget
 from lightning_dp.errors import PrivacyConfigError, PrivacyStateError, PrivacyWarning
 from lightning_dp.sampling.samples import LogicalBatch
 from lightning_dp.sanitization.per_sample import UnsupportedModelError
+from lightning_dp.schedules import ConstantNoise
 from tests.helpers.patients import TinyClassifier
 from tests.helpers.samples import (
     BatchRecorder,
@@ -125,7 +126,7 @@ def test_budget_stops_before_the_step_that_would_exceed(tmp_path: Path) -> None:
     assert 1 < cb.steps < 100 and cb.steps == cb.ledger.steps == trainer.global_step
     assert eps <= 3.0
     trial = cb.ledger.copy()
-    trial.record(cb.release.worst_case_event())
+    trial.record(cb.private_step.event(cb.ledger.steps))
     assert RDPAccountant().epsilon(trial) > 3.0, "training stopped although one more step fitted the budget"
     assert budget.stop_reason is not None and "above the target 3" in budget.stop_reason
     report = json.loads((Path(str(trainer.log_dir)) / "privacy_report.json").read_text())
@@ -181,7 +182,8 @@ def test_resume_with_other_noise_multiplier_is_an_error(tmp_path: Path) -> None:
     _fit_checkpointed(tmp_path, 2, noise_multiplier=1.0)
     last = tmp_path / "ckpt" / "last.ckpt"
     cb = _dpsgd(noise_multiplier=1.5)
-    with pytest.raises(PrivacyStateError, match="noise_multiplier"):
+    pattern = r"noise schedule ConstantNoise\(multiplier=1.0\); this run has ConstantNoise\(multiplier=1.5\)"
+    with pytest.raises(PrivacyStateError, match=pattern):
         _trainer(tmp_path / "again", [cb], max_steps=4).fit(SampleClassifier(), SampleDataModule(), ckpt_path=str(last))
     assert cb.ledger is not None and cb.ledger.steps == 0 and cb.steps == 0, "nothing of the bad state was assigned"
 
@@ -259,7 +261,9 @@ def test_target_epsilon_calibrates_the_noise(
     cb = _dpsgd(noise_multiplier=None, target_epsilon=2.0, delta=1e-3, steps_per_epoch=steps_per_epoch)
     trainer = _trainer(tmp_path, [cb], **trainer_args)
     trainer.fit(SampleClassifier(), SampleDataModule())
-    assert cb.ledger is not None and cb.noise_multiplier is not None
+    assert cb.ledger is not None and cb.release is not None
+    assert cb.noise_multiplier is None, "the constructor argument is never overwritten"
+    assert isinstance(cb.release.schedule, ConstantNoise), "z lives in the release's schedule"
     assert cb.steps == cb.ledger.steps == planned
     eps = RDPAccountant().epsilon(cb.ledger)
     assert 0.97 * 2.0 <= eps <= 2.0, f"calibrated run ends at ε = {eps}"
@@ -367,8 +371,9 @@ def test_batchnorm_without_conversion_fails_before_training(tmp_path: Path) -> N
     [
         ({"clip_norm": 0.0}, "clip_norm must be a finite number > 0"),
         ({"clip_norm": -1.0}, "clip_norm must be a finite number > 0"),
-        ({"noise_multiplier": 1.0, "target_epsilon": 8.0}, "give exactly one of them"),
-        ({"noise_multiplier": None}, "give exactly one of them"),
+        ({"noise_multiplier": 1.0, "target_epsilon": 8.0}, "give a noise multiplier, or a target ε"),
+        ({"noise_multiplier": None}, "give a noise multiplier, or a target ε"),
+        ({"noise_multiplier": -1.0}, "noise_multiplier must be a finite number > 0 or a NoiseSchedule"),
         ({"batch_size": 10, "sample_rate": 0.1}, "give exactly one of them"),
         ({"batch_size": None}, "give exactly one of them"),
         ({"batch_size": None, "sample_rate": 0.0}, "sample_rate"),

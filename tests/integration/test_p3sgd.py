@@ -85,7 +85,7 @@ def test_budget_stops_before_the_round_that_would_exceed(tmp_path: Path) -> None
     assert cb.ledger.delta == 1e-3
     assert 1 < cb.rounds < 1000 and eps <= 3.0
     trial = cb.ledger.copy()
-    trial.record(cb.release.worst_case_event())
+    trial.record(cb.private_step.event(cb.ledger.steps))
     assert RDPAccountant().epsilon(trial) > 3.0, "training stopped although one more round fitted the budget"
     assert budget.stop_reason is not None and "above the target 3" in budget.stop_reason
 

@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader, default_collate
 
 from lightning_dp.callbacks import P3SGD, PrivacyBudget
 from lightning_dp.errors import PrivacyConfigError
-from lightning_dp.sanitization import RoundRelease
+from lightning_dp.sanitization import StepRelease
 from tests.helpers.patients import TinyClassifier, TinyPatientDataModule
 from tests.helpers.samples import SampleClassifier, SampleDataModule, WeightSnapshots, dpsgd, flat_weights, trainer
 
@@ -213,7 +213,7 @@ def test_stochastic_weight_averaging_with_batchnorm_is_refused(tmp_path: Path) -
 
 # ---------------------------------------------------------------------- finding 15
 def test_round_release_does_not_hold_the_candidates_unnoised_losses() -> None:
-    assert "losses" not in {f.name for f in dataclasses.fields(RoundRelease)}
+    assert "losses" not in {f.name for f in dataclasses.fields(StepRelease)}
 
 
 class _CountingCollate:

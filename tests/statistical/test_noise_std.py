@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from lightning_dp.accounting import PrivacyLedger
-from lightning_dp.sanitization import NoisyRelease, Selection
+from lightning_dp.sanitization import GaussianRelease, SelectedRelease, Selection
 
 pytestmark = pytest.mark.statistical
 
@@ -14,8 +14,8 @@ D = 200_000  # coordinates; the sample std of D Gaussians is within ±1 % with p
 
 
 def test_single_scale_noise_std() -> None:
-    release = NoisyRelease(PrivacyLedger("patient", 1e-5), (1.3,), clip_norm=5.0, sample_rate=0.1, seed=1)
-    out = release.release(torch.zeros(D), expected_count=20.0)
+    release = GaussianRelease(PrivacyLedger("patient", 1e-5), clip_norm=5.0, sample_rate=0.1, schedule=1.3, seed=1)
+    out = release.release(0, torch.zeros(D), normalizer=20.0)
     expected = 1.3 * 5.0 / 20.0
     assert out.noise_std == pytest.approx(expected)
     assert float(out.update.std()) == pytest.approx(expected, rel=0.01), "noise std off by more than 1 %"
@@ -25,7 +25,14 @@ def test_single_scale_noise_std() -> None:
 @pytest.mark.parametrize("pick", [0, 1])
 def test_selected_candidate_has_its_scale_std(pick: int) -> None:
     scales = (1.0, 3.0)
-    release = NoisyRelease(PrivacyLedger("patient", 1e-5), scales, 5.0, 0.1, selection=Selection(50.0, 1.0), seed=2)
+    release = SelectedRelease(
+        PrivacyLedger("patient", 1e-5),
+        clip_norm=5.0,
+        sample_rate=0.1,
+        noise_scales=scales,
+        selection=Selection(50.0, 1.0),
+        seed=2,
+    )
     unit = 5.0 / 20.0
     # The loss is 0 for the wanted candidate and the bound for the other, so with ε′ = 50 the pick
     # is the wanted one with probability 1 − e^-25.
@@ -34,7 +41,7 @@ def test_selected_candidate_has_its_scale_std(pick: int) -> None:
     def loss_of(update: torch.Tensor) -> float:
         return 0.0 if abs(float(update.std()) - target_std) < 0.1 * target_std else 1.0
 
-    out = release.release(torch.zeros(D), expected_count=20.0, loss_of=loss_of)
+    out = release.release(0, torch.zeros(D), normalizer=20.0, loss_of=loss_of)
     assert out.noise_multiplier == scales[pick]
     assert float(out.update.std()) == pytest.approx(target_std, rel=0.01)
 
