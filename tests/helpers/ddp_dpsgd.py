@@ -26,6 +26,8 @@ from torch.utils.data import DataLoader, Dataset  # noqa: E402
 from lightning_dp.accounting import RDPAccountant  # noqa: E402
 from lightning_dp.callbacks import DPSGD  # noqa: E402
 from lightning_dp.sampling.samples import LogicalBatch  # noqa: E402
+from lightning_dp.schedules import ExponentialDecay  # noqa: E402
+from lightning_dp.selection import AnnealedAcceptance  # noqa: E402
 
 SEED = 23
 
@@ -54,6 +56,20 @@ PHASES: dict[str, dict[str, Any]] = {
         "noise_multiplier": 1.0,
         "max_physical_batch_size": 4,
         "steps": 4,
+    },
+    # Noise decay and annealed acceptance with a private energy on the step's own sample: the energy is summed
+    # over ranks before its noise, and the decision is the same on every rank (shared generator).
+    "anneal": {
+        "num_samples": 40,
+        "sample_rate": 0.3,
+        "hidden": 32,
+        "loss_weight": 1.0,
+        "lr": 0.5,
+        "clip_norm": 0.5,
+        "noise_multiplier": ExponentialDecay(initial=1.0, decay=0.8, every=2),
+        "acceptance": True,
+        "max_physical_batch_size": 4,
+        "steps": 8,
     },
 }
 
@@ -156,6 +172,7 @@ def run_phase(phase: str, devices: int, root: Path) -> dict[str, Any]:
         max_physical_batch_size=cfg["max_physical_batch_size"],
         delta=1e-5,
         seed=SEED,
+        acceptance=AnnealedAcceptance(q0=10.0, mu0=2, energy_noise_multiplier=1.0) if cfg.get("acceptance") else None,
     )
     recorder = RecordAndCompare(cfg["max_physical_batch_size"])
     trainer = pl.Trainer(
@@ -187,6 +204,7 @@ def run_phase(phase: str, devices: int, root: Path) -> dict[str, Any]:
         "sampler_seed": cb.sampler.seed,
         "expected_batch_size": cb.sampler.expected_batch_size,
         "is_global_zero": trainer.is_global_zero,
+        "accepted": cb.acceptance.state_dict().get("accepted", cb.steps),
     }
 
 

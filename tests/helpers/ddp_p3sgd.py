@@ -1,6 +1,6 @@
 """Runs P3SGD on the tiny patient data with N CPU processes (Lightning DDP, gloo) and saves what it saw.
 
-Usage: python tests/helpers/ddp_p3sgd.py DEVICES OUT_DIR LOCAL_LR ROUNDS [sync]
+Usage: python tests/helpers/ddp_p3sgd.py DEVICES OUT_DIR LOCAL_LR ROUNDS [sync|anneal]
 Writes OUT_DIR/result.pt (rank 0): final parameters, per-round parameter changes, ε, rounds. With ``sync``
 the Trainer has sync_batchnorm=True, and the script writes OUT_DIR/refused.txt with P3SGD's error.
 Every rank checks after every round that all ranks hold identical weights (exits non-zero if not).
@@ -20,6 +20,8 @@ import torch.distributed as dist  # noqa: E402
 from lightning_dp.accounting import RDPAccountant  # noqa: E402
 from lightning_dp.callbacks import P3SGD  # noqa: E402
 from lightning_dp.errors import PrivacyConfigError  # noqa: E402
+from lightning_dp.schedules import ExponentialDecay  # noqa: E402
+from lightning_dp.selection import AnnealedAcceptance  # noqa: E402
 from tests.helpers.patients import TinyClassifier, TinyPatientDataModule  # noqa: E402
 
 
@@ -49,6 +51,7 @@ class RecordAndCompare(pl.Callback):
 def main() -> None:
     devices, out, local_lr, rounds = int(sys.argv[1]), Path(sys.argv[2]), float(sys.argv[3]), int(sys.argv[4])
     sync = sys.argv[5:] == ["sync"]
+    anneal = sys.argv[5:] == ["anneal"]
     torch.manual_seed(0)
     cb = P3SGD(
         sample_rate=0.5,
@@ -58,6 +61,8 @@ def main() -> None:
         loss_bound=3.0,
         local_lr=local_lr,
         seed=11,
+        noise_schedule=ExponentialDecay(initial=1.0, decay=0.8, every=2) if anneal else None,
+        acceptance=AnnealedAcceptance(q0=10.0, mu0=2, energy_noise_multiplier=1.0) if anneal else None,
     )
     recorder = RecordAndCompare()
     trainer = pl.Trainer(
@@ -95,6 +100,7 @@ def main() -> None:
                 "rounds": cb.rounds,
                 "selection_counts": cb.selection_counts,
                 "expected_count": cb.sampler.expected_count,
+                "accepted": cb.acceptance.state_dict().get("accepted", cb.rounds),
             },
             out / "result.pt",
         )

@@ -91,6 +91,10 @@ def test_two_processes_match_one_process(
     # ≤ lr·C = 0.25 in norm) that a rank stepping on its own share of the sample would change by O(1).
     torch.testing.assert_close(two["deltas"], one["deltas"], rtol=0, atol=1e-5)
     torch.testing.assert_close(two["params"], one["params"], rtol=0, atol=1e-5)
+    assert two["accepted"] == one["accepted"], "the same accept/reject decisions on 2 processes as on 1"
+    if phase == "anneal":
+        rejected = [step for step, delta in enumerate(one["deltas"]) if float(delta.abs().max()) == 0.0]
+        assert one["accepted"] == steps - len(rejected), "a rejected step leaves the weights exactly as they were"
 
 
 @pytest.mark.statistical

@@ -23,7 +23,7 @@ def _run(devices: int, out: Path, local_lr: float, rounds: int, *extra: str) -> 
         cwd=Path(__file__).resolve().parents[2],
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    if extra:
+    if extra == ("sync",):
         return {"refused": (out / "refused.txt").read_text()}
     return torch.load(out / "result.pt", weights_only=True)
 
@@ -45,6 +45,16 @@ def test_two_processes_match_one_process(tmp_path: Path) -> None:
     assert two["epsilon"] == one["epsilon"]
     assert two["selection_counts"] == one["selection_counts"]
     # Only the summation order of the clipped updates differs (fp32).
+    torch.testing.assert_close(two["params"], one["params"], rtol=0, atol=1e-5)
+
+
+def test_decay_and_annealing_under_ddp_match_one_process(tmp_path: Path) -> None:
+    # The private energy (per-patient loss changes) is summed over ranks before its noise, and every rank
+    # decides with the same generator: the same decisions and the same weights as one process.
+    one = _run(1, tmp_path / "one", 0.1, 6, "anneal")
+    two = _run(2, tmp_path / "two", 0.1, 6, "anneal")
+    assert two["rounds"] == one["rounds"] == 6 and two["epsilon"] == one["epsilon"]
+    assert two["accepted"] == one["accepted"]
     torch.testing.assert_close(two["params"], one["params"], rtol=0, atol=1e-5)
 
 
