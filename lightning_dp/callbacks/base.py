@@ -21,13 +21,20 @@ from pytorch_lightning.callbacks import BatchSizeFinder, LearningRateFinder, Sto
 from pytorch_lightning.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader
 
-from lightning_dp.accounting import PrivacyLedger, PrivacyUnit, get_accountant, tcdp_plan_unchecked
+from lightning_dp.accounting import (
+    PrivacyEvent,
+    PrivacyLedger,
+    PrivacyUnit,
+    calibrate_schedule,
+    get_accountant,
+    tcdp_plan_unchecked,
+)
 from lightning_dp.callbacks.budget import PrivacyBudget
 from lightning_dp.callbacks.privacy_report import write_privacy_report
 from lightning_dp.errors import PrivacyConfigError, PrivacyStateError, PrivacyWarning, check_in_interval
 from lightning_dp.sampling.patients import secure_seed
 from lightning_dp.sanitization import Release
-from lightning_dp.schedules import ExponentialDecay
+from lightning_dp.schedules import ConstantNoise, ExponentialDecay, NoiseSchedule
 from lightning_dp.selection import AlwaysAccept, StepAcceptance
 from lightning_dp.training.checks import eval_mode
 from lightning_dp.training.step import PrivateStep, StepResult
@@ -35,6 +42,7 @@ from lightning_dp.training.step import PrivateStep, StepResult
 __all__ = ["DPAccountantName", "DPCallback", "default_delta"]
 
 DPAccountantName = Literal["rdp", "prv"]
+_LIGHTNING_DEFAULT_EPOCHS = 1000  # what Trainer() sets when neither max_epochs nor max_steps is given
 #: Above this δ·N a guarantee allows exposing some unit with non-negligible probability (ALGORITHMS.md §0).
 MAX_SAFE_DELTA_TIMES_N = 0.1
 
@@ -144,12 +152,44 @@ class DPCallback(pl.Callback):
     def _report_extra(self) -> dict[str, Any]:
         raise NotImplementedError
 
-    def _new_release(self, ledger: PrivacyLedger, seed: int) -> Release:
-        """The step's release (the schedule it holds is the one place the noise multiplier lives)."""
+    def _new_release(self, ledger: PrivacyLedger, seed: int, schedule: NoiseSchedule | None = None) -> Release:
+        """The step's release (its schedule is the one place the noise multiplier lives); ``schedule`` overrides it."""
         raise NotImplementedError
 
     def _default_delta(self, units: int) -> float:
         return default_delta(units)
+
+    def _planned_steps(self, trainer: pl.Trainer, steps_per_epoch: int) -> int:
+        """The length of the run that ``target_epsilon`` is calibrated for (max_steps, or max_epochs × steps)."""
+        target = getattr(self, "target_epsilon", None)
+        if trainer.max_steps is not None and trainer.max_steps > 0:
+            return int(trainer.max_steps)
+        if trainer.max_epochs is not None and trainer.max_epochs > 0:
+            if trainer.max_epochs == _LIGHTNING_DEFAULT_EPOCHS:
+                rank_zero_warn(
+                    f"{self.mechanism}(target_epsilon={target}) calibrates the noise for max_epochs="
+                    f"{trainer.max_epochs} ({trainer.max_epochs * steps_per_epoch} steps), Lightning's default when no "
+                    "run length is set: the noise will be much larger than a shorter run needs. HINT: set the "
+                    "Trainer's max_steps or max_epochs.",
+                    category=PrivacyWarning,
+                )
+            return int(trainer.max_epochs) * steps_per_epoch
+        raise PrivacyConfigError(
+            f"`{self.mechanism}(target_epsilon={target})`: calibrating the noise needs the length of the run, but "
+            "the Trainer has neither max_steps nor max_epochs. HINT: set one of them, or give the noise yourself."
+        )
+
+    def _calibrate(self, schedule: NoiseSchedule, rate: float, steps: int, delta: float) -> NoiseSchedule:
+        """``schedule`` scaled so that ``steps`` steps of this callback's step event end at ε ≤ target_epsilon."""
+        target = getattr(self, "target_epsilon", None)
+        assert target is not None
+        energy = self.acceptance.energy_noise
+        probe = PrivacyLedger(self.unit, delta)
+
+        def event_of(z: float) -> PrivacyEvent:
+            return self._new_release(probe, seed=0, schedule=ConstantNoise(z)).event(0, energy)
+
+        return calibrate_schedule(target, delta, rate, steps, schedule, self.accountant.name, event_of)
 
     # ------------------------------------------------------------------ setup and teardown
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:

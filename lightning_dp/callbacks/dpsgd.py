@@ -23,7 +23,7 @@ import torch
 from pytorch_lightning.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, SequentialSampler
 
-from lightning_dp.accounting import PrivacyEvent, PrivacyLedger, calibrate_noise_multiplier, calibrate_schedule
+from lightning_dp.accounting import PrivacyLedger, calibrate_noise_multiplier
 from lightning_dp.callbacks.base import DPAccountantName, DPCallback
 from lightning_dp.errors import (
     PrivacyConfigError,
@@ -183,6 +183,7 @@ class DPSGD(DPCallback):
         self._fp16 = False
         self._float64 = False
         self._first_chunk_check: IndependenceCheck | None = None
+        self._rate_used: float | None = None
         self._frozen_batch_norms: list[torch.nn.Module] = []
 
     def __repr__(self) -> str:
@@ -264,50 +265,28 @@ class DPSGD(DPCallback):
     def _rate(self, num_samples: int) -> float:
         return self.sample_rate if self.sample_rate is not None else self.batch_size / num_samples  # type: ignore[operator]
 
-    def _planned_steps(self, trainer: pl.Trainer, steps_per_epoch: int) -> int:
-        if trainer.max_steps is not None and trainer.max_steps > 0:
-            return int(trainer.max_steps)
-        if trainer.max_epochs is not None and trainer.max_epochs > 0:
-            if trainer.max_epochs == _LIGHTNING_DEFAULT_EPOCHS:
-                rank_zero_warn(
-                    f"DPSGD(target_epsilon={self.target_epsilon}) calibrates the noise for max_epochs="
-                    f"{trainer.max_epochs} ({trainer.max_epochs * steps_per_epoch} steps), Lightning's default when no "
-                    "run length is set: the noise will be much larger than a shorter run needs. HINT: set the "
-                    "Trainer's max_steps or max_epochs.",
-                    category=PrivacyWarning,
-                )
-            return int(trainer.max_epochs) * steps_per_epoch
-        raise PrivacyConfigError(
-            f"`DPSGD(target_epsilon={self.target_epsilon})`: calibrating the noise needs the length of the run, but "
-            "the Trainer has neither max_steps nor max_epochs. HINT: set one of them, or give noise_multiplier."
-        )
-
-    def _new_release(self, ledger: PrivacyLedger, seed: int) -> GaussianRelease:
-        assert self._schedule is not None and self.sampler is not None
+    def _new_release(self, ledger: PrivacyLedger, seed: int, schedule: NoiseSchedule | None = None) -> GaussianRelease:
+        schedule = schedule or self._schedule
+        assert schedule is not None and self._rate_used is not None
         return GaussianRelease(
-            ledger, clip_norm=self.clip_norm, sample_rate=self.sampler.sample_rate, schedule=self._schedule, seed=seed
+            ledger, clip_norm=self.clip_norm, sample_rate=self._rate_used, schedule=schedule, seed=seed
         )
 
     def _calibrated(self, rate: float, steps: int, delta: float) -> NoiseSchedule:
         """The schedule whose ε over the planned ``steps`` is at most target_epsilon (its start z₀ calibrated)."""
         assert self.target_epsilon is not None
-        energy = self.acceptance.energy_noise
-        if self._schedule is None and energy is None:  # constant noise: the multiplier itself, as Opacus does
+        if self._schedule is None and self.acceptance.energy_noise is None:
+            # Constant noise: the multiplier itself, by the same search as Opacus' get_noise_multiplier.
             return ConstantNoise(
                 calibrate_noise_multiplier(self.target_epsilon, delta, rate, steps, self.accountant.name)
             )
-        shape = self._schedule or ConstantNoise(1.0)
-        probe = PrivacyLedger(self.unit, delta)
-
-        def event_of(z: float) -> PrivacyEvent:
-            return GaussianRelease(probe, clip_norm=self.clip_norm, sample_rate=rate, schedule=z).event(0, energy)
-
-        return calibrate_schedule(self.target_epsilon, delta, rate, steps, shape, self.accountant.name, event_of)
+        return self._calibrate(self._schedule or ConstantNoise(1.0), rate, steps, delta)
 
     def _build(self, trainer: pl.Trainer, pl_module: pl.LightningModule, seeds: list[int]) -> DataLoader[Any]:
         assert self.ledger is not None and self._source_loader is not None
         num_samples = len(self._dataset)
         rate = check_sample_rate("DPSGD", self._rate(num_samples))
+        self._rate_used = rate
         steps_per_epoch = self.steps_per_epoch or max(1, round(1 / rate))
         if self.target_epsilon is not None:
             self.planned_steps = self._planned_steps(trainer, steps_per_epoch)

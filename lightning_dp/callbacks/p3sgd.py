@@ -82,6 +82,11 @@ class P3SGD(DPCallback):
         sample_rate: q, the probability that a patient joins a round.
         clip_norm: C_u, the L2 bound on one patient's update (parameters and float buffers).
         noise_scales: Ω_z. One value: DP-FedAvg-style training; several: noisy-update selection.
+        noise_schedule: multiplies every noise scale at every round (e.g. ``ExponentialDecay``); constant 1
+            by default.
+        target_epsilon: scale the noise (the schedule's start, times every scale) so that the planned run
+            (the Trainer's ``max_steps``, or ``max_epochs`` × rounds per epoch) ends at ε ≤ target for
+            this δ, with this callback's accountant.
         selection_epsilon: ε′ of the selection per round (required with several scales).
         loss_bound: C_o, the loss is clipped to [0, C_o] when scoring candidates (required with
             several scales).
@@ -127,6 +132,7 @@ class P3SGD(DPCallback):
         clip_norm: float,
         noise_scales: Sequence[float] = (1.0,),
         noise_schedule: NoiseSchedule | None = None,
+        target_epsilon: float | None = None,
         selection_epsilon: float | None = None,
         loss_bound: float | None = None,
         local_lr: float = 0.05,
@@ -157,8 +163,18 @@ class P3SGD(DPCallback):
                 f"{type(noise_schedule).__name__}. HINT: ExponentialDecay(initial=1.0, decay=0.99, every=10) "
                 "multiplies every noise scale."
             )
-        #: Multiplies every noise scale at every round (constant 1 by default).
+        #: Multiplies every noise scale at every round (constant 1 by default); with target_epsilon, its shape.
         self.noise_schedule: NoiseSchedule = noise_schedule or ConstantNoise(1.0)
+        self._schedule = self.noise_schedule  # what the release uses: the schedule, or its calibrated scaling
+        self.target_epsilon = (
+            None if target_epsilon is None else check_finite_positive(owner, "target_epsilon", target_epsilon, "8.0.")
+        )
+        if self.target_epsilon is not None and accounting == "paper":
+            raise PrivacyConfigError(
+                "`P3SGD(accounting='paper', target_epsilon=...)`: the paper's ε is not a guarantee to calibrate to. "
+                "HINT: accounting='rigorous'."
+            )
+        self.planned_rounds: int | None = None
         self.selection: Selection | None = None
         if len(scales) > 1:
             if selection_epsilon is None or loss_bound is None:
@@ -252,18 +268,25 @@ class P3SGD(DPCallback):
     def _default_delta(self, units: int) -> float:
         return 1.0 / units**1.1 if self.accounting == "paper" else super()._default_delta(units)
 
-    def _new_release(self, ledger: PrivacyLedger, seed: int) -> Release:
+    def _new_release(self, ledger: PrivacyLedger, seed: int, schedule: NoiseSchedule | None = None) -> Release:
+        schedule = schedule or self._schedule
         common: dict[str, Any] = {"clip_norm": self.clip_norm, "sample_rate": self.sample_rate, "seed": seed}
         if self.selection is not None:
             kind = PaperSelectedRelease if self.accounting == "paper" else SelectedRelease
-            return kind(
-                ledger, noise_scales=self.noise_scales, selection=self.selection, schedule=self.noise_schedule, **common
-            )
-        return GaussianRelease(ledger, schedule=self.noise_schedule.scaled(self.noise_scales[0]), **common)
+            return kind(ledger, noise_scales=self.noise_scales, selection=self.selection, schedule=schedule, **common)
+        return GaussianRelease(ledger, schedule=schedule.scaled(self.noise_scales[0]), **common)
 
     def _build(self, trainer: pl.Trainer, pl_module: pl.LightningModule, seeds: list[int]) -> DataLoader[Any]:
         assert self.ledger is not None
         self.sampler = PoissonPatientSampler(int(self._dataset.num_patients), self.sample_rate, seed=seeds[0])
+        rounds = self.rounds_per_epoch or max(1, round(1 / self.sample_rate))
+        if self.target_epsilon is not None:
+            self.planned_rounds = self._planned_steps(trainer, rounds)
+            self._schedule = self._calibrate(
+                self.noise_schedule, self.sample_rate, self.planned_rounds, self.ledger.delta
+            )
+        elif trainer.max_steps is not None and trainer.max_steps > 0:
+            self.noise_schedule.multipliers(trainer.max_steps)  # a bad multiplier anywhere in the run: an error now
         self.release = self._new_release(self.ledger, seeds[1])
         self._state = ModelState(pl_module, self.release_buffers)
         if self.accounting == "paper":
@@ -275,7 +298,6 @@ class P3SGD(DPCallback):
         # would have nothing to do. A no-op optimizer over one tick parameter advances Lightning's step counter
         # and gives an fp16 GradScaler the (zero) gradient it insists on inspecting.
         self._patch(pl_module, "configure_optimizers", self._tick_optimizer(pl_module))
-        rounds = self.rounds_per_epoch or max(1, round(1 / self.sample_rate))
         return DataLoader(_RoundTicks(rounds), batch_size=None)
 
     def _tick_optimizer(self, pl_module: pl.LightningModule) -> Callable[[], torch.optim.Optimizer]:
@@ -450,6 +472,9 @@ class P3SGD(DPCallback):
     def _report_extra(self) -> dict[str, Any]:
         extra: dict[str, Any] = {
             "rounds": self.rounds,
+            "calibrated_for": None
+            if self.target_epsilon is None
+            else {"target_epsilon": self.target_epsilon, "planned_rounds": self.planned_rounds},
             "noise_scales": list(self.noise_scales),
             "selection_counts": self.selection_counts,
             "clip_norm": self.clip_norm,

@@ -226,3 +226,17 @@ def test_a_schedule_that_stops_noising_is_refused_before_the_first_step(tmp_path
     with pytest.raises(PrivacyConfigError, match="noise multiplier at step 3 must be a finite number > 0, found 0.0"):
         make_trainer(tmp_path, [cb], max_steps=5).fit(SampleClassifier(), SampleDataModule())
     assert cb.ledger is not None and cb.ledger.steps == 0
+
+
+@pytest.mark.parametrize("engine", list(ENGINES))
+@pytest.mark.parametrize("acceptance", ["always", "annealed-private"])
+def test_target_epsilon_calibrates_a_schedule_to_the_planned_run(tmp_path: Path, engine: str, acceptance: str) -> None:
+    # The schedule's shape is kept, its start calibrated; with a private energy the joint event is what is calibrated.
+    target, shape = 4.0, ExponentialDecay(initial=1.0, decay=0.8, every=2)
+    cb = ENGINES[engine].callback(shape, ACCEPTANCES[acceptance](), target_epsilon=target, delta=1e-3)
+    _fit(tmp_path, cb, engine, max_steps=8)
+    assert cb.ledger is not None and cb.ledger.steps == 8 and cb.release is not None
+    eps = cb.accountant.epsilon(cb.ledger)
+    assert 0.97 * target <= eps <= target, f"the planned run ends at ε = {eps}, target {target}"
+    used = cb.release.schedule
+    assert isinstance(used, ExponentialDecay) and used.decay == 0.8 and used.every == 2, "the shape is kept"
