@@ -61,7 +61,7 @@ class JointPRV:
             log_c, rates = log_rho, np.ones_like(log_rho)
         else:
             log_c = np.logaddexp(math.log1p(-q), math.log(q) + log_rho)
-            rates = np.minimum(np.exp(math.log(q) + log_rho - log_c), 1.0)
+            rates = np.clip(np.exp(math.log(q) + log_rho - log_c), 1e-300, 1.0)  # an underflow only adds loss
         # Conditioned on the discrete outcome s, the pair is a subsampled Gaussian at rate q_s, shifted by log c_s.
         self._weights = np.exp(log_qd + log_c) if direction == "remove" else np.exp(log_qd)
         self._shifts = log_c

@@ -188,6 +188,9 @@ def epsilon_from_rdp_moments(
 # ---------------------------------------------------------------------------------------------------------------
 
 
+_TINY_RATE = 1e-300
+
+
 def pure_dp_outcomes(epsilons: tuple[float, ...]) -> tuple[NDArray[np.float64], NDArray[np.float64]]:
     """The dominating pair of the composition of pure ε_i-DP mechanisms, as (log Q(s), log P(s)/Q(s)) per outcome.
 
@@ -217,6 +220,8 @@ def _log_b_add(q: float, sigma: float, alpha: float) -> float:
     """
     if q >= 1.0:
         return alpha * (alpha - 1.0) / (2.0 * sigma**2)
+    if q <= 0.0:  # the unit is never in the sample (a rate that underflowed): the pair is equal, B = 1
+        return 0.0
     log_1mq = math.log1p(-q)
     tail_log_max = (1.0 - alpha) * log_1mq  # log of the integrand's bound without φ
     half_width = math.sqrt(2.0 * (60.0 + tail_log_max)) + 2.0
@@ -266,7 +271,9 @@ def rdp_poisson_joint(
         rates = np.ones_like(log_rho)
     else:
         log_c = np.logaddexp(math.log1p(-q), math.log(q) + log_rho)
-        rates = np.minimum(np.exp(math.log(q) + log_rho - log_c), 1.0)
+        # A rate that underflows (selections with ε in the thousands) is raised to the smallest positive float:
+        # a larger rate only adds privacy loss.
+        rates = np.clip(np.exp(math.log(q) + log_rho - log_c), _TINY_RATE, 1.0)
     alpha = orders[None, :]
     if noise_multiplier is None:
         log_a = np.zeros((rates.shape[0], orders.shape[0]))

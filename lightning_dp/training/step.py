@@ -27,7 +27,7 @@ from lightning_dp.sanitization.release import Release, StepRelease
 from lightning_dp.sanitization.updates import ModelState
 from lightning_dp.selection.acceptance import AlwaysAccept, StepAcceptance
 
-__all__ = ["ModelStateTarget", "OptimizerTarget", "PrivateStep", "StepResult", "UpdateTarget"]
+__all__ = ["ModelStateTarget", "OptimizerTarget", "PrivateStep", "StepResult", "UpdateTarget", "clip_energy"]
 
 
 class UpdateTarget(Protocol):
@@ -144,6 +144,20 @@ class ModelStateTarget:
         self.state.load(self.theta, self.other_buffers)
 
 
+def clip_energy(changes: Tensor, clip: float) -> Tensor:
+    """Each unit's loss change in [−C_E, C_E]; a non-finite change (a NaN image, inf − inf) counts as +C_E.
+
+    Like every other per-unit value that is released, a non-finite one must not change what happens: a
+    NaN carried into the noisy energy would abort the step only when that unit is sampled.
+
+    Example:
+        >>> clip_energy(torch.tensor([0.25, -5.0, float("nan"), float("inf")]), 1.0).tolist()
+        [0.25, -1.0, 1.0, 1.0]
+    """
+    changes = torch.nan_to_num(changes.double(), nan=clip, posinf=clip, neginf=-clip)
+    return changes.clamp(-clip, clip)
+
+
 @dataclass
 class StepResult:
     """What a private step did: its release, whether it was kept, and the energy change it was judged by."""
@@ -224,8 +238,7 @@ class PrivateStep:
         change: float | None = None
         if before_units is not None:
             assert unit_losses is not None and released.noisy_energy is not None and rule.energy_noise is not None
-            clip = rule.energy_noise.clip
-            clipped = (unit_losses() - before_units).double().clamp(-clip, clip).sum()
+            clipped = clip_energy(unit_losses() - before_units, rule.energy_noise.clip).sum()
             change = released.noisy_energy(float(reduce(clipped)))
         elif before_public is not None:
             assert public_energy is not None
