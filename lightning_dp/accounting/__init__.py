@@ -10,6 +10,7 @@ from lightning_dp.accounting.accountants import (
 )
 from lightning_dp.accounting.calibration import (
     EventFactory,
+    calibrate_factor,
     calibrate_noise_multiplier,
     calibrate_schedule,
     calibrate_steps,
@@ -46,6 +47,7 @@ __all__ = [
     "TCDPConditionError",
     "TCDPPlan",
     "ZCDPEvent",
+    "calibrate_factor",
     "calibrate_noise_multiplier",
     "calibrate_schedule",
     "calibrate_steps",

@@ -29,7 +29,14 @@ from lightning_dp.errors import (
 )
 from lightning_dp.schedules import ConstantNoise, NoiseSchedule
 
-__all__ = ["EventFactory", "calibrate_noise_multiplier", "calibrate_schedule", "calibrate_steps", "epsilon_for"]
+__all__ = [
+    "EventFactory",
+    "calibrate_factor",
+    "calibrate_noise_multiplier",
+    "calibrate_schedule",
+    "calibrate_steps",
+    "epsilon_for",
+]
 
 # Rounding multipliers down by at most 0.5 % keeps a schedule to a few hundred distinct RDP curves.
 _CALIBRATION_GRID = 5e-3
@@ -81,59 +88,6 @@ def epsilon_for(
     return get_accountant(accountant).epsilon(ledger)
 
 
-def calibrate_schedule(
-    target_epsilon: float,
-    delta: float,
-    sample_rate: float,
-    steps: int,
-    schedule: NoiseSchedule,
-    accountant: AccountantName = "rdp",
-    event_of: EventFactory | None = None,
-    rel_tol: float = 1e-3,
-) -> NoiseSchedule:
-    """``schedule`` scaled by the smallest factor (to ``rel_tol``) whose ε after ``steps`` steps is ≤ the target.
-
-    The shape of the schedule (its decay) is kept; its start z₀ is what is calibrated.
-
-    Example:
-        >>> from lightning_dp.schedules import ExponentialDecay
-        >>> scaled = calibrate_schedule(3.0, 1e-5, 0.01, 1000, ExponentialDecay(initial=1.0, decay=0.999))
-        >>> epsilon_for(0.01, scaled, 1000, 1e-5) <= 3.0
-        True
-    """
-    _check_common("calibrate_schedule", target_epsilon, delta, sample_rate)
-    check_count("calibrate_schedule", "steps", steps, "steps must be >= 1.", minimum=1)
-    check_in_interval(
-        "calibrate_schedule", "rel_tol", rel_tol, 0.0, 0.5, low_closed=False, high_closed=False, hint="1e-3."
-    )
-    schedule.multipliers(steps)  # a bad multiplier anywhere in the run is an error before any search
-
-    def fits(factor: float) -> bool:
-        scaled = schedule.scaled(factor)
-        return epsilon_for(sample_rate, scaled, steps, delta, accountant, event_of=event_of) <= target_epsilon
-
-    low, high = 0.0, 1.0
-    while not fits(high):
-        low, high = high, high * 2.0
-        if high > 1e6:
-            raise PrivacyConfigError(
-                f"`calibrate_schedule(target_epsilon={target_epsilon})`: no scaling of {schedule!r} up to 1e6 "
-                f"reaches ε ≤ {target_epsilon} with sample_rate={sample_rate}, steps={steps}, delta={delta}. "
-                "HINT: raise the target, lower the rate or train fewer steps."
-            )
-    if low == 0.0:
-        low = high / 2.0
-        while low > 1e-4 and fits(low):
-            high, low = low, low / 2.0
-    while (high - low) / high > rel_tol:
-        mid = math.sqrt(low * high)
-        if fits(mid):
-            high = mid
-        else:
-            low = mid
-    return schedule.scaled(high)
-
-
 def calibrate_noise_multiplier(
     target_epsilon: float,
     delta: float,
@@ -178,6 +132,94 @@ def calibrate_noise_multiplier(
         else:
             low = mid
     return high
+
+
+def calibrate_factor(
+    target_epsilon: float,
+    ledger_at: Callable[[float], PrivacyLedger],
+    accountant: AccountantName = "rdp",
+    rel_tol: float = 1e-3,
+    what: str = "the noise",
+) -> float:
+    """The smallest factor c (to ``rel_tol``) whose ledger ``ledger_at(c)`` has ε ≤ the target (ε falls as c grows).
+
+    ``ledger_at(c)`` is the planned run with every noise multiplier of the run times c: the update's
+    and, with an accept/reject rule, its energy's (their ratio is kept).
+
+    Example:
+        >>> def run(c):
+        ...     ledger = PrivacyLedger("sample", 1e-5)
+        ...     ledger.record(PoissonSampledEvent(0.04, GaussianEvent(1.5 * c)), 2250)
+        ...     return ledger
+        >>> 0.999 < calibrate_factor(7.3291, run) <= 1.002
+        True
+    """
+    check_finite_positive("calibrate_factor", "target_epsilon", target_epsilon, "a target such as 8.0.")
+    check_in_interval(
+        "calibrate_factor", "rel_tol", rel_tol, 0.0, 0.5, low_closed=False, high_closed=False, hint="1e-3."
+    )
+    account = get_accountant(accountant)
+
+    def fits(factor: float) -> bool:
+        return account.epsilon(ledger_at(factor)) <= target_epsilon
+
+    low, high = 0.0, 1.0
+    while not fits(high):
+        low, high = high, high * 2.0
+        if high > 1e6:
+            raise PrivacyConfigError(
+                f"`calibrate_factor(target_epsilon={target_epsilon})`: no scaling of {what} up to 1e6 reaches "
+                f"ε ≤ {target_epsilon}. HINT: raise the target, lower the sample rate or train fewer steps."
+            )
+    if low == 0.0:
+        low = high / 2.0
+        while low > 1e-4 and fits(low):
+            high, low = low, low / 2.0
+    while (high - low) / high > rel_tol:
+        mid = math.sqrt(low * high)
+        if fits(mid):
+            high = mid
+        else:
+            low = mid
+    return high
+
+
+def calibrate_schedule(
+    target_epsilon: float,
+    delta: float,
+    sample_rate: float,
+    steps: int,
+    schedule: NoiseSchedule,
+    accountant: AccountantName = "rdp",
+    event_of: EventFactory | None = None,
+    rel_tol: float = 1e-3,
+) -> NoiseSchedule:
+    """``schedule`` scaled by the smallest factor (to ``rel_tol``) whose ε after ``steps`` steps is ≤ the target.
+
+    The shape of the schedule (its decay) is kept; its start z₀ is what is calibrated.
+
+    Example:
+        >>> from lightning_dp.schedules import ExponentialDecay
+        >>> scaled = calibrate_schedule(3.0, 1e-5, 0.01, 1000, ExponentialDecay(initial=1.0, decay=0.999))
+        >>> epsilon_for(0.01, scaled, 1000, 1e-5) <= 3.0
+        True
+    """
+    _check_common("calibrate_schedule", target_epsilon, delta, sample_rate)
+    check_count("calibrate_schedule", "steps", steps, "steps must be >= 1.", minimum=1)
+    schedule.multipliers(steps)  # a bad multiplier anywhere in the run is an error before any search
+    make = event_of or (lambda z: PoissonSampledEvent(sample_rate, GaussianEvent(z)))
+
+    def ledger_at(factor: float) -> PrivacyLedger:
+        ledger = PrivacyLedger("sample", delta)
+        scaled = schedule.scaled(factor)
+        if isinstance(scaled, ConstantNoise):
+            ledger.record(make(scaled.multiplier), steps)
+        else:
+            for z in scaled.multipliers(steps).tolist():
+                ledger.record(make(z))
+        return ledger
+
+    return schedule.scaled(calibrate_factor(target_epsilon, ledger_at, accountant, rel_tol, repr(schedule)))
 
 
 def calibrate_steps(

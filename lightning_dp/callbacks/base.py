@@ -22,10 +22,9 @@ from pytorch_lightning.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader
 
 from lightning_dp.accounting import (
-    PrivacyEvent,
     PrivacyLedger,
     PrivacyUnit,
-    calibrate_schedule,
+    calibrate_factor,
     get_accountant,
     tcdp_plan_unchecked,
 )
@@ -33,8 +32,8 @@ from lightning_dp.callbacks.budget import PrivacyBudget
 from lightning_dp.callbacks.privacy_report import write_privacy_report
 from lightning_dp.errors import PrivacyConfigError, PrivacyStateError, PrivacyWarning, check_in_interval
 from lightning_dp.sampling.patients import secure_seed
-from lightning_dp.sanitization import Release
-from lightning_dp.schedules import ConstantNoise, ExponentialDecay, NoiseSchedule
+from lightning_dp.sanitization import EnergyNoise, Release
+from lightning_dp.schedules import ExponentialDecay, NoiseSchedule
 from lightning_dp.selection import AlwaysAccept, StepAcceptance
 from lightning_dp.training.checks import eval_mode
 from lightning_dp.training.step import PrivateStep, StepResult
@@ -180,16 +179,31 @@ class DPCallback(pl.Callback):
         )
 
     def _calibrate(self, schedule: NoiseSchedule, rate: float, steps: int, delta: float) -> NoiseSchedule:
-        """``schedule`` scaled so that ``steps`` steps of this callback's step event end at ε ≤ target_epsilon."""
+        """``schedule`` scaled so that ``steps`` steps of this callback's step end at ε ≤ target_epsilon.
+
+        With a private energy the energy's noise multiplier is scaled by the same factor (their ratio, a
+        hyper-parameter of the rule, is kept): both are noise of the same steps.
+        """
         target = getattr(self, "target_epsilon", None)
         assert target is not None
         energy = self.acceptance.energy_noise
         probe = PrivacyLedger(self.unit, delta)
+        schedule.multipliers(steps)  # a bad multiplier anywhere in the run is an error before any search
 
-        def event_of(z: float) -> PrivacyEvent:
-            return self._new_release(probe, seed=0, schedule=ConstantNoise(z)).event(0, energy)
+        def ledger_at(factor: float) -> PrivacyLedger:
+            release = self._new_release(probe, seed=0, schedule=schedule.scaled(factor))
+            scaled = None if energy is None else EnergyNoise(energy.clip, energy.noise_multiplier * factor)
+            ledger = PrivacyLedger(self.unit, delta)
+            if schedule.is_constant:
+                ledger.record(release.event(0, scaled), steps)
+            else:
+                for step in range(steps):
+                    ledger.record(release.event(step, scaled))
+            return ledger
 
-        return calibrate_schedule(target, delta, rate, steps, schedule, self.accountant.name, event_of)
+        factor = calibrate_factor(target, ledger_at, self.accountant.name, what=f"{schedule!r} and the energy noise")
+        self.acceptance.scale_energy(factor)
+        return schedule.scaled(factor)
 
     # ------------------------------------------------------------------ setup and teardown
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:

@@ -47,6 +47,9 @@ class StepAcceptance(abc.ABC):
     def seed(self, seed: int) -> None:  # noqa: B027 - rules without randomness need no seed
         """Seeds the decision generator (the callbacks broadcast one seed to every rank)."""
 
+    def scale_energy(self, factor: float) -> None:  # noqa: B027 - rules without a private energy have none
+        """Multiplies the private energy's noise multiplier (target-ε calibration scales all of a step's noise)."""
+
     def state_dict(self) -> dict[str, Any]:
         return {"format_version": FORMAT_VERSION}
 
@@ -103,13 +106,18 @@ class _EnergyRule(StepAcceptance):
         self.proposals = 0
         self.accepted = 0
         self.last_energy: float | None = None
+        #: Set by target-ε calibration, which scales the energy's noise with the update's.
+        self.energy_scale = 1.0
 
     @property
     def energy_noise(self) -> EnergyNoise | None:
         if self.energy != "private":
             return None
         assert self.energy_noise_multiplier is not None
-        return EnergyNoise(self.energy_clip, self.energy_noise_multiplier)
+        return EnergyNoise(self.energy_clip, self.energy_noise_multiplier * self.energy_scale)
+
+    def scale_energy(self, factor: float) -> None:
+        self.energy_scale = check_finite_positive(type(self).__name__, "energy scale", factor, "a calibration factor.")
 
     def seed(self, seed: int) -> None:
         self.generator.manual_seed(seed)
@@ -127,12 +135,18 @@ class _EnergyRule(StepAcceptance):
             "proposals": self.proposals,
             "accepted": self.accepted,
             "last_energy": self.last_energy,
+            "energy_scale": self.energy_scale,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         if not isinstance(state.get("generator"), torch.Tensor):
             raise PrivacyStateError(f"{type(self).__name__} state has no decision generator.")
+        if state.get("energy_scale", 1.0) != self.energy_scale:
+            raise PrivacyStateError(
+                f"{type(self).__name__}: the checkpoint's energy noise was scaled by {state.get('energy_scale')}, this "
+                f"run's by {self.energy_scale}. HINT: resume with the same privacy settings and run length."
+            )
         self.generator.set_state(state["generator"])
         self.proposals, self.accepted = int(state["proposals"]), int(state["accepted"])
         self.last_energy = state["last_energy"]

@@ -240,3 +240,6 @@ def test_target_epsilon_calibrates_a_schedule_to_the_planned_run(tmp_path: Path,
     assert 0.97 * target <= eps <= target, f"the planned run ends at ε = {eps}, target {target}"
     used = cb.release.schedule
     assert isinstance(used, ExponentialDecay) and used.decay == 0.8 and used.every == 2, "the shape is kept"
+    if acceptance != "always":  # the energy's noise is scaled with the update's: both are the steps' noise
+        assert cb.acceptance.energy_noise is not None
+        assert cb.acceptance.energy_noise.noise_multiplier == pytest.approx(2.0 * used.initial)
