@@ -176,6 +176,7 @@ def _gaussian_curves(keys: list[SampledKey], orders: NDArray[np.float64]) -> NDA
     if missing:
         if len(_CURVES) + len(missing) > _MAX_CACHED_CURVES:
             _CURVES.clear()
+            missing = list(dict.fromkeys(keys))  # clearing dropped the keys that were there too
         plain = [k for k in missing if not k[2]]
         fresh = list(zip(plain, _curves(plain, orders))) if plain else []
         fresh += [(k, rdp_poisson_joint(k[0], k[1], k[2], orders)) for k in missing if k[2]]

@@ -170,3 +170,20 @@ def test_epsilon_is_never_below_the_tight_pld_value(
     assert ours >= tight - 1e-3 * max(1.0, tight), (
         f"{accountant.name}: ε = {ours} < PLD ε = {tight} (tol 1e-3·max(1,ε))"
     )
+
+
+def test_the_curve_cache_overflowing_mid_ledger_gives_the_same_epsilon() -> None:
+    # Found by running examples/compare_dp_optimizers.py: a ledger whose keys were partly cached, arriving when the
+    # cache was nearly full, cleared it and then read the dropped keys (KeyError).
+    from lightning_dp.accounting import RDPAccountant, accountants
+
+    accountants._CURVES.clear()
+    for start in range(0, accountants._MAX_CACHED_CURVES - 8, 8):  # ledgers of few keys are memoized
+        RDPAccountant().epsilon(_ledger(*[(_sampled(0.3, 1.0 + (start + k) / 1000), 1) for k in range(8)]))
+    assert len(accountants._CURVES) == accountants._MAX_CACHED_CURVES - 8
+    mixed = _ledger(
+        *[(_sampled(0.3, 1.0 + k / 1000), 1) for k in range(4)], *[(_sampled(0.2, 2.0 + k), 1) for k in range(12)]
+    )
+    cached = RDPAccountant().epsilon(mixed)
+    accountants._CURVES.clear()
+    assert RDPAccountant().epsilon(mixed) == pytest.approx(cached, rel=1e-12)
