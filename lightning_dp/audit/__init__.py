@@ -5,6 +5,7 @@
 * `MembershipAudit`: black-box membership inference on final models trained through the private step.
 """
 
+from lightning_dp.audit.blackbox import MembershipAudit, MembershipAuditResult
 from lightning_dp.audit.bounds import (
     ThresholdBound,
     best_threshold,
@@ -19,6 +20,8 @@ from lightning_dp.audit.bounds import (
 from lightning_dp.audit.whitebox import StepAudit, StepAuditResult
 
 __all__ = [
+    "MembershipAudit",
+    "MembershipAuditResult",
     "StepAudit",
     "StepAuditResult",
     "ThresholdBound",

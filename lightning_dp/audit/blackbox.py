@@ -1,0 +1,246 @@
+"""Black-box membership inference on final models trained through the private step.
+
+Many small models are trained without a Trainer, each through the same `PrivateStep` as the
+callbacks (the library's `PoissonSampleSampler`, `clip_coefficients` and `GaussianRelease`; the
+per-sample gradients of the tiny MLP come from ``torch.func``, which is fast at this size), on a
+fixed dataset plus canaries — mislabeled outliers, each included with probability ½. The attacker
+sees only the final model and scores each canary by its negative loss (a loss-threshold attack).
+Two lower bounds on ε:
+
+* **many runs** (Jagielski et al. 2020): one target canary per run (canary 0), its score in the runs
+  that included it against the runs that did not; Clopper–Pearson at a threshold chosen on half of
+  the runs, the bound computed on the other half;
+* **one run** (Steinke, Nasr and Jagielski 2023): every canary of every run (a canary changes only its
+  own run, so the runs together are one mechanism, DP for each canary), with the method's ceiling
+  ln(r / ln(1/α)) for r guesses beside it.
+
+``private=False`` trains the same models without clipping or noise: the attack must then find a
+large ε_lower (it has teeth). Sample-level only.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from numpy.typing import NDArray
+from torch import Tensor, nn
+
+from lightning_dp.accounting import AccountantName, PrivacyLedger, get_accountant
+from lightning_dp.audit.bounds import best_threshold, epsilon_one_run, epsilon_threshold, one_run_ceiling
+from lightning_dp.errors import PrivacyConfigError, check_count, check_finite_positive, check_sample_rate
+from lightning_dp.sampling.patients import secure_seed
+from lightning_dp.sampling.samples import PoissonSampleSampler
+from lightning_dp.sanitization.per_sample import clip_coefficients
+from lightning_dp.sanitization.release import GaussianRelease
+from lightning_dp.schedules import NoiseSchedule, as_schedule
+from lightning_dp.training.step import OptimizerTarget, PrivateStep
+
+__all__ = ["MembershipAudit", "MembershipAuditResult"]
+
+#: Classes of the toy task: a canary's random label is then wrong for a model that never saw it 9 times in 10.
+CLASSES = 10
+
+
+@dataclass
+class MembershipAuditResult:
+    """The two black-box lower bounds beside the accountant's ε (``inf`` for a non-private run)."""
+
+    private: bool
+    epsilon_upper: float
+    epsilon_many_runs: float
+    epsilon_one_run: float
+    one_run_guesses: int
+    one_run_ceiling: float
+    delta: float
+    significance: float
+    runs: int
+    canaries: int
+    in_scores: NDArray[np.float64] = field(repr=False)
+    out_scores: NDArray[np.float64] = field(repr=False)
+
+    @property
+    def epsilon_lower(self) -> float:
+        return max(self.epsilon_many_runs, self.epsilon_one_run)
+
+    @property
+    def passed(self) -> bool:
+        return self.epsilon_lower <= self.epsilon_upper
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {k: v for k, v in asdict(self).items() if k not in ("in_scores", "out_scores")}
+        out.update(epsilon_lower=self.epsilon_lower, passed=self.passed, kind="black-box membership inference")
+        return out
+
+
+class MembershipAudit:
+    """Trains ``runs`` small models with ``canaries`` canaries each (in with probability ½) and attacks them.
+
+    Args:
+        private: train through the private step (else plain SGD on the same batches, no clipping or noise).
+        noise_multiplier: z, or a `NoiseSchedule`.
+        sample_rate: q.
+        steps: steps per model.
+        clip_norm: C.
+        lr: SGD learning rate.
+        runs: models trained.
+        canaries: canaries per model (canary 0 is the many-runs target).
+        population: ordinary training samples per model (a fixed dataset shared by every run).
+        features: input dimension of the toy task.
+        hidden: width of the MLP's hidden layer.
+        delta, accountant, significance: as for `StepAudit`.
+        seed: public seed of the data, the coins, the samplers and the noise (``None``: from the OS).
+        progress: called with (run, runs) after each model.
+    """
+
+    def __init__(
+        self,
+        *,
+        private: bool = True,
+        noise_multiplier: float | NoiseSchedule = 1.0,
+        sample_rate: float = 0.1,
+        steps: int = 100,
+        clip_norm: float = 1.0,
+        lr: float = 0.5,
+        runs: int = 64,
+        canaries: int = 32,
+        population: int = 256,
+        features: int = 10,
+        hidden: int = 64,
+        delta: float = 1e-5,
+        accountant: AccountantName = "rdp",
+        significance: float = 0.05,
+        seed: int | None = None,
+        progress: Callable[[int, int], None] | None = None,
+    ) -> None:
+        owner = "MembershipAudit"
+        self.private = bool(private)
+        self.schedule = as_schedule(owner, noise_multiplier)
+        self.sample_rate = check_sample_rate(owner, sample_rate)
+        self.steps = check_count(owner, "steps", steps, "e.g. 100.", minimum=1)
+        self.clip_norm = check_finite_positive(owner, "clip_norm", clip_norm, "e.g. 1.0.")
+        self.lr = check_finite_positive(owner, "lr", lr, "e.g. 0.5.")
+        self.runs = check_count(owner, "runs", runs, "e.g. 64 (the many-runs bound needs both worlds).", minimum=4)
+        self.canaries = check_count(owner, "canaries", canaries, "e.g. 32.", minimum=1)
+        self.population = check_count(owner, "population", population, "e.g. 256.", minimum=1)
+        self.features = check_count(owner, "features", features, "e.g. 10.", minimum=2)
+        self.hidden = check_count(owner, "hidden", hidden, "e.g. 64.", minimum=1)
+        self.delta = float(delta)
+        if accountant not in ("rdp", "prv"):
+            raise PrivacyConfigError(f"`{owner}(accountant={accountant!r})`: the audited accountant is 'rdp' or 'prv'.")
+        self.accountant: AccountantName = accountant
+        self.significance = float(significance)
+        self.seed = secure_seed() if seed is None else int(seed)
+        self.progress = progress
+
+    # ------------------------------------------------------------------ data
+    def dataset(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """(x, y) of the population, then (x, y) of the canaries of every run, shaped (runs, canaries, ...)."""
+        g = torch.Generator().manual_seed(self.seed)
+        y = torch.randint(CLASSES, (self.population,), generator=g)
+        centers = torch.randn(CLASSES, self.features, generator=g)
+        x = centers[y] + 0.7 * torch.randn(self.population, self.features, generator=g)
+        # Canaries: far-out points with random labels, unlike the task: only memorization fits them.
+        cx = 3.0 * torch.randn(self.runs, self.canaries, self.features, generator=g)
+        cy = torch.randint(CLASSES, (self.runs, self.canaries), generator=g)
+        return x, y, cx, cy
+
+    def coins(self) -> Tensor:
+        """(runs, canaries) bool: which canaries each run includes (each with probability ½)."""
+        g = torch.Generator().manual_seed(self.seed + 1)
+        return torch.rand(self.runs, self.canaries, generator=g) < 0.5
+
+    # ------------------------------------------------------------------ training
+    def _model(self, run: int) -> nn.Module:
+        torch.manual_seed(self.seed + 7919 * (run + 1))  # a public initialization
+        return nn.Sequential(nn.Linear(self.features, self.hidden), nn.Tanh(), nn.Linear(self.hidden, CLASSES))
+
+    def train(self, run: int, x: Tensor, y: Tensor) -> tuple[nn.Module, PrivacyLedger]:
+        """One model on (x, y); the ledger of what it was charged (empty when not private)."""
+        model = self._model(run)
+        ledger = PrivacyLedger("sample", self.delta)
+        sampler = PoissonSampleSampler(len(x), self.sample_rate, seed=self.seed + 31 * (run + 1))
+        optimizer = torch.optim.SGD(model.parameters(), lr=self.lr)
+        normalizer = sampler.expected_batch_size
+        params = dict(model.named_parameters())
+        if self.private:
+            release = GaussianRelease(
+                ledger,
+                clip_norm=self.clip_norm,
+                sample_rate=self.sample_rate,
+                schedule=self.schedule,
+                seed=self.seed + 37 * (run + 1),
+            )
+            step = PrivateStep(release)
+            target = OptimizerTarget(model, list(params.values()), [optimizer], step_optimizers=optimizer.step)
+
+            def sample_loss(p: dict[str, Tensor], xi: Tensor, yi: Tensor) -> Tensor:
+                out = torch.func.functional_call(model, p, (xi.unsqueeze(0),))
+                return F.cross_entropy(out, yi.unsqueeze(0))
+
+            per_sample = torch.func.vmap(torch.func.grad(sample_loss), in_dims=(None, 0, 0))
+        for t in range(self.steps):
+            idx = sampler.indices(t)
+            if self.private:
+                clipped = torch.zeros(sum(p.numel() for p in params.values()))
+                if len(idx):
+                    detached = {k: v.detach() for k, v in params.items()}
+                    grads = per_sample(detached, x[idx], y[idx])
+                    flat = torch.cat([g.reshape(len(idx), -1) for g in grads.values()], dim=1)
+                    coeff = clip_coefficients(torch.linalg.vector_norm(flat.double(), dim=1), self.clip_norm)
+                    clipped = (flat * coeff.float()[:, None]).sum(dim=0)
+                step(t, clipped, normalizer, target)
+            elif len(idx):
+                optimizer.zero_grad()
+                (F.cross_entropy(model(x[idx]), y[idx], reduction="sum") / normalizer).backward()
+                optimizer.step()
+        return model, ledger
+
+    # ------------------------------------------------------------------ the audit
+    def run(self) -> MembershipAuditResult:
+        x, y, cx, cy = self.dataset()
+        coins = self.coins()
+        scores = np.zeros((self.runs, self.canaries))
+        ledger: PrivacyLedger | None = None
+        for run in range(self.runs):
+            keep = coins[run]
+            model, ledger = self.train(run, torch.cat([x, cx[run][keep]]), torch.cat([y, cy[run][keep]]))
+            with torch.no_grad():
+                losses = F.cross_entropy(model(cx[run]), cy[run], reduction="none")
+            scores[run] = -losses.double().numpy()
+            if self.progress is not None:
+                self.progress(run + 1, self.runs)
+        assert ledger is not None
+        inc = coins.numpy()
+        # Many runs: the target canary (0) of each run; the threshold chosen on the first half of the runs.
+        target, target_in = scores[:, 0], inc[:, 0]
+        half = self.runs // 2
+        many = 0.0
+        first_in, first_out = target[:half][target_in[:half]], target[:half][~target_in[:half]]
+        second_in, second_out = target[half:][target_in[half:]], target[half:][~target_in[half:]]
+        if min(len(first_in), len(first_out), len(second_in), len(second_out)) > 0:
+            threshold, direction = best_threshold(first_in, first_out, delta=self.delta, significance=self.significance)
+            many = epsilon_threshold(
+                second_in, second_out, threshold, delta=self.delta, significance=self.significance, direction=direction
+            ).epsilon
+        one, guesses = epsilon_one_run(scores[inc], scores[~inc], delta=self.delta, significance=self.significance)
+        upper = get_accountant(self.accountant).epsilon(ledger, self.delta) if self.private else math.inf
+        return MembershipAuditResult(
+            private=self.private,
+            epsilon_upper=float(upper),
+            epsilon_many_runs=float(many),
+            epsilon_one_run=float(one),
+            one_run_guesses=int(guesses),
+            one_run_ceiling=one_run_ceiling(guesses, self.significance) if guesses else 0.0,
+            delta=self.delta,
+            significance=self.significance,
+            runs=self.runs,
+            canaries=self.canaries,
+            in_scores=scores[inc],
+            out_scores=scores[~inc],
+        )
