@@ -1,4 +1,4 @@
-"""The ``lightning-dp`` command: LightningCLI subcommands (fit, validate, test, predict) plus ``plan``.
+"""The ``lightning-dp`` command: LightningCLI subcommands (fit, validate, test, predict) plus ``plan`` and ``audit``.
 
 ``lightning-dp plan`` answers the planning questions before any training: what ε does this
 configuration spend, which noise reaches a target ε, how many steps fit a budget.
@@ -178,6 +178,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "plan":
         return plan_main(argv[1:])
+    if argv and argv[0] == "audit":
+        from lightning_dp.audit.cli import audit_main
+
+        return audit_main(argv[1:])
     from pytorch_lightning.cli import LightningCLI
 
     LightningCLI(
