@@ -106,12 +106,12 @@ class MembershipAudit:
         sample_rate: float = 0.1,
         steps: int = 100,
         clip_norm: float = 1.0,
-        lr: float = 0.5,
-        runs: int = 64,
+        lr: float = 1.0,
+        runs: int = 16,
         canaries: int = 32,
-        population: int = 256,
-        features: int = 10,
-        hidden: int = 64,
+        population: int = 128,
+        features: int = 32,
+        hidden: int = 128,
         delta: float = 1e-5,
         accountant: AccountantName = "rdp",
         significance: float = 0.05,
@@ -124,7 +124,7 @@ class MembershipAudit:
         self.sample_rate = check_sample_rate(owner, sample_rate)
         self.steps = check_count(owner, "steps", steps, "e.g. 100.", minimum=1)
         self.clip_norm = check_finite_positive(owner, "clip_norm", clip_norm, "e.g. 1.0.")
-        self.lr = check_finite_positive(owner, "lr", lr, "e.g. 0.5.")
+        self.lr = check_finite_positive(owner, "lr", lr, "e.g. 1.0.")
         self.runs = check_count(owner, "runs", runs, "e.g. 64 (the many-runs bound needs both worlds).", minimum=4)
         self.canaries = check_count(owner, "canaries", canaries, "e.g. 32.", minimum=1)
         self.population = check_count(owner, "population", population, "e.g. 256.", minimum=1)
