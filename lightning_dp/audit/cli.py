@@ -159,8 +159,9 @@ def _plot(result: StepAuditResult, path: Path) -> bool:
     tpr = 1 - np.searchsorted(ins, thresholds) / ins.size
     fpr = 1 - np.searchsorted(outs, thresholds) / outs.size
     fig, ax = plt.subplots(figsize=(5.5, 4.5))
-    ax.loglog(np.maximum(fpr, 1e-6), np.maximum(tpr, 1e-6), label="attack (likelihood-ratio score)")
-    grid = np.logspace(-6, 0, 200)
+    seen = (fpr > 0) & (tpr > 0)  # below one count per world the rates are not measured
+    ax.loglog(fpr[seen], tpr[seen], label="attack (likelihood-ratio score)")
+    grid = np.logspace(np.log10(0.5 / outs.size), 0, 200)
     for eps, style, name in ((result.epsilon_upper, "--", "ε_upper"), (result.epsilon_lower, ":", "ε_lower")):
         ax.loglog(grid, np.minimum(1, np.exp(eps) * grid + result.delta), style, label=f"{name} = {eps:.2f} allows")
     ax.set_xlabel("false-positive rate")
