@@ -41,30 +41,35 @@ EVERY = 2
 KILL_AT = 5  # checkpoints after steps 2 and 4; killed after step 5 was released
 
 
-def make(engine: str) -> tuple[DPCallback, pl.LightningModule, pl.LightningDataModule]:
-    """The callback, model and data of the run (a decaying DPSGD: every step's event is distinct)."""
+def make(engine: str, **overrides: Any) -> tuple[DPCallback, pl.LightningModule, pl.LightningDataModule]:
+    """The callback (its arguments overridden by ``overrides``), model and data of the run.
+
+    DPSGD's noise decays every step, so that every step's event is distinct.
+    """
     torch.manual_seed(0)
     if engine == "dpsgd":
-        cb: DPCallback = DPSGD(
-            clip_norm=1.0,
-            noise_multiplier=ExponentialDecay(initial=1.0, decay=0.9, every=1),
-            batch_size=10,
-            steps_per_epoch=3,  # the step-4 checkpoint is mid-epoch
-            max_physical_batch_size=4,
-            delta=1e-5,
-            seed=7,
-        )
+        args: dict[str, Any] = {
+            "clip_norm": 1.0,
+            "noise_multiplier": ExponentialDecay(initial=1.0, decay=0.9, every=1),
+            "batch_size": 10,
+            "steps_per_epoch": 3,  # the step-4 checkpoint is mid-epoch
+            "max_physical_batch_size": 4,
+            "delta": 1e-5,
+            "seed": 7,
+        }
+        cb: DPCallback = DPSGD(**{**args, **overrides})
         return cb, SampleClassifier(optimizer="adam", lr=0.01), SampleDataModule(num_samples=120)
-    cb = P3SGD(
-        sample_rate=0.25,
-        clip_norm=1.0,
-        noise_scales=(3.0, 1.0),
-        selection_epsilon=0.316,
-        loss_bound=3.0,
-        local_lr=0.1,
-        delta=1e-5,
-        seed=7,
-    )
+    args = {
+        "sample_rate": 0.25,
+        "clip_norm": 1.0,
+        "noise_scales": (3.0, 1.0),
+        "selection_epsilon": 0.316,
+        "loss_bound": 3.0,
+        "local_lr": 0.1,
+        "delta": 1e-5,
+        "seed": 7,
+    }
+    cb = P3SGD(**{**args, **overrides})
     return cb, TinyClassifier(), TinyPatientDataModule()
 
 
