@@ -11,6 +11,7 @@ describe). Metrics the module logs while the callback computes on private data a
 from __future__ import annotations
 
 import copy
+import hashlib
 import math
 from collections.abc import Callable
 from typing import Any, ClassVar, Literal, get_args
@@ -38,7 +39,7 @@ from lightning_dp.selection import AlwaysAccept, StepAcceptance
 from lightning_dp.training.checks import eval_mode
 from lightning_dp.training.step import PrivateStep, StepResult
 
-__all__ = ["DPAccountantName", "DPCallback", "default_delta"]
+__all__ = ["DPAccountantName", "DPCallback", "default_delta", "state_digest"]
 
 DPAccountantName = Literal["rdp", "prv"]
 _LIGHTNING_DEFAULT_EPOCHS = 1000  # what Trainer() sets when neither max_epochs nor max_steps is given
@@ -54,6 +55,39 @@ def default_delta(units: int) -> float:
         (1e-05, 1e-07)
     """
     return min(1e-5, 1.0 / (10 * units))
+
+
+def state_digest(state: Any) -> str:
+    """SHA-256 of a checkpoint state built from dicts, lists, tuples, strings, numbers, None and tensors.
+
+    Stored with the DP callbacks' state and checked on resume: ``torch.load`` verifies no checksum, so a
+    flipped bit in a ledger entry, a counter or a generator state would otherwise load silently.
+
+    Example:
+        >>> state_digest({"counts": [3]}) == state_digest({"counts": [3]}) != state_digest({"counts": [2]})
+        True
+    """
+    digest = hashlib.sha256()
+
+    def feed(value: Any) -> None:
+        if isinstance(value, dict):
+            digest.update(b"{%d" % len(value))
+            for key in sorted(value, key=repr):
+                feed(key)
+                feed(value[key])
+        elif isinstance(value, (list, tuple)):
+            digest.update(b"[%d" % len(value))
+            for item in value:
+                feed(item)
+        elif isinstance(value, torch.Tensor):
+            flat = value.detach().cpu().contiguous().reshape(-1)
+            digest.update(f"T{flat.dtype}{tuple(value.shape)}".encode())
+            digest.update(flat.view(torch.uint8).numpy().tobytes())
+        else:
+            digest.update(f"{type(value).__name__}:{value!r};".encode())
+
+    feed(state)
+    return digest.hexdigest()
 
 
 class DPCallback(pl.Callback):
@@ -541,6 +575,7 @@ class DPCallback(pl.Callback):
         }
         if self.accepted_ledger is not None:
             state["accepted_ledger"] = self.accepted_ledger.state_dict()
+        state["checksum"] = state_digest(state)
         return state
 
     def on_load_checkpoint(
@@ -559,6 +594,36 @@ class DPCallback(pl.Callback):
             raise PrivacyStateError(
                 f"`{self.mechanism}`: privacy state can only be restored after setup (inside trainer.fit)."
             )
+        try:
+            assign = self._validated(state_dict)
+        except (PrivacyStateError, PrivacyConfigError):
+            raise
+        except Exception as err:  # a damaged state breaks the parsing itself: say so when its checksum says so
+            self._check_checksum(state_dict)
+            raise PrivacyStateError(f"`{self.state_key}`: the checkpoint's privacy state is invalid: {err!r}.") from err
+        self._check_checksum(state_dict)
+        assign()
+
+    def _check_checksum(self, state_dict: dict[str, Any]) -> None:
+        stored = state_dict.get("checksum")
+        if stored is None:
+            rank_zero_warn(
+                f"{self.state_key}: the checkpoint's privacy state has no checksum (written by an earlier "
+                "lightning-dp): it is resumed without an integrity check.",
+                category=PrivacyWarning,
+            )
+            return
+        if stored != state_digest({k: v for k, v in state_dict.items() if k != "checksum"}):
+            raise PrivacyStateError(
+                f"`{self.state_key}`: the checkpoint's privacy state is corrupt: its checksum does not match its "
+                "content (a damaged or edited file; torch.load verifies no checksum). Resuming from it could charge "
+                "the steps already taken at another ε or draw other noise and samples. Nothing was restored. HINT: "
+                "resume from an earlier checkpoint (ModelCheckpoint(save_top_k=-1) keeps every one it writes)."
+            )
+
+    def _validated(self, state_dict: dict[str, Any]) -> Callable[[], None]:
+        """Parses and checks ``state_dict`` completely; returns the function that assigns it."""
+        assert self.ledger is not None and self.release is not None
         if state_dict.get("format_version") != self.format_version:
             raise PrivacyStateError(
                 f"`{self.state_key}`: checkpoint state has format_version {state_dict.get('format_version')!r}, "
@@ -589,12 +654,17 @@ class DPCallback(pl.Callback):
             accepted = PrivacyLedger(self.unit, self.ledger.delta)
             accepted.load_state_dict(state_dict.get("accepted_ledger", {}))
         assign_extra = self._load_extra_state(state_dict)
-        self.release.load_state_dict(state_dict["release"])
-        self.acceptance.load_state_dict(state_dict["acceptance"])
-        self.ledger.load_state_dict(state_dict["ledger"])
-        if accepted is not None:
-            self.accepted_ledger = accepted
-        assign_extra()
+        ledger_state, release, acceptance = self.ledger, self.release, self.acceptance
+
+        def assign() -> None:
+            release.load_state_dict(state_dict["release"])
+            acceptance.load_state_dict(state_dict["acceptance"])
+            ledger_state.load_state_dict(state_dict["ledger"])
+            if accepted is not None:
+                self.accepted_ledger = accepted
+            assign_extra()
+
+        return assign
 
     # ------------------------------------------------------------------ optimizer
     @staticmethod
