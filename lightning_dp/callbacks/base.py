@@ -149,6 +149,8 @@ class DPCallback(pl.Callback):
         self._patched: list[tuple[Any, str]] = []
         self._original_training_step: Callable[..., Any] | None = None
         self._logging = False
+        #: From setup until a checkpoint reaches on_load_checkpoint (an error reading the file comes in between).
+        self._reading = False
 
     @property
     def state_key(self) -> str:
@@ -310,6 +312,7 @@ class DPCallback(pl.Callback):
 
         self._patch(pl_module, "training_step", private_step)
         self._install_log_filter(trainer, pl_module)
+        self._reading = True
 
     def _refuse_unsupported_trainer(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Trainer settings and modules that the private step would silently ignore or break, refused up front."""
@@ -401,6 +404,17 @@ class DPCallback(pl.Callback):
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self._stop_flushing()  # a failed fit does not reach teardown
+        reading, self._reading = self._reading, False
+        path = trainer.ckpt_path  # set by Lightning just before it reads the file
+        # Lightning keeps the loaded checkpoint private: empty while the file has not been read.
+        loaded = getattr(getattr(trainer, "_checkpoint_connector", None), "_loaded_checkpoint", None)
+        if reading and path is not None and not loaded and hasattr(exception, "add_note"):
+            exception.add_note(
+                f"{self.state_key}: could not read the checkpoint {path}: it is corrupt or truncated (torch.load "
+                "verifies no checksum and reports a damaged file as whatever it stumbled on). Nothing was trained or "
+                "charged, and the privacy state was not restored. HINT: resume from an earlier checkpoint; do not "
+                "retry with weights_only=False."
+            )
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._stop_flushing()
@@ -581,6 +595,7 @@ class DPCallback(pl.Callback):
     def on_load_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
+        self._reading = False
         if not checkpoint.get("callbacks", {}).get(self.state_key):
             raise PrivacyStateError(
                 f"`{self.state_key}`: the checkpoint has no {self.mechanism} privacy state (ledger, sampler and noise "
