@@ -149,6 +149,9 @@ class DPCallback(pl.Callback):
         self._patched: list[tuple[Any, str]] = []
         self._original_training_step: Callable[..., Any] | None = None
         self._logging = False
+        #: Steps a previous fit of this callback charged (and its ledgers); a new fit must resume from a checkpoint.
+        self._trained_steps = 0
+        self._trained_ledgers: tuple[PrivacyLedger | None, PrivacyLedger | None] = (None, None)
         #: From setup until a checkpoint reaches on_load_checkpoint (an error reading the file comes in between).
         self._reading = False
 
@@ -251,13 +254,12 @@ class DPCallback(pl.Callback):
                 f"`{self.state_key}`: the Trainer also has {[cb.state_key for cb in others]}; one DP training callback "
                 "trains the model. HINT: keep one of them."
             )
-        if self.ledger is not None and trainer.ckpt_path is None:
-            raise PrivacyStateError(
-                f"`{self.state_key}`: this callback already trained a model ({self.ledger.steps} steps in its ledger); "
-                "a new fit would start a new ledger while the model keeps what it learned, and the ε printed would "
-                "no longer bound it. HINT: resume with trainer.fit(..., ckpt_path=...), or use a new callback for a "
-                "new model."
-            )
+        # A callback that has trained must resume from a checkpoint. Lightning names the checkpoint (trainer.ckpt_path)
+        # only when it reads it, after setup: the check is made in on_train_start, before the first step, and only a
+        # restored privacy state lifts it.
+        if self.ledger is not None and self.ledger.steps > self._trained_steps:
+            self._trained_steps = self.ledger.steps
+            self._trained_ledgers = (self.ledger, self.accepted_ledger)
         self._refuse_unsupported_trainer(trainer, pl_module)
         self._check_public_energy(trainer)
         units = self._prepare(trainer, pl_module)
@@ -403,7 +405,9 @@ class DPCallback(pl.Callback):
             self._flushing = False
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        self._stop_flushing()  # a failed fit does not reach teardown
+        # Lightning calls no teardown hook after an exception: undo what setup patched into the module and the
+        # datamodule here, or a retry in the same process would train through this fit's stale loader and step.
+        self.teardown(trainer, pl_module, "fit")
         reading, self._reading = self._reading, False
         path = trainer.ckpt_path  # set by Lightning just before it reads the file
         # Lightning keeps the loaded checkpoint private: empty while the file has not been read.
@@ -426,6 +430,14 @@ class DPCallback(pl.Callback):
         self._original_training_step = None
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._trained_steps:
+            self.ledger, self.accepted_ledger = self._trained_ledgers  # the record of what this callback trained
+            raise PrivacyStateError(
+                f"`{self.state_key}`: this callback already trained a model ({self._trained_steps} steps in its "
+                "ledger); a new fit would start a new ledger while the model keeps what it learned, and the ε printed "
+                "would no longer bound it. HINT: resume with trainer.fit(..., ckpt_path=...), or use a new callback "
+                "for a new model."
+            )
         self._refuse_batch_norm_reset(trainer, pl_module)
         loader = trainer.train_dataloader
         loaders = loader if isinstance(loader, (list, tuple)) else [loader]
@@ -618,6 +630,7 @@ class DPCallback(pl.Callback):
             raise PrivacyStateError(f"`{self.state_key}`: the checkpoint's privacy state is invalid: {err!r}.") from err
         self._check_checksum(state_dict)
         assign()
+        self._trained_steps = 0  # resumed: the checkpoint's ledger describes the model
 
     def _check_checksum(self, state_dict: dict[str, Any]) -> None:
         stored = state_dict.get("checksum")

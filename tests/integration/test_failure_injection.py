@@ -41,7 +41,7 @@ from lightning_dp.schedules import ExponentialDecay
 from lightning_dp.selection import AnnealedAcceptance
 from tests.helpers import killed_run
 from tests.helpers.patients import TinyClassifier, TinyPatientDataModule, TinyPatientDataset
-from tests.helpers.samples import IndexedSamples, SampleClassifier, SampleDataModule
+from tests.helpers.samples import IndexedSamples, SampleClassifier, SampleDataModule, flat_weights
 from tests.helpers.samples import trainer as make_trainer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -281,7 +281,7 @@ def test_an_unreadable_checkpoint_is_an_error_that_says_so(
     pattern = rf"could not read the checkpoint {re.escape(str(bad))}: it is corrupt or truncated"
     with pytest.raises(Exception, match=pattern) as info:
         resume()
-    assert "nothing was trained or charged" in "\n".join(getattr(info.value, "__notes__", []))
+    assert "Nothing was trained or charged" in "\n".join(getattr(info.value, "__notes__", []))
     assert _nothing_restored(cb)
 
 
@@ -297,9 +297,7 @@ CHANGES: list[tuple[str, dict[str, Any], str]] = [
 ]
 
 
-@pytest.mark.parametrize(
-    ("engine", "change", "message"), CHANGES, ids=[f"{e}-{next(iter(c))}" for e, c, _ in CHANGES]
-)
+@pytest.mark.parametrize(("engine", "change", "message"), CHANGES, ids=[f"{e}-{next(iter(c))}" for e, c, _ in CHANGES])
 def test_a_checkpoint_of_another_privacy_configuration_is_refused(
     checkpoints: dict[str, Path], tmp_path: Path, engine: str, change: dict[str, Any], message: str
 ) -> None:
@@ -375,3 +373,54 @@ def test_the_budget_stops_a_run_resumed_with_more_epochs_before_the_step_that_wo
     # Resumed once more, with even more epochs: the budget is spent, not one more step is taken or charged.
     again, run = _fit_budgeted(engine, tmp_path / "third", max_epochs=1000, ckpt=tmp_path / "second" / "end.ckpt")
     assert again.ledger is not None and again.ledger.entries == ledger.entries and again._stopped_by_budget
+
+
+# ---------------------------------------------------------------------- 1b. an exception between checkpoints, retried
+class _FailOnce(pl.Callback):
+    """Raises at the end of step ``step`` (released and charged, not yet checkpointed), the first time only."""
+
+    def __init__(self, step: int) -> None:
+        self.step, self.armed = step, True
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        if self.armed and trainer.global_step == self.step:
+            self.armed = False
+            raise OSError("disk full")
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("same_callback", [True, False], ids=["same-callback", "new-callback"])
+def test_a_run_that_failed_between_checkpoints_resumes_in_the_same_process(
+    killed: dict[str, dict[str, Any]], tmp_path: Path, engine: str, same_callback: bool
+) -> None:
+    # The usual retry after an exception (a notebook, a retry loop): the same model and datamodule objects, resumed
+    # from the last checkpoint. Lightning calls no teardown hook after an exception; the callback's patches stayed on
+    # the module and datamodule, and a new callback trained through them (DPSGD: "must return a DataLoader over a
+    # map-style dataset"; P3SGD: "training_step returned NoneType"). The same callback was refused as "already
+    # trained", although resuming with ckpt_path is what its message asks for.
+    straight = killed[engine]["straight"]  # the uninterrupted run
+    cb, model, data = killed_run.make(engine)
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True, every_n_train_steps=killed_run.EVERY)
+    run = make_trainer(
+        tmp_path / "a",
+        [cb, _FailOnce(killed_run.KILL_AT), ckpt],
+        max_steps=killed_run.MAX_STEPS,
+        enable_checkpointing=True,
+    )
+    with pytest.raises(OSError, match="disk full"):
+        run.fit(model, data)
+    assert cb.ledger is not None and cb.ledger.steps == killed_run.KILL_AT
+    again = cb if same_callback else killed_run.make(engine)[0]
+    resumed = make_trainer(tmp_path / "b", [again], max_steps=killed_run.MAX_STEPS)
+    resumed.fit(model, data, ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"))
+    assert again.ledger is not None and again.ledger.entries == _ledger(straight["ledger"]).entries
+    assert torch.equal(flat_weights(model), straight["weights"]), "the resumed run is the uninterrupted one"
+
+
+def test_a_callback_that_trained_still_refuses_a_fit_without_checkpoint_after_being_refused(tmp_path: Path) -> None:
+    cb, model, data = killed_run.make("p3sgd")
+    make_trainer(tmp_path / "a", [cb], max_steps=2).fit(model, data)
+    for attempt in range(2):  # a refused fit must not reset what the callback knows it trained
+        with pytest.raises(PrivacyStateError, match=r"already trained a model \(2 steps in its ledger\)"):
+            make_trainer(tmp_path / f"b{attempt}", [cb], max_steps=4).fit(model, data)
+        assert cb.ledger is not None and cb.ledger.steps == 2
