@@ -11,7 +11,8 @@ Usage: python tests/helpers/killed_run.py ENGINE MODE OUT_DIR [DEVICES]
   ``OUT_DIR/result.pt`` (rank 0).
 * DEVICES: 1 (default) or 2 (``Trainer(accelerator="cpu", devices=2, strategy="ddp")``).
 
-`run` is also imported by the tests for the uninterrupted reference run, in-process.
+The tests call `kill_then_resume` (which makes the uninterrupted reference runs in-process with `run`) and
+`check_killed_and_resumed`.
 """
 
 from __future__ import annotations
@@ -19,23 +20,27 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+import pytest  # noqa: E402
 import pytorch_lightning as pl  # noqa: E402
 import torch  # noqa: E402
 from pytorch_lightning.callbacks import ModelCheckpoint  # noqa: E402
 from pytorch_lightning.loggers import CSVLogger  # noqa: E402
 
+from lightning_dp.accounting import PrivacyLedger, get_accountant  # noqa: E402
 from lightning_dp.callbacks import DPSGD, P3SGD  # noqa: E402
 from lightning_dp.callbacks.base import DPCallback  # noqa: E402
 from lightning_dp.schedules import ExponentialDecay  # noqa: E402
 from tests.helpers.patients import TinyClassifier, TinyPatientDataModule  # noqa: E402
 from tests.helpers.samples import SampleClassifier, SampleDataModule, flat_weights  # noqa: E402
 
+ROOT = Path(__file__).resolve().parents[2]
 MAX_STEPS = 8
 EVERY = 2
 KILL_AT = 5  # checkpoints after steps 2 and 4; killed after step 5 was released
@@ -141,6 +146,90 @@ def run(engine: str, mode: str, out: Path, devices: int = 1) -> dict[str, Any]:
         "weights": flat_weights(model),
         "is_global_zero": trainer.is_global_zero,
     }
+
+
+# ---------------------------------------------------------------------- used by the tests
+def _launch(engine: str, mode: str, out: Path, devices: int) -> subprocess.Popen[bytes]:
+    out.mkdir(parents=True, exist_ok=True)
+    log = (out / f"{mode}.log").open("wb")
+    return subprocess.Popen(
+        [sys.executable, str(Path(__file__).resolve()), engine, mode, str(out), str(devices)],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        cwd=ROOT,
+        start_new_session=True,  # its own process group: the run's SIGKILL reaches it (and its DDP ranks) only
+    )
+
+
+def _wait(proc: subprocess.Popen[bytes], out: Path, mode: str, timeout: float = 300) -> int:
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        raise AssertionError(f"{mode} run timed out:\n{(out / f'{mode}.log').read_text()[-4000:]}") from None
+
+
+def kill_then_resume(root: Path, engines: tuple[str, ...], devices: int = 1) -> dict[str, dict[str, Any]]:
+    """Kills each engine's run after step `KILL_AT` (subprocesses in parallel), then resumes each in a fresh process.
+
+    The uninterrupted reference runs (one process) are made in this process while the subprocesses run.
+    """
+    outs = {engine: root / engine for engine in engines}
+    killed = {engine: _launch(engine, "kill", outs[engine], devices) for engine in engines}
+    straight = {engine: run(engine, "straight", root / f"{engine}-straight") for engine in engines}
+    results: dict[str, dict[str, Any]] = {}
+    for engine in engines:
+        code = _wait(killed[engine], outs[engine], "kill")
+        log = (outs[engine] / "kill.log").read_text()
+        assert code == -signal.SIGKILL, f"the run was to be killed, exit code {code}:\n{log[-4000:]}"
+        results[engine] = {
+            "straight": straight[engine],
+            "killed": torch.load(outs[engine] / "killed.pt", weights_only=True),
+            "checkpoint": torch.load(outs[engine] / "ckpt" / "last.ckpt", weights_only=True),
+        }
+    resumed = {engine: _launch(engine, "resume", outs[engine], devices) for engine in engines}
+    for engine in engines:
+        code = _wait(resumed[engine], outs[engine], "resume")
+        assert code == 0, (outs[engine] / "resume.log").read_text()[-4000:]
+        results[engine]["resumed"] = torch.load(outs[engine] / "result.pt", weights_only=True)
+    return results
+
+
+def ledger_of(state: dict[str, Any]) -> PrivacyLedger:
+    ledger = PrivacyLedger("sample", 0.5)
+    ledger.load_state_dict(state)
+    return ledger
+
+
+def check_killed_and_resumed(result: dict[str, Any], engine: str, weights_atol: float = 0.0) -> None:
+    """What a user must find after kill -9 and a resume; weights within ``weights_atol`` of the uninterrupted run's."""
+    last_saved = KILL_AT // EVERY * EVERY
+    # The premise: when the process died, step KILL_AT had been released and charged in memory only.
+    assert result["killed"]["ledger_steps"] == result["killed"]["global_step"] == KILL_AT
+    checkpoint = result["checkpoint"]
+    saved = ledger_of(checkpoint["callbacks"]["DPSGD" if engine == "dpsgd" else "P3SGD"]["ledger"])
+    assert checkpoint["global_step"] == saved.steps == last_saved
+    resumed, straight = result["resumed"], result["straight"]
+    assert resumed["ledger_steps_at_start"] == last_saved, "the resumed ledger is the checkpoint's, nothing more"
+    ledger, reference = ledger_of(resumed["ledger"]), ledger_of(straight["ledger"])
+    # Nothing double-counted (the killed step is charged once, when it is redone), nothing lost: exactly the
+    # events of an uninterrupted run, step by step.
+    assert resumed["steps"] == ledger.steps == MAX_STEPS
+    assert ledger.entries == reference.entries and ledger.unit == reference.unit and ledger.delta == reference.delta
+    # The ε the resumed run reports (logged and in its report) is a fresh recomputation from the entries.
+    fresh = PrivacyLedger(ledger.unit, ledger.delta)
+    for event, count in ledger.entries:
+        fresh.record(event, count)
+    epsilon = get_accountant(resumed["accountant"]).epsilon(fresh)
+    assert resumed["report_epsilon"] == pytest.approx(epsilon, rel=1e-12)
+    assert resumed["logged_epsilon"] == pytest.approx(epsilon, rel=1e-6)  # logged as float32
+    assert resumed["report_epsilon"] == pytest.approx(straight["report_epsilon"], rel=1e-12)
+    # The redone step drew the same sample and the same noise as the one that was lost.
+    if weights_atol == 0.0:
+        assert torch.equal(resumed["weights"], straight["weights"]), "resumed weights differ from an uninterrupted run"
+    else:
+        torch.testing.assert_close(resumed["weights"], straight["weights"], rtol=0.0, atol=weights_atol)
 
 
 def main() -> None:
