@@ -11,6 +11,7 @@ describe). Metrics the module logs while the callback computes on private data a
 from __future__ import annotations
 
 import copy
+import hashlib
 import math
 from collections.abc import Callable
 from typing import Any, ClassVar, Literal, get_args
@@ -38,7 +39,7 @@ from lightning_dp.selection import AlwaysAccept, StepAcceptance
 from lightning_dp.training.checks import eval_mode
 from lightning_dp.training.step import PrivateStep, StepResult
 
-__all__ = ["DPAccountantName", "DPCallback", "default_delta"]
+__all__ = ["DPAccountantName", "DPCallback", "default_delta", "state_digest"]
 
 DPAccountantName = Literal["rdp", "prv"]
 _LIGHTNING_DEFAULT_EPOCHS = 1000  # what Trainer() sets when neither max_epochs nor max_steps is given
@@ -54,6 +55,39 @@ def default_delta(units: int) -> float:
         (1e-05, 1e-07)
     """
     return min(1e-5, 1.0 / (10 * units))
+
+
+def state_digest(state: Any) -> str:
+    """SHA-256 of a checkpoint state built from dicts, lists, tuples, strings, numbers, None and tensors.
+
+    Stored with the DP callbacks' state and checked on resume: ``torch.load`` verifies no checksum, so a
+    flipped bit in a ledger entry, a counter or a generator state would otherwise load silently.
+
+    Example:
+        >>> state_digest({"counts": [3]}) == state_digest({"counts": [3]}) != state_digest({"counts": [2]})
+        True
+    """
+    digest = hashlib.sha256()
+
+    def feed(value: Any) -> None:
+        if isinstance(value, dict):
+            digest.update(b"{%d" % len(value))
+            for key in sorted(value, key=repr):
+                feed(key)
+                feed(value[key])
+        elif isinstance(value, (list, tuple)):
+            digest.update(b"[%d" % len(value))
+            for item in value:
+                feed(item)
+        elif isinstance(value, torch.Tensor):
+            flat = value.detach().cpu().contiguous().reshape(-1)
+            digest.update(f"T{flat.dtype}{tuple(value.shape)}".encode())
+            digest.update(flat.view(torch.uint8).numpy().tobytes())
+        else:
+            digest.update(f"{type(value).__name__}:{value!r};".encode())
+
+    feed(state)
+    return digest.hexdigest()
 
 
 class DPCallback(pl.Callback):
@@ -115,6 +149,11 @@ class DPCallback(pl.Callback):
         self._patched: list[tuple[Any, str]] = []
         self._original_training_step: Callable[..., Any] | None = None
         self._logging = False
+        #: Steps a previous fit of this callback charged (and its ledgers); a new fit must resume from a checkpoint.
+        self._trained_steps = 0
+        self._trained_ledgers: tuple[PrivacyLedger | None, PrivacyLedger | None] = (None, None)
+        #: From setup until a checkpoint reaches on_load_checkpoint (an error reading the file comes in between).
+        self._reading = False
 
     @property
     def state_key(self) -> str:
@@ -215,13 +254,12 @@ class DPCallback(pl.Callback):
                 f"`{self.state_key}`: the Trainer also has {[cb.state_key for cb in others]}; one DP training callback "
                 "trains the model. HINT: keep one of them."
             )
-        if self.ledger is not None and trainer.ckpt_path is None:
-            raise PrivacyStateError(
-                f"`{self.state_key}`: this callback already trained a model ({self.ledger.steps} steps in its ledger); "
-                "a new fit would start a new ledger while the model keeps what it learned, and the ε printed would "
-                "no longer bound it. HINT: resume with trainer.fit(..., ckpt_path=...), or use a new callback for a "
-                "new model."
-            )
+        # A callback that has trained must resume from a checkpoint. Lightning names the checkpoint (trainer.ckpt_path)
+        # only when it reads it, after setup: the check is made in on_train_start, before the first step, and only a
+        # restored privacy state lifts it.
+        if self.ledger is not None and self.ledger.steps > self._trained_steps:
+            self._trained_steps = self.ledger.steps
+            self._trained_ledgers = (self.ledger, self.accepted_ledger)
         self._refuse_unsupported_trainer(trainer, pl_module)
         self._check_public_energy(trainer)
         units = self._prepare(trainer, pl_module)
@@ -276,6 +314,7 @@ class DPCallback(pl.Callback):
 
         self._patch(pl_module, "training_step", private_step)
         self._install_log_filter(trainer, pl_module)
+        self._reading = True
 
     def _refuse_unsupported_trainer(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Trainer settings and modules that the private step would silently ignore or break, refused up front."""
@@ -366,7 +405,20 @@ class DPCallback(pl.Callback):
             self._flushing = False
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        self._stop_flushing()  # a failed fit does not reach teardown
+        # Lightning calls no teardown hook after an exception: undo what setup patched into the module and the
+        # datamodule here, or a retry in the same process would train through this fit's stale loader and step.
+        self.teardown(trainer, pl_module, "fit")
+        reading, self._reading = self._reading, False
+        path = trainer.ckpt_path  # set by Lightning just before it reads the file
+        # Lightning keeps the loaded checkpoint private: empty while the file has not been read.
+        loaded = getattr(getattr(trainer, "_checkpoint_connector", None), "_loaded_checkpoint", None)
+        if reading and path is not None and not loaded and hasattr(exception, "add_note"):
+            exception.add_note(
+                f"{self.state_key}: could not read the checkpoint {path}: it is corrupt or truncated (torch.load "
+                "verifies no checksum and reports a damaged file as whatever it stumbled on). Nothing was trained or "
+                "charged, and the privacy state was not restored. HINT: resume from an earlier checkpoint; do not "
+                "retry with weights_only=False."
+            )
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._stop_flushing()
@@ -378,6 +430,14 @@ class DPCallback(pl.Callback):
         self._original_training_step = None
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._trained_steps:
+            self.ledger, self.accepted_ledger = self._trained_ledgers  # the record of what this callback trained
+            raise PrivacyStateError(
+                f"`{self.state_key}`: this callback already trained a model ({self._trained_steps} steps in its "
+                "ledger); a new fit would start a new ledger while the model keeps what it learned, and the ε printed "
+                "would no longer bound it. HINT: resume with trainer.fit(..., ckpt_path=...), or use a new callback "
+                "for a new model."
+            )
         self._refuse_batch_norm_reset(trainer, pl_module)
         loader = trainer.train_dataloader
         loaders = loader if isinstance(loader, (list, tuple)) else [loader]
@@ -541,11 +601,13 @@ class DPCallback(pl.Callback):
         }
         if self.accepted_ledger is not None:
             state["accepted_ledger"] = self.accepted_ledger.state_dict()
+        state["checksum"] = state_digest(state)
         return state
 
     def on_load_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
+        self._reading = False
         if not checkpoint.get("callbacks", {}).get(self.state_key):
             raise PrivacyStateError(
                 f"`{self.state_key}`: the checkpoint has no {self.mechanism} privacy state (ledger, sampler and noise "
@@ -559,6 +621,37 @@ class DPCallback(pl.Callback):
             raise PrivacyStateError(
                 f"`{self.mechanism}`: privacy state can only be restored after setup (inside trainer.fit)."
             )
+        try:
+            assign = self._validated(state_dict)
+        except (PrivacyStateError, PrivacyConfigError):
+            raise
+        except Exception as err:  # a damaged state breaks the parsing itself: say so when its checksum says so
+            self._check_checksum(state_dict)
+            raise PrivacyStateError(f"`{self.state_key}`: the checkpoint's privacy state is invalid: {err!r}.") from err
+        self._check_checksum(state_dict)
+        assign()
+        self._trained_steps = 0  # resumed: the checkpoint's ledger describes the model
+
+    def _check_checksum(self, state_dict: dict[str, Any]) -> None:
+        stored = state_dict.get("checksum")
+        if stored is None:
+            rank_zero_warn(
+                f"{self.state_key}: the checkpoint's privacy state has no checksum (written by an earlier "
+                "lightning-dp): it is resumed without an integrity check.",
+                category=PrivacyWarning,
+            )
+            return
+        if stored != state_digest({k: v for k, v in state_dict.items() if k != "checksum"}):
+            raise PrivacyStateError(
+                f"`{self.state_key}`: the checkpoint's privacy state is corrupt: its checksum does not match its "
+                "content (a damaged or edited file; torch.load verifies no checksum). Resuming from it could charge "
+                "the steps already taken at another ε or draw other noise and samples. Nothing was restored. HINT: "
+                "resume from an earlier checkpoint (ModelCheckpoint(save_top_k=-1) keeps every one it writes)."
+            )
+
+    def _validated(self, state_dict: dict[str, Any]) -> Callable[[], None]:
+        """Parses and checks ``state_dict`` completely; returns the function that assigns it."""
+        assert self.ledger is not None and self.release is not None
         if state_dict.get("format_version") != self.format_version:
             raise PrivacyStateError(
                 f"`{self.state_key}`: checkpoint state has format_version {state_dict.get('format_version')!r}, "
@@ -589,12 +682,17 @@ class DPCallback(pl.Callback):
             accepted = PrivacyLedger(self.unit, self.ledger.delta)
             accepted.load_state_dict(state_dict.get("accepted_ledger", {}))
         assign_extra = self._load_extra_state(state_dict)
-        self.release.load_state_dict(state_dict["release"])
-        self.acceptance.load_state_dict(state_dict["acceptance"])
-        self.ledger.load_state_dict(state_dict["ledger"])
-        if accepted is not None:
-            self.accepted_ledger = accepted
-        assign_extra()
+        ledger_state, release, acceptance = self.ledger, self.release, self.acceptance
+
+        def assign() -> None:
+            release.load_state_dict(state_dict["release"])
+            acceptance.load_state_dict(state_dict["acceptance"])
+            ledger_state.load_state_dict(state_dict["ledger"])
+            if accepted is not None:
+                self.accepted_ledger = accepted
+            assign_extra()
+
+        return assign
 
     # ------------------------------------------------------------------ optimizer
     @staticmethod

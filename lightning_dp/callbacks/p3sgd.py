@@ -494,6 +494,7 @@ class P3SGD(DPCallback):
             "nonfinite_updates": self.nonfinite_updates,
             "noise_scales": list(self.noise_scales),
             "accounting": self.accounting,
+            "clip_norm": self.clip_norm,
         }
 
     def _load_extra_state(self, state: dict[str, Any]) -> Callable[[], None]:
@@ -503,6 +504,21 @@ class P3SGD(DPCallback):
                 f"`{self.state_key}`: the checkpoint was written with noise_scales={tuple(state['noise_scales'])} "
                 f"and accounting={state['accounting']!r}; this run has {self.noise_scales} and "
                 f"{self.accounting!r}. HINT: resume with the same privacy settings."
+            )
+        clip_norm = state.get("clip_norm", self.clip_norm)  # older checkpoints do not record it
+        if clip_norm != self.clip_norm:
+            raise PrivacyStateError(
+                f"`{self.state_key}`: the checkpoint was written with clip_norm={clip_norm}; this run has "
+                f"clip_norm={self.clip_norm}. HINT: resume with the same privacy settings."
+            )
+        rounds = state["rounds"]
+        recorded = PrivacyLedger(self.unit, 0.5)
+        recorded.load_state_dict(state["ledger"])
+        if not isinstance(rounds, int) or recorded.steps != rounds:
+            raise PrivacyStateError(
+                f"`{self.state_key}`: the checkpoint's round counter ({rounds}) disagrees with its ledger "
+                f"({recorded.steps} rounds): the ledger would not describe the rounds the model was trained with. "
+                "HINT: resume from an unmodified checkpoint."
             )
         PoissonPatientSampler(self.sampler.num_patients, self.sampler.sample_rate, seed=0).load_state_dict(
             state["sampler"]

@@ -96,16 +96,21 @@ class ModelState:
             pairs.append((t.detach().reshape(-1), theta[offset : offset + n], out[offset : offset + n]))
             offset += n
         sq = 0.0
+        wide = []  # tensors whose change (or its norm) overflows fp32: computed in float64
         for current, before, _ in pairs:
             part = float(torch.dist(current.float(), before)) ** 2
-            if not math.isfinite(part):  # a finite change whose square overflowed fp32
+            wide.append(not math.isfinite(part))
+            if wide[-1]:  # a finite change whose difference or square overflowed fp32
                 part = float(torch.dist(current.double(), before.double())) ** 2
             sq += part
         norm = math.sqrt(sq)
         scale, clipped, finite = clip_factor(norm, clip_norm)
         if finite:
-            for current, before, target in pairs:
-                target.add_(current.float() - before, alpha=scale)
+            for (current, before, target), in_float64 in zip(pairs, wide):
+                if in_float64:  # scaled before it is rounded to fp32: 3e38 − (−3e38) is inf in fp32
+                    target.add_(((current.double() - before.double()) * scale).to(target.dtype))
+                else:
+                    target.add_(current.float() - before, alpha=scale)
         return (norm if finite else math.inf), clipped, finite
 
     @torch.no_grad()

@@ -72,6 +72,12 @@ def take_range(batch: Any, start: int, stop: int, size: int) -> Any:
     return apply_to_collection(batch, Tensor, lambda t: t[start:stop] if _batched(t, size) else t)
 
 
+def take_indices(batch: Any, indices: Sequence[int], size: int) -> Any:
+    """The samples ``indices`` of a collated batch of ``size``, in that order."""
+    index = torch.tensor(list(indices), dtype=torch.long)
+    return apply_to_collection(batch, Tensor, lambda t: t[index.to(t.device)] if _batched(t, size) else t)
+
+
 def tensor_leaves(obj: Any) -> list[Tensor]:
     """Every tensor in a nested tuple / list / dict, in order."""
     if isinstance(obj, Tensor):
@@ -159,9 +165,18 @@ def collate_is_per_sample(collate_fn: Callable[[list[Any]], Any], items: Sequenc
         if len(alone) != len(sliced):
             return False
         for a, b in zip(alone, sliced):
-            if a.shape != b.shape or a.dtype != b.dtype or not torch.equal(a, b):
+            if a.shape != b.shape or a.dtype != b.dtype or not _same_values(a, b):
                 return False
     return True
+
+
+def _same_values(a: Tensor, b: Tensor) -> bool:
+    """Equal element by element, a NaN equal to a NaN (a sample with a NaN pixel is collated as it is)."""
+    if torch.equal(a, b):
+        return True
+    if not a.is_floating_point() or not torch.equal(a.isnan(), b.isnan()):
+        return False
+    return torch.equal(a.masked_fill(a.isnan(), 0.0), b.masked_fill(b.isnan(), 0.0))
 
 
 def _target_signature(item: Any) -> tuple[float, ...]:
@@ -272,7 +287,21 @@ class IndependenceCheck:
         before = self._buffers()
         with dropout_off(module):
             alone_losses = [self._reduced(self.loss_of(step(s, 0)), 1) for s in singles]
-            alone = sum(self._gradient(loss, params) for loss in alone_losses)
+            alone_grads = [self._gradient(loss, params) for loss in alone_losses]
+            # A sample whose loss or gradient is not finite (a NaN pixel) is dropped by per-sample clipping. Left in,
+            # it would make every comparison below NaN, and pass: the check runs on the other samples.
+            kept = [
+                i
+                for i, (loss, grad) in enumerate(zip(alone_losses, alone_grads))
+                if math.isfinite(float(loss.detach())) and bool(torch.isfinite(grad).all())
+            ]
+            if len(kept) < size:
+                if len(kept) < 2:
+                    return None  # nothing to couple in this batch; the other batches are checked
+                batch, size = take_indices(batch, kept, size), len(kept)
+                alone_losses = [alone_losses[i] for i in kept]
+                alone_grads = [alone_grads[i] for i in kept]
+            alone = sum(alone_grads)
             together_loss = self._reduced(self.loss_of(step(batch, 0)), size)
             together = self._gradient(together_loss, params)
             self.clipper.reset()
