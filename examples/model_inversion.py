@@ -214,7 +214,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--image-size", type=int, default=32, help="patch side in pixels (layer 3 is size/16)")
     parser.add_argument("--patients", type=int, default=60, help="private patients (70 %% train, 30 %% held out)")
     parser.add_argument("--patches", type=int, default=15, help="patches per private patient")
-    parser.add_argument("--public-patients", type=int, default=100, help="public patients (10 patches each)")
+    parser.add_argument("--public-patients", type=int, default=80, help="public patients (10 patches each)")
     parser.add_argument("--pretrain-epochs", type=int, default=3)
     parser.add_argument("--sgd-epochs", type=int, default=8, help="epochs of non-private fine-tuning (all layers)")
     parser.add_argument("--rounds", type=int, default=60, help="P3SGD rounds")
