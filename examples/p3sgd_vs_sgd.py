@@ -20,61 +20,21 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import time
-import warnings
 from pathlib import Path
 from typing import Any
 
 import pytorch_lightning as pl
 import torch
+from _shared import classifier_from, cpu_trainer, pretrain_on_public, quiet_lightning, synthetic_data
 
 from lightning_dp.callbacks import P3SGD, evaluate_accuracy
 from lightning_dp.data import SyntheticPathologyDataModule
-from lightning_dp.models import ImageClassifier
-
-
-def _data(root: str, patients: int, patches: int, seed: int, test_fraction: float) -> SyntheticPathologyDataModule:
-    data = SyntheticPathologyDataModule(
-        root=root,
-        num_patients=patients,
-        patches_per_patient=patches,
-        image_size=32,
-        seed=seed,
-        batch_size=32,
-        val_fraction=0.0,
-        test_fraction=test_fraction,
-        augment=False,
-    )
-    data.prepare_data()
-    data.setup()
-    return data
-
-
-def _trainer(callbacks: list[pl.Callback], **kwargs: Any) -> pl.Trainer:
-    return pl.Trainer(
-        accelerator="cpu",
-        devices=1,
-        callbacks=callbacks,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-        limit_val_batches=0,
-        num_sanity_val_steps=0,
-        **kwargs,
-    )
 
 
 def _accuracies(model: torch.nn.Module, data: SyntheticPathologyDataModule) -> tuple[float, float]:
     train = evaluate_accuracy(model, torch.utils.data.DataLoader(data.train_dataset, batch_size=128))
     return 100 * train, 100 * evaluate_accuracy(model, data.test_dataloader())
-
-
-def _model(public_weights: dict[str, torch.Tensor], freeze_backbone: bool, **kwargs: Any) -> ImageClassifier:
-    model = ImageClassifier(arch="resnet18", freeze_backbone=freeze_backbone, **kwargs)
-    model.load_state_dict(public_weights)
-    return model
 
 
 def main() -> None:
@@ -93,16 +53,13 @@ def main() -> None:
     args = parser.parse_args()
     if args.quick:
         args.patients, args.sgd_epochs, args.rounds = 60, 12, 60
-    warnings.filterwarnings("ignore", module="pytorch_lightning")
-    logging.getLogger("pytorch_lightning").setLevel(logging.ERROR)
-    torch.set_flush_denormal(True)
+    quiet_lightning()
     start = time.time()
 
-    public = _data(f"{args.data_root}/public", args.public_patients, 10, seed=100, test_fraction=0.05)
-    private = _data(f"{args.data_root}/private_{args.patients}x{args.patches}", args.patients, args.patches, 0, 0.3)
-    pl.seed_everything(0, verbose=False)
-    pretrained = ImageClassifier(arch="resnet18", lr=1e-3, optimizer="adam")
-    _trainer([], max_epochs=3).fit(pretrained, public)
+    public = synthetic_data(f"{args.data_root}/public", args.public_patients, 10, seed=100, test_fraction=0.05)
+    private_root = f"{args.data_root}/private_{args.patients}x{args.patches}"
+    private = synthetic_data(private_root, args.patients, args.patches, 0, 0.3)
+    pretrained = pretrain_on_public(public, epochs=3)
     public_weights = {k: v.clone() for k, v in pretrained.state_dict().items()}
     rows: list[dict[str, Any]] = []
     train, test = _accuracies(pretrained, private)
@@ -110,14 +67,14 @@ def main() -> None:
 
     for label, freeze in (("SGD (non-private)", False), ("SGD (non-private)", True)):
         pl.seed_everything(0, verbose=False)
-        model = _model(public_weights, freeze, lr=1e-3, optimizer="adam")
-        _trainer([], max_epochs=args.sgd_epochs).fit(model, private)
+        model = classifier_from(public_weights, freeze, lr=1e-3, optimizer="adam")
+        cpu_trainer([], max_epochs=args.sgd_epochs).fit(model, private)
         train, test = _accuracies(model, private)
         rows.append({"method": label, "trained": "head" if freeze else "all", "train": train, "test": test})
 
     for scales in ((1.0,), (3.0, 1.0)):
         pl.seed_everything(0, verbose=False)
-        model = _model(public_weights, freeze_backbone=True)
+        model = classifier_from(public_weights, freeze_backbone=True)
         selection = {"selection_epsilon": 0.316, "loss_bound": 3.0} if len(scales) > 1 else {}
         cb = P3SGD(
             sample_rate=args.sample_rate,
@@ -127,7 +84,7 @@ def main() -> None:
             local_batch_size=16,
             **selection,  # type: ignore[arg-type]
         )
-        _trainer([cb], max_steps=args.rounds).fit(model, private)
+        cpu_trainer([cb], max_steps=args.rounds).fit(model, private)
         assert cb.ledger is not None
         train, test = _accuracies(model, private)
         rows.append(
