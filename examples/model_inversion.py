@@ -53,8 +53,7 @@ What it shows, and what it does not:
 * With every layer released (``--p3sgd-trains all``, the paper's setting) P3SGD's reconstructions are
   worse than SGD's, as in the paper — 2.8 dB in this run, where they are high-frequency noise below the
   featureless baseline; 0.1–0.2 dB in a run with other noise and 100 public patients — but the model is at
-  chance: at
-  this scale the noise destroys the network, and the attack's prior was tuned on the SGD model.
+  chance: at this scale the noise destroys the network, and the attack's prior was tuned on the SGD model.
 * Train and held-out columns are *different patches*: here the held-out ones are harder for every row,
   the featureless baseline included. Memorisation would show as SGD's advantage over P3SGD being larger
   on training than on held-out patches (``sgd_minus_p3sgd``): −0.96 vs −0.78 dB, no sign of it.
@@ -63,6 +62,8 @@ What it shows, and what it does not:
   (reconstructions gain 1–2 dB over the mean patch). One run, one seed, 16 patches per split; P3SGD's
   noise is fresh every run (its head's accuracy varies by several points; the head-only reconstructions
   do not, they depend on the public backbone only).
+* The grid and the training columns show and score *private training patches* and the accuracies are
+  computed on them: fine for synthetic patients, not for publication from real ones.
 
 Run:   .venv/bin/python examples/model_inversion.py            (3–7 minutes on 2 CPU cores)
        .venv/bin/python examples/model_inversion.py --quick    (a smoke run, about a minute; numbers meaningless)
@@ -114,7 +115,7 @@ def total_variation(images: Tensor) -> Tensor:
 
 
 def invert(
-    extractor: nn.Module, images: Tensor, start: Tensor, steps: int, lr: float = 0.02, tv_weight: float = 0.5
+    extractor: nn.Module, images: Tensor, start: Tensor, steps: int, lr: float = 0.05, tv_weight: float = 0.5
 ) -> Tensor:
     """Reconstructs ``images`` from ``extractor(images)`` by optimising the input (Mahendran & Vedaldi).
 
@@ -232,7 +233,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="head: the demo's recipe, frozen public backbone; all: every layer released with noise, as in the paper",
     )
     parser.add_argument("--sample-rate", type=float, default=0.1, help="P3SGD's q")
-    parser.add_argument("--clip-norm", type=float, default=0.1, help="C_u, bound on a patient's head update")
+    parser.add_argument("--clip-norm", type=float, default=0.1, help="C_u, bound on a patient's update")
     parser.add_argument("--local-lr", type=float, default=0.1)
     parser.add_argument("--patches-attacked", type=int, default=16, help="training patches attacked (as many held out)")
     parser.add_argument("--steps", type=int, default=200, help="Adam steps of the inversion")
@@ -265,8 +266,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     size = args.image_size
 
     _stage(1, f"data: {args.public_patients} public and {args.patients} private synthetic patients, {size} px", start)
-    public = synthetic_data(f"{args.data_root}/public_{args.public_patients}_{size}px", args.public_patients, 10, 100,
-                            0.05, image_size=size)
+    public_root = f"{args.data_root}/public_{args.public_patients}_{size}px"
+    public = synthetic_data(public_root, args.public_patients, 10, seed=100, test_fraction=0.05, image_size=size)
     private_root = f"{args.data_root}/private_{args.patients}x{args.patches}_{size}px"
     private = synthetic_data(private_root, args.patients, args.patches, 0, 0.3, image_size=size)
 
