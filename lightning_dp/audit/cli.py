@@ -133,7 +133,7 @@ def _resolve(args: argparse.Namespace) -> dict[str, Any]:
 def _progress(label: str, total: int) -> Any:
     start = time.monotonic()
 
-    def show(done: int, of: int | None = None) -> None:
+    def show(done: int) -> None:
         width = 30
         filled = int(width * done / total)
         sys.stderr.write(
@@ -193,6 +193,8 @@ def audit_main(argv: Sequence[str]) -> int:
             significance=args.significance,
             seed=args.seed,
         )
+        if args.blackbox and audit.level != "sample":
+            raise PrivacyConfigError("`lightning-dp audit --blackbox`: the black-box audit is sample-level only.")
     except PrivacyConfigError as err:
         print(f"lightning-dp audit: error: {err}", file=sys.stderr)
         return 2
@@ -211,8 +213,6 @@ def audit_main(argv: Sequence[str]) -> int:
     ]
     passed = result.passed
     if args.blackbox:
-        if audit.level != "sample":
-            raise SystemExit("lightning-dp audit: error: --blackbox is sample-level only")
         bb = MembershipAudit(
             noise_multiplier=audit.schedule,
             sample_rate=audit.sample_rate,
