@@ -6,6 +6,7 @@ from lightning_dp.accounting.accountants import (
     MomentsAccountant,
     PRVAccountant,
     RDPAccountant,
+    gaussian_epsilon,
     get_accountant,
 )
 from lightning_dp.accounting.calibration import (
@@ -53,6 +54,7 @@ __all__ = [
     "calibrate_steps",
     "epsilon_for",
     "event_from_dict",
+    "gaussian_epsilon",
     "get_accountant",
     "plan_tcdp",
     "tcdp_plan_unchecked",

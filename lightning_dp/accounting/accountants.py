@@ -53,6 +53,7 @@ __all__ = [
     "MomentsAccountant",
     "PRVAccountant",
     "RDPAccountant",
+    "gaussian_epsilon",
     "get_accountant",
 ]
 
@@ -273,9 +274,43 @@ class MomentsAccountant:
         return epsilon_from_rdp_moments(ledger_rdp(ledger.entries, self.orders, self.grid_ratio), delta, self.orders)
 
 
+def _normal_cdf(x: float) -> float:
+    return 0.5 * math.erfc(-x / math.sqrt(2.0))
+
+
+def gaussian_epsilon(mu: float, delta: float) -> float:
+    """The exact ε at ``delta`` of the Gaussian mechanism with sensitivity/σ = ``mu`` (μ-GDP; Balle & Wang 2018).
+
+    δ(ε) = Φ(−ε/μ + μ/2) − e^ε·Φ(−ε/μ − μ/2); ε is found by bisection and the upper end returned.
+    N Gaussians with multipliers z_i compose into one with μ = √(Σ 1/z_i²).
+
+    Example:
+        >>> round(gaussian_epsilon(1.0, 1e-5), 4)
+        4.3772
+    """
+    check_finite_positive("gaussian_epsilon", "mu", mu, "sensitivity divided by the noise std.")
+
+    def delta_of(eps: float) -> float:
+        return _normal_cdf(-eps / mu + mu / 2) - math.exp(eps) * _normal_cdf(-eps / mu - mu / 2)
+
+    if delta_of(0.0) <= delta:
+        return 0.0
+    low, high = 0.0, mu * mu / 2 + mu * math.sqrt(2 * math.log(1 / delta))  # the zCDP bound: δ(high) ≤ δ
+    while delta_of(high) > delta:  # never taken in exact arithmetic; guards round-off
+        high *= 2
+    while high - low > 1e-10 * max(1.0, high):
+        mid = (low + high) / 2
+        if delta_of(mid) > delta:
+            low = mid
+        else:
+            high = mid
+    return high
+
+
 class PRVAccountant:
     """Privacy-random-variable accountant (Gopi et al. 2021) using Opacus' PRV analysis.
 
+    A ledger of un-sampled Gaussians only (PATE's aggregations) is composed exactly (`gaussian_epsilon`).
     The Poisson-sampled mechanisms with a Gaussian part (alone, or with the selections run on their
     sample: the joint pair, remove and add directions) are composed numerically and reported as the
     *upper* end of the error interval (``eps_error``). If the ledger also holds un-sampled selection or zCDP
@@ -314,6 +349,10 @@ class PRVAccountant:
         return self._gaussian_epsilon(gaussians, delta / 2) + rest
 
     def _gaussian_epsilon(self, gaussians: Counter[SampledKey], delta: float) -> float:
+        if all(rate == 1.0 and not selections for rate, _, selections in gaussians):
+            # Un-sampled Gaussians (PATE's aggregations) compose into one Gaussian: ε is exact, no numerics needed.
+            mu = math.sqrt(sum(count / sigma**2 for (_, sigma, _), count in gaussians.items()))
+            return gaussian_epsilon(mu, delta)
         if any(key[2] for key in gaussians):  # selections on a release's sample: the joint pair, both directions
             return prv_epsilon(list(gaussians), list(gaussians.values()), delta, self.eps_error)
         # Imported here: Opacus imports torch, and the accounting layer must stay importable without it.

@@ -1,0 +1,38 @@
+"""Private segmentation: PATE with compressed teacher predictions (ALGORITHMS.md §5).
+
+DP-SGD and P3SGD train segmentation models through the ordinary callbacks (`lightning_dp.callbacks`);
+this package adds the PATE route: teachers on disjoint patient partitions, compression of their maps
+(`PCACompressor`, `AutoencoderCompressor`), and the noisy aggregation (`PATEAggregator`), whose noise and
+ledger charge go through the engines' own `GaussianRelease`.
+"""
+
+from lightning_dp.segmentation.compression import AutoencoderCompressor, Compressor, PCACompressor, check_maps
+from lightning_dp.segmentation.pate import (
+    PATEAggregator,
+    PATEReport,
+    PATEResult,
+    check_partitions,
+    encoded_maps,
+    partition_patients,
+    pate_epsilon,
+    pate_noise_multiplier,
+    thesis_epsilon,
+    thesis_noise_multiplier,
+)
+
+__all__ = [
+    "AutoencoderCompressor",
+    "Compressor",
+    "PATEAggregator",
+    "PATEReport",
+    "PATEResult",
+    "PCACompressor",
+    "check_maps",
+    "check_partitions",
+    "encoded_maps",
+    "partition_patients",
+    "pate_epsilon",
+    "pate_noise_multiplier",
+    "thesis_epsilon",
+    "thesis_noise_multiplier",
+]

@@ -1,0 +1,375 @@
+"""PATE for segmentation with compressed teacher votes (ALGORITHMS.md §5).
+
+K teachers are trained on **disjoint partitions of the patients** (ordinary, non-private Lightning
+runs; the teachers are never released). For each of N public inputs x_n, every teacher's map
+y_nk ∈ [0, 1]^d is compressed to a code z_nk = f(y_nk) (`PCACompressor`, `AutoencoderCompressor`), and
+the mean code is released with Gaussian noise:
+
+    z̄_n = (1/K) Σ_k z_nk + N(0, σ² I),   σ = z·S/K,
+
+with S the compressor's sensitivity (√d for PCA, 2√l for the autoencoder). Adding or removing one
+patient changes the training data of exactly one teacher, which can move Σ_k z_nk by at most S: each
+query is a Gaussian mechanism with noise multiplier z at **patient level**, by construction. The N
+queries are N ledger steps; ε comes from the ledger's accountant (RDP by default), and the thesis'
+closed form ε = ρ + 2√(ρ·log(1/δ)), ρ = N/(2z²), is printed beside it as a comparison (it is a valid
+but looser bound). The noise is drawn, and the ledger charged, by `GaussianRelease` — the same call
+the training engines use; nothing here draws noise of its own.
+
+A student trained on the public inputs and the decoded maps ĝ(z̄_n) is post-processing of the release.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from lightning_dp.accounting import AccountantName, GaussianEvent, PrivacyLedger, calibrate_factor, get_accountant
+from lightning_dp.errors import (
+    PrivacyBudgetExceededError,
+    PrivacyConfigError,
+    check_count,
+    check_finite_positive,
+    check_in_interval,
+)
+from lightning_dp.sanitization.release import GaussianRelease
+from lightning_dp.segmentation.compression import Compressor, check_maps
+
+__all__ = [
+    "PATEAggregator",
+    "PATEReport",
+    "PATEResult",
+    "check_partitions",
+    "encoded_maps",
+    "partition_patients",
+    "pate_epsilon",
+    "pate_noise_multiplier",
+    "thesis_epsilon",
+    "thesis_noise_multiplier",
+]
+
+
+# ---------------------------------------------------------------------- teachers' data
+def check_partitions(partitions: Sequence[Sequence[str]]) -> list[list[str]]:
+    """Returns the partitions as lists after checking that there are ≥ 2, none empty, and no patient in two.
+
+    The patient-level guarantee rests on one patient changing **one** teacher: a patient in two
+    partitions would change two teachers, twice the sensitivity the noise is calibrated for.
+
+    Example:
+        >>> check_partitions([["a", "b"], ["c"]])
+        [['a', 'b'], ['c']]
+        >>> check_partitions([["a", "b"], ["b"]])
+        Traceback (most recent call last):
+        ...
+        lightning_dp.errors.PrivacyConfigError: `check_partitions`: patient 'b' is in teacher partitions 0 and 1 ...
+    """
+    parts = [list(p) for p in partitions]
+    if len(parts) < 2:
+        raise PrivacyConfigError(
+            f"`check_partitions`: PATE needs K ≥ 2 teachers, found K = {len(parts)}. HINT: split the private patients "
+            "into e.g. 8–16 disjoint partitions (partition_patients)."
+        )
+    owner: dict[str, int] = {}
+    for k, part in enumerate(parts):
+        if not part:
+            raise PrivacyConfigError(
+                f"`check_partitions`: teacher partition {k} has no patients. HINT: use fewer teachers than patients."
+            )
+        for patient in part:
+            if patient in owner:
+                raise PrivacyConfigError(
+                    f"`check_partitions`: patient {patient!r} is in teacher partitions {owner[patient]} and {k} "
+                    "(partitions must be disjoint by patient: one patient may change only one teacher). "
+                    "HINT: build the partitions with lightning_dp.segmentation.partition_patients."
+                )
+            owner[patient] = k
+    return parts
+
+
+def partition_patients(patient_ids: Sequence[str], num_teachers: int, seed: int = 0) -> list[list[str]]:
+    """Splits the distinct ``patient_ids`` into ``num_teachers`` disjoint partitions of near-equal size.
+
+    The split is a seeded shuffle of the patient ids (a public choice: it is not a privacy release).
+
+    Example:
+        >>> parts = partition_patients([f"p{i}" for i in range(10)], 3, seed=0)
+        >>> sorted(len(p) for p in parts), sorted(sum(parts, [])) == sorted(f"p{i}" for i in range(10))
+        ([3, 3, 4], True)
+    """
+    k = check_count("partition_patients", "num_teachers", num_teachers, "K ≥ 2 teachers, e.g. 8.", minimum=2)
+    distinct = sorted(set(patient_ids))
+    if len(distinct) < k:
+        raise PrivacyConfigError(
+            f"`partition_patients(num_teachers={k})`: only {len(distinct)} distinct patients for {k} teachers. "
+            f"HINT: use at most {len(distinct)} teachers."
+        )
+    random.Random(seed).shuffle(distinct)
+    return check_partitions([distinct[i::k] for i in range(k)])
+
+
+# ---------------------------------------------------------------------- accounting
+def _ledger(delta: float, num_queries: int, z: float, before: PrivacyLedger | None = None) -> PrivacyLedger:
+    ledger = PrivacyLedger("patient", delta)
+    if before is not None:
+        ledger.extend(before.entries)
+    ledger.record(GaussianEvent(z), num_queries)
+    return ledger
+
+
+def pate_epsilon(noise_multiplier: float, delta: float, num_queries: int, accountant: AccountantName = "rdp") -> float:
+    """ε of ``num_queries`` Gaussian aggregations with noise multiplier z (σ = z·S/K), at patient level.
+
+    Example:
+        >>> round(pate_epsilon(20.0, 1e-7, 100), 3) <= round(thesis_epsilon(20.0, 1e-7, 100), 3)
+        True
+    """
+    z = check_finite_positive("pate_epsilon", "noise_multiplier", noise_multiplier, "e.g. 20.")
+    n = check_count("pate_epsilon", "num_queries", num_queries, "the number of public inputs labelled.", minimum=1)
+    return get_accountant(accountant).epsilon(_ledger(delta, n, z))
+
+
+def pate_noise_multiplier(
+    target_epsilon: float, delta: float, num_queries: int, accountant: AccountantName = "rdp"
+) -> float:
+    """The smallest z (to 0.1 %) whose ``num_queries`` aggregations spend at most ``target_epsilon``.
+
+    Example:
+        >>> z = pate_noise_multiplier(2.0, 1e-7, 200)
+        >>> pate_epsilon(z, 1e-7, 200) <= 2.0 < pate_epsilon(0.99 * z, 1e-7, 200)
+        True
+    """
+    check_finite_positive("pate_noise_multiplier", "target_epsilon", target_epsilon, "e.g. 2.0.")
+    n = check_count("pate_noise_multiplier", "num_queries", num_queries, "the number of public inputs.", minimum=1)
+    return calibrate_factor(target_epsilon, lambda z: _ledger(delta, n, z), accountant, what="the aggregation noise")
+
+
+def thesis_epsilon(noise_multiplier: float, delta: float, num_queries: int) -> float:
+    """The thesis' closed form: ε = ρ + 2√(ρ·log(1/δ)), ρ = N/(2z²) (valid, looser than the RDP accountant).
+
+    Example:
+        >>> round(thesis_epsilon(thesis_noise_multiplier(2.0, 1e-7, 100), 1e-7, 100), 6)
+        2.0
+    """
+    rho = num_queries / (2.0 * noise_multiplier**2)
+    return rho + 2.0 * math.sqrt(rho * math.log(1.0 / delta))
+
+
+def thesis_noise_multiplier(target_epsilon: float, delta: float, num_queries: int) -> float:
+    """The thesis' calibration: z = √N·(√(log(1/δ) + ε) + √log(1/δ)) / (√2·ε) (σ = z·S/K).
+
+    Example:
+        >>> round(thesis_noise_multiplier(2.0, 1e-7, 100), 3)
+        29.243
+    """
+    b = math.log(1.0 / delta)
+    return math.sqrt(num_queries) * (math.sqrt(b + target_epsilon) + math.sqrt(b)) / (math.sqrt(2.0) * target_epsilon)
+
+
+# ---------------------------------------------------------------------- the aggregation
+#: With ``target_epsilon``, a ledger that has spent more than (1 − _SPENT) of the target is exhausted.
+_SPENT = 1e-2
+
+
+@dataclass(frozen=True)
+class PATEReport:
+    """What one aggregation released and what it cost (safe to print and log: all of it is sanitized or public)."""
+
+    num_teachers: int
+    num_queries: int
+    code_dim: int
+    map_pixels: int
+    sensitivity: float
+    noise_multiplier: float
+    noise_std: float
+    epsilon: float
+    delta: float
+    accountant: str
+    thesis_epsilon: float
+    unit: str = "patient"
+
+    def __str__(self) -> str:
+        lines = [
+            "PATE aggregation (patient-level by construction: one patient changes the data of one teacher)",
+            f"  teachers K                 {self.num_teachers}",
+            f"  public queries N           {self.num_queries}",
+            f"  code length l (of d)       {self.code_dim} (of {self.map_pixels} pixels)",
+            f"  sensitivity of Σ codes S   {self.sensitivity:.4g}",
+            f"  noise multiplier z         {self.noise_multiplier:.4g} (σ = z·S/K = {self.noise_std:.4g} on the mean)",
+            f"  ε ({self.accountant}, δ = {self.delta:g})  {self.epsilon:.4f}   [the guarantee]",
+            f"  ε (thesis closed form)     {self.thesis_epsilon:.4f}   [comparison; looser]",
+        ]
+        return "\n".join(lines)
+
+
+@dataclass
+class PATEResult:
+    """The released labels: noisy mean codes and their decoded maps (post-processing of the release)."""
+
+    codes: Tensor
+    maps: Tensor
+    report: PATEReport
+    extra: Mapping[str, object] = field(default_factory=dict)
+
+
+class PATEAggregator:
+    """Noisy mean of K teachers' compressed maps, one `GaussianRelease` per public query, charged to a ledger.
+
+    Give either ``noise_multiplier`` (z; ε is reported) or ``target_epsilon`` (z is calibrated over the
+    queries of the call, counting what the ledger already holds). With ``target_epsilon`` the target is
+    also a hard stop: a call that cannot fit under it — or finds more than 99 % of it spent — raises before
+    anything is released.
+
+    Args:
+        compressor: a fitted `Compressor` (on public maps).
+        num_teachers: K ≥ 2.
+        delta: δ of the patient-level guarantee (the thesis used 1e-7).
+        noise_multiplier: z, σ = z·S/K on the mean code.
+        target_epsilon: calibrate z to spend at most this ε.
+        accountant: "rdp" (default) or "prv".
+        ledger: the ledger to charge (a new patient-level one by default).
+        seed: seed of the noise generator; ``None`` (default) draws one from the OS. Never derived from data.
+
+    Example:
+        >>> from lightning_dp.segmentation import PCACompressor
+        >>> g = torch.Generator().manual_seed(0)
+        >>> pca = PCACompressor(code_dim=4).fit((torch.rand(20, 1, 4, 4, generator=g) > 0.5).float())
+        >>> agg = PATEAggregator(pca, num_teachers=3, delta=1e-7, target_epsilon=2.0, seed=0)
+        >>> result = agg.aggregate(torch.rand(3, 5, 1, 4, 4, generator=g))
+        >>> result.maps.shape, result.report.num_queries, result.report.epsilon <= 2.0, agg.ledger.steps
+        (torch.Size([5, 1, 4, 4]), 5, True, 5)
+    """
+
+    def __init__(
+        self,
+        compressor: Compressor,
+        num_teachers: int,
+        *,
+        delta: float,
+        noise_multiplier: float | None = None,
+        target_epsilon: float | None = None,
+        accountant: AccountantName = "rdp",
+        ledger: PrivacyLedger | None = None,
+        seed: int | None = None,
+    ) -> None:
+        owner = "PATEAggregator"
+        self.compressor = compressor
+        compressor._check_fitted()
+        self.num_teachers = check_count(owner, "num_teachers", num_teachers, "K ≥ 2 teachers, e.g. 16.", minimum=2)
+        check_in_interval(owner, "delta", delta, 0.0, 1.0, low_closed=False, high_closed=False, hint="e.g. 1e-7.")
+        if (noise_multiplier is None) == (target_epsilon is None):
+            raise PrivacyConfigError(
+                f"`{owner}`: give exactly one of noise_multiplier and target_epsilon, found "
+                f"noise_multiplier={noise_multiplier!r}, target_epsilon={target_epsilon!r}. HINT: target_epsilon=2.0 "
+                "calibrates the noise; noise_multiplier=z reports the ε it spends."
+            )
+        if noise_multiplier is not None:
+            check_finite_positive(owner, "noise_multiplier", noise_multiplier, "e.g. 20.")
+        if target_epsilon is not None:
+            check_finite_positive(owner, "target_epsilon", target_epsilon, "e.g. 2.0 (the thesis' budget).")
+        self.noise_multiplier = noise_multiplier
+        self.target_epsilon = target_epsilon
+        self.accountant: AccountantName = accountant
+        self._account = get_accountant(accountant)
+        if ledger is not None and ledger.unit != "patient":
+            raise PrivacyConfigError(
+                f"`{owner}(ledger)`: the ledger is for unit {ledger.unit!r}, but PATE's guarantee is patient-level. "
+                "HINT: pass a PrivacyLedger('patient', delta)."
+            )
+        if ledger is not None and ledger.delta != delta:
+            raise PrivacyConfigError(
+                f"`{owner}(ledger)`: the ledger's δ = {ledger.delta:g} differs from delta = {delta:g}. HINT: use one δ."
+            )
+        self.ledger = ledger if ledger is not None else PrivacyLedger("patient", delta)
+        self.delta = float(delta)
+        self._seed = seed
+
+    @property
+    def sensitivity(self) -> float:
+        """S: how far one teacher can move the sum of the K codes (L2)."""
+        return float(self.compressor.sensitivity)
+
+    def plan(self, num_queries: int) -> float:
+        """The noise multiplier z the next ``num_queries`` queries would use (calibrated with ``target_epsilon``).
+
+        Raises:
+            PrivacyBudgetExceededError: with ``target_epsilon``, the ledger leaves no room for the queries.
+        """
+        n = check_count("PATEAggregator.plan", "num_queries", num_queries, "the number of public inputs.", minimum=1)
+        if self.target_epsilon is None:
+            assert self.noise_multiplier is not None
+            return self.noise_multiplier
+        target = self.target_epsilon
+        spent = self._account.epsilon(self.ledger) if self.ledger.steps else 0.0
+        if spent >= target * (1.0 - _SPENT):
+            raise PrivacyBudgetExceededError(
+                f"`PATEAggregator`: the ledger already spends ε = {spent:.4f} of target_epsilon = {target:g} "
+                f"(more than {1 - _SPENT:.0%}); {n} more queries would exceed it or carry noise that drowns "
+                "every code. HINT: raise the budget, or label all public inputs in one call."
+            )
+        try:
+            return calibrate_factor(
+                target, lambda z: _ledger(self.delta, n, z, self.ledger), self.accountant, what="the aggregation noise"
+            )
+        except PrivacyConfigError as err:
+            raise PrivacyBudgetExceededError(str(err)) from err
+
+    def noise_std(self, num_queries: int) -> float:
+        """σ on the mean code for ``num_queries`` queries: z·S/K (the autoencoder's training noise should match it)."""
+        return self.plan(num_queries) * self.sensitivity / self.num_teachers
+
+    def aggregate(self, teacher_maps: Tensor) -> PATEResult:
+        """Releases the noisy mean code of every public query and decodes it.
+
+        Args:
+            teacher_maps: (K, N, *map_shape) teacher predictions in [0, 1] (probabilities or binary maps).
+
+        Returns:
+            The noisy mean codes (N, l), the decoded maps (N, *map_shape) in [0, 1], and the report.
+        """
+        owner = "PATEAggregator.aggregate"
+        if not isinstance(teacher_maps, Tensor) or teacher_maps.dim() < 3:
+            raise PrivacyConfigError(
+                f"`{owner}`: expected a (K, N, *map_shape) tensor of teacher maps, found "
+                f"{tuple(teacher_maps.shape) if isinstance(teacher_maps, Tensor) else type(teacher_maps).__name__}."
+            )
+        k, n = int(teacher_maps.shape[0]), int(teacher_maps.shape[1])
+        if k != self.num_teachers:
+            raise PrivacyConfigError(
+                f"`{owner}`: {k} teachers' maps, but the aggregator was built for K = {self.num_teachers} (its noise "
+                f"is calibrated to a sensitivity of S/K). HINT: pass the maps of all {self.num_teachers} teachers."
+            )
+        # Every teacher's maps are checked to lie in [0, 1] (the sensitivity bound) before anything is released.
+        codes = torch.stack([self.compressor.encode(teacher_maps[i]) for i in range(k)])  # (K, N, l)
+        z = self.plan(n)  # raises before anything is drawn or charged if the budget cannot hold the queries
+        release = GaussianRelease(
+            self.ledger, clip_norm=self.sensitivity, sample_rate=None, schedule=z, seed=self._seed
+        )
+        self._seed = None if self._seed is None else self._seed + 1  # a second call never reuses the noise
+        summed = codes.sum(0)  # (N, l): Σ_k z_nk
+        noisy = torch.stack([release.release(q, summed[q], normalizer=float(k)).update for q in range(n)])
+        maps = self.compressor.decode(noisy)
+        report = PATEReport(
+            num_teachers=k,
+            num_queries=n,
+            code_dim=self.compressor.code_dim,
+            map_pixels=math.prod(teacher_maps.shape[2:]),
+            sensitivity=self.sensitivity,
+            noise_multiplier=z,
+            noise_std=z * self.sensitivity / k,
+            epsilon=self._account.epsilon(self.ledger),
+            delta=self.delta,
+            accountant=self.accountant,
+            thesis_epsilon=thesis_epsilon(z, self.delta, self.ledger.steps),
+        )
+        return PATEResult(codes=noisy, maps=maps, report=report)
+
+
+def encoded_maps(compressor: Compressor, maps: Tensor) -> Tensor:
+    """decode(encode(maps)): what compression alone keeps of the maps (no noise; for evaluation only)."""
+    check_maps("encoded_maps", maps)
+    return compressor.decode(compressor.encode(maps))
