@@ -13,6 +13,19 @@ from lightning_dp.data.datamodule import PatientDataModule, RandomRot90, Synthet
 from lightning_dp.data.dataset import PatientImageDataset, PatientSample
 from lightning_dp.data.errors import DataError, DataNotReadyError
 from lightning_dp.data.manifest import ManifestRow, load_image, read_manifest
+from lightning_dp.data.segmentation import (
+    PatientSegmentationDataset,
+    RandomFlipRot90,
+    SegmentationImages,
+    SegmentationRow,
+    read_segmentation_manifest,
+)
+from lightning_dp.data.segmentation_datamodule import (
+    SegmentationDataModule,
+    SyntheticSilhouettesDataModule,
+    partition_patients,
+)
+from lightning_dp.data.silhouettes import generate_synthetic_silhouettes, synthetic_silhouettes
 from lightning_dp.data.synthetic import generate_synthetic_pathology, render_synthetic_patient
 
 __all__ = [
@@ -22,11 +35,21 @@ __all__ = [
     "PatientDataModule",
     "PatientImageDataset",
     "PatientSample",
+    "PatientSegmentationDataset",
+    "RandomFlipRot90",
     "RandomRot90",
+    "SegmentationDataModule",
+    "SegmentationImages",
+    "SegmentationRow",
     "SyntheticPathologyDataModule",
+    "SyntheticSilhouettesDataModule",
     "generate_synthetic_pathology",
+    "generate_synthetic_silhouettes",
     "load_image",
+    "partition_patients",
     "read_manifest",
+    "read_segmentation_manifest",
     "render_synthetic_patient",
     "split_patients",
+    "synthetic_silhouettes",
 ]

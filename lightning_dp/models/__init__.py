@@ -2,14 +2,18 @@
 
 from lightning_dp.models.classifier import Architecture, ImageClassifier, build_backbone
 from lightning_dp.models.fixers import ModelProblem, fix_model, group_norm_for, is_frozen_batch_norm, validate_model
+from lightning_dp.models.segmentation import SegmentationModule, build_segmentation_model, segmentation_loss
 
 __all__ = [
     "Architecture",
     "ImageClassifier",
     "ModelProblem",
+    "SegmentationModule",
     "build_backbone",
+    "build_segmentation_model",
     "fix_model",
     "group_norm_for",
     "is_frozen_batch_norm",
+    "segmentation_loss",
     "validate_model",
 ]

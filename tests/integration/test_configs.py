@@ -10,22 +10,34 @@ import pytest
 from lightning_dp.cli import main
 
 CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.yaml"))
+SEGMENTATION = [c for c in CONFIGS if "SyntheticSilhouettesDataModule" in c.read_text()]
 
 
-@pytest.mark.parametrize("config", CONFIGS, ids=[c.stem for c in CONFIGS])
-def test_config_trains_and_reports(config: Path, tmp_path: Path) -> None:
-    overrides = [
+def _data_overrides(config: Path, root: Path, image_size: int = 32) -> list[str]:
+    if config in SEGMENTATION:
+        return [
+            f"--data.init_args.root={root}",
+            "--data.init_args.num_patients=12",
+            "--data.init_args.images_per_patient=16",  # 9 training patients: 144 images, 2 DPSGD steps per epoch
+            f"--data.init_args.image_size={image_size}",
+        ]
+    return [
+        f"--data.init_args.root={root}",
+        "--data.init_args.num_patients=12",
+        "--data.init_args.patches_per_patient=20",
+        "--data.init_args.image_size=32",
+    ]
+
+
+def _fit_and_check_report(config: Path, tmp_path: Path, overrides: list[str]) -> None:
+    common = [
         f"--trainer.default_root_dir={tmp_path}",
         "--trainer.max_steps=2",
         "--trainer.max_epochs=1",
         "--trainer.limit_val_batches=1",
         "--trainer.enable_progress_bar=false",
-        f"--data.init_args.root={tmp_path / 'data'}",
-        "--data.init_args.num_patients=12",
-        "--data.init_args.patches_per_patient=20",
-        "--data.init_args.image_size=32",
     ]
-    assert main(["fit", "--config", str(config), *overrides]) == 0
+    assert main(["fit", "--config", str(config), *common, *overrides]) == 0
     reports = list(tmp_path.rglob("privacy_report.json"))
     text = config.read_text()
     if "lightning_dp.callbacks.P3SGD" in text or "lightning_dp.callbacks.DPSGD" in text:
@@ -35,3 +47,30 @@ def test_config_trains_and_reports(config: Path, tmp_path: Path) -> None:
         assert report["unit"] == ("patient" if "P3SGD" in text else "sample")
     else:
         assert not reports
+
+
+# The segmentation configs' smp U-Net (ResNet-18) takes minutes on CPU under DPSGD's start-up checks: the full
+# config runs as a slow test, and test_segmentation_config_with_a_tiny_network runs everything else fast.
+@pytest.mark.parametrize(
+    "config",
+    [pytest.param(c, marks=pytest.mark.slow) if c in SEGMENTATION else c for c in CONFIGS],
+    ids=[c.stem for c in CONFIGS],
+)
+def test_config_trains_and_reports(config: Path, tmp_path: Path) -> None:
+    _fit_and_check_report(config, tmp_path, _data_overrides(config, tmp_path / "data"))
+
+
+# DPSGD's start-up checks cost ~16 s of CPU even on the tiny network (~30 s wall on a busy 2-core machine): slow.
+# tests/integration/test_segmentation_training.py runs DPSGD on the same data module and model class fast.
+@pytest.mark.parametrize(
+    "config",
+    [pytest.param(c, marks=pytest.mark.slow) if "callbacks.DPSGD" in c.read_text() else c for c in SEGMENTATION],
+    ids=[c.stem for c in SEGMENTATION],
+)
+def test_segmentation_config_with_a_tiny_network(config: Path, tmp_path: Path) -> None:
+    tiny = [
+        "--model.init_args.arch=monai_unet",
+        "--model.init_args.monai_channels=[4, 8]",
+        "--model.init_args.monai_res_units=0",
+    ]
+    _fit_and_check_report(config, tmp_path, [*_data_overrides(config, tmp_path / "data", image_size=16), *tiny])

@@ -1,0 +1,505 @@
+"""Lightning datamodules for segmentation that split **by patient**, with an optional public split.
+
+Every patient lands in exactly one of train / val / test / public. The *public* patients are data
+the privacy guarantee does not cover: images a PATE student may be trained on (with teacher labels,
+their own masks unused) and on which a PATE aggregator may fit its compression (PCA, autoencoder).
+Teachers are trained on disjoint partitions of the training patients (`partition_patients`).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Literal
+
+import numpy as np
+import pytorch_lightning as pl
+from torch import Tensor
+from torch.utils.data import DataLoader
+
+from lightning_dp.data.datamodule import split_patients
+from lightning_dp.data.errors import DataError, DataNotReadyError
+from lightning_dp.data.segmentation import (
+    Items,
+    PatientSegmentationDataset,
+    RandomFlipRot90,
+    SegmentationImages,
+    SegmentationRow,
+    SegmentationSample,
+    _check_options,
+    read_segmentation_manifest,
+)
+from lightning_dp.data.silhouettes import Shape, check_silhouette_parameters, generate_synthetic_silhouettes
+from lightning_dp.errors import PrivacyConfigError, check_count, check_in_interval
+
+__all__ = ["SegmentationDataModule", "SyntheticSilhouettesDataModule", "partition_patients"]
+
+_SPLITS = ("train", "val", "test", "public")
+
+
+def partition_patients(patient_ids: list[str], num_parts: int, seed: int = 0) -> list[list[str]]:
+    """Splits patients into ``num_parts`` disjoint groups of near-equal size (PATE's teacher partitions).
+
+    The patients are shuffled with ``numpy.random.default_rng(seed)`` and cut into consecutive groups
+    whose sizes differ by at most one. A patient is in exactly one group, so a teacher trained on one
+    group never sees another group's patients: one patient changes at most one teacher.
+
+    Args:
+        patient_ids: the patients (unique).
+        num_parts: the number of groups (K teachers), 1 <= K <= number of patients.
+        seed: the shuffling seed.
+
+    Returns:
+        ``num_parts`` lists, each sorted.
+
+    Raises:
+        PrivacyConfigError: ``num_parts`` is not an integer in [1, number of patients], or an id repeats.
+
+    Example:
+        >>> parts = partition_patients(["a", "b", "c", "d", "e"], 2, seed=0)
+        >>> sorted(len(p) for p in parts), sorted(sum(parts, []))
+        ([2, 3], ['a', 'b', 'c', 'd', 'e'])
+    """
+    owner = "partition_patients"
+    check_count(owner, "num_parts", num_parts, "the number of teachers, e.g. 16.", minimum=1)
+    if len(set(patient_ids)) != len(patient_ids):
+        raise PrivacyConfigError(
+            f"`{owner}(patient_ids=...)`: patient ids must be unique, found {len(patient_ids)} ids of which "
+            f"{len(set(patient_ids))} differ. HINT: pass dataset.patient_ids."
+        )
+    if num_parts > len(patient_ids):
+        raise PrivacyConfigError(
+            f"`{owner}(num_parts={num_parts})`: num_parts must be at most the number of patients, found "
+            f"{len(patient_ids)} patient(s). HINT: every teacher needs at least one patient; use fewer teachers."
+        )
+    order = np.random.default_rng(seed).permutation(sorted(patient_ids)).tolist()
+    return [sorted(str(p) for p in part) for part in np.array_split(np.asarray(order, dtype=object), num_parts)]
+
+
+class SegmentationDataModule(pl.LightningDataModule):
+    """Image/mask pairs from a segmentation manifest, split by patient into train / val / test (/ public).
+
+    If the manifest has a ``split`` column it is used as is (values train, val, test, public; a patient
+    found in two splits is an error; the fractions are then ignored). Otherwise the patients are split
+    with `split_patients` (stratified by whether most of a patient's images show foreground,
+    deterministic in ``split_seed``), and ``public_fraction`` of all patients are then moved from the
+    training split to the public split (so val and test do not depend on ``public_fraction``). A
+    separate ``public_manifest`` may hold the public images instead (masks optional; its patients
+    must not occur in ``manifest``). Batches are ``(images, masks, patients)``; the patient indices
+    refer to the ``patient_ids`` of the split's dataset.
+
+    Args:
+        manifest: CSV with ``image,mask,patient_id[,split]`` (see `read_segmentation_manifest`).
+        batch_size: items per batch (> 0).
+        val_fraction: fraction of patients for validation, in [0, 1).
+        test_fraction: fraction of patients for testing, in [0, 1).
+        public_fraction: fraction of patients made public, in [0, 1) (0 = no public split).
+        public_manifest: a manifest of public images (exclusive with ``public_fraction``).
+        split_seed: seed of the patient split.
+        num_workers: DataLoader worker processes.
+        augment: random flips and 90° rotations of image and mask together (`RandomFlipRot90`),
+            training split only.
+        items: ``"images"`` for 2-D files; ``"slices"`` or ``"patches"`` for volumes (see
+            `PatientSegmentationDataset`).
+        slice_axis: as in `PatientSegmentationDataset`.
+        patch_size: as in `PatientSegmentationDataset`.
+        mask_threshold: as in `PatientSegmentationDataset`.
+        intensity_range: as in `PatientSegmentationDataset`.
+        cache: as in `PatientSegmentationDataset`.
+
+    Raises:
+        PrivacyConfigError: an argument is out of range (raised by the constructor, before any I/O).
+
+    Example:
+        >>> import tempfile
+        >>> from lightning_dp.data.silhouettes import generate_synthetic_silhouettes
+        >>> manifest = generate_synthetic_silhouettes(tempfile.mkdtemp(), num_patients=10, images_per_patient=2,
+        ...                                           image_size=16)
+        >>> dm = SegmentationDataModule(str(manifest), batch_size=4, val_fraction=0.2, test_fraction=0.2,
+        ...                             public_fraction=0.2)
+        >>> dm.setup()
+        >>> len(dm.train_patients), dm.val_dataset.num_patients, dm.public_dataset.num_patients
+        (4, 2, 2)
+        >>> images, masks, patients = next(iter(dm.train_dataloader()))
+        >>> tuple(images.shape), tuple(masks.shape), patients.dtype
+        ((4, 3, 16, 16), (4, 1, 16, 16), torch.int64)
+    """
+
+    def __init__(
+        self,
+        manifest: str,
+        batch_size: int = 16,
+        val_fraction: float = 0.1,
+        test_fraction: float = 0.2,
+        public_fraction: float = 0.0,
+        public_manifest: str | None = None,
+        split_seed: int = 0,
+        num_workers: int = 0,
+        augment: bool = True,
+        items: Items = "images",
+        slice_axis: Literal[0, 1, 2] = 2,
+        patch_size: tuple[int, int, int] | None = None,
+        mask_threshold: float | None = None,
+        intensity_range: tuple[float, float] | None = None,
+        cache: bool = True,
+    ) -> None:
+        super().__init__()
+        owner = type(self).__name__
+        check_count(owner, "batch_size", batch_size, "use e.g. 16.", minimum=1)
+        for name, value in (
+            ("val_fraction", val_fraction),
+            ("test_fraction", test_fraction),
+            ("public_fraction", public_fraction),
+        ):
+            check_in_interval(
+                owner,
+                name,
+                value,
+                0.0,
+                1.0,
+                low_closed=True,
+                high_closed=False,
+                hint="it is the fraction of *patients* in that split; 0.0 disables the split.",
+            )
+        if val_fraction + test_fraction + public_fraction >= 1.0:
+            raise PrivacyConfigError(
+                f"`{owner}(val_fraction={val_fraction!r}, test_fraction={test_fraction!r}, "
+                f"public_fraction={public_fraction!r})`: the fractions must sum to < 1, found "
+                f"{val_fraction + test_fraction + public_fraction!r}. HINT: leave patients for training."
+            )
+        if public_fraction > 0 and public_manifest is not None:
+            raise PrivacyConfigError(
+                f"`{owner}(public_fraction={public_fraction!r}, public_manifest={public_manifest!r})`: give either a "
+                "public_fraction of the manifest's patients or a public_manifest, found both. HINT: set "
+                "public_fraction=0.0 to use the public manifest."
+            )
+        check_count(owner, "split_seed", split_seed, "use a non-negative integer such as 0.")
+        check_count(owner, "num_workers", num_workers, "0 loads in the main process.")
+        _check_options(owner, items, slice_axis, patch_size, mask_threshold, intensity_range)
+        self.manifest = str(manifest)
+        self.batch_size = batch_size
+        self.val_fraction = float(val_fraction)
+        self.test_fraction = float(test_fraction)
+        self.public_fraction = float(public_fraction)
+        self.public_manifest = None if public_manifest is None else str(public_manifest)
+        self.split_seed = split_seed
+        self.num_workers = num_workers
+        self.augment = augment
+        self.dataset_options: dict[str, Any] = {
+            "items": items,
+            "slice_axis": slice_axis,
+            "patch_size": None if patch_size is None else tuple(patch_size),
+            "mask_threshold": mask_threshold,
+            "intensity_range": None if intensity_range is None else tuple(intensity_range),
+        }
+        self.cache = cache
+        self._splits: dict[str, PatientSegmentationDataset | None] | None = None
+        self._public_images: SegmentationImages | None = None
+        self.save_hyperparameters()
+
+    # ---- setup ----------------------------------------------------------------------------------------
+
+    def setup(self, stage: str | None = None) -> None:
+        """Reads the manifest(s), checks every file, and builds the split datasets (once)."""
+        if self._splits is not None:
+            return
+        volumes = self.dataset_options["items"] != "images"
+        rows = read_segmentation_manifest(self.manifest, volumes=volumes)
+        full = PatientSegmentationDataset(rows, cache=self.cache, **self.dataset_options)
+        if any(row.split is not None for row in rows):
+            assignment = self._manifest_split(rows)
+        else:
+            assignment = self._random_split(full)
+        splits: dict[str, PatientSegmentationDataset | None] = {
+            name: full.subset_by_patients(assignment[name]) if assignment[name] else None for name in _SPLITS
+        }
+        public_images = splits["public"].images_only() if splits["public"] is not None else None
+        if self.public_manifest is not None:
+            splits["public"], public_images = self._read_public(set(full.patient_ids), volumes)
+        train = splits["train"]
+        if train is None:
+            raise DataError(
+                f"`{type(self).__name__}(manifest={self.manifest!r})`: the training split must hold at least one "
+                "patient, found none. HINT: mark some rows 'train' in the split column, or lower the fractions."
+            )
+        if self.augment:
+            train.transform = RandomFlipRot90()
+        self._check_shapes([(name, ds) for name, ds in splits.items() if ds is not None], public_images)
+        self._splits = splits
+        self._public_images = public_images
+
+    def _random_split(self, full: PatientSegmentationDataset) -> dict[str, list[str]]:
+        positive = full.positive
+        majority = [int(positive[full.patient_to_indices[p]].float().mean() >= 0.5) for p in range(full.num_patients)]
+        assignment = split_patients(full.patient_ids, majority, self.val_fraction, self.test_fraction, self.split_seed)
+        assignment["public"] = []
+        if self.public_fraction > 0:
+            count = max(1, round(self.public_fraction * full.num_patients))
+            train = assignment["train"]
+            if count >= len(train):
+                raise PrivacyConfigError(
+                    f"`{type(self).__name__}(public_fraction={self.public_fraction!r})`: the public split must leave "
+                    f"at least one training patient, found {len(train)} training patient(s) for {count} public "
+                    "one(s). HINT: use more patients or a smaller public_fraction."
+                )
+            order = np.random.default_rng([self.split_seed, 1]).permutation(len(train))
+            public = {train[i] for i in order[:count]}
+            assignment["public"] = sorted(public)
+            assignment["train"] = [p for p in train if p not in public]
+        return assignment
+
+    def _manifest_split(self, rows: list[SegmentationRow]) -> dict[str, list[str]]:
+        splits_of: dict[str, set[str]] = {}
+        for row in rows:
+            splits_of.setdefault(row.patient_id, set()).add(str(row.split))
+        overlap = {patient: sorted(s) for patient, s in sorted(splits_of.items()) if len(s) > 1}
+        if overlap:
+            shown = ", ".join(f"{patient!r} in {'+'.join(s)}" for patient, s in list(overlap.items())[:20])
+            raise DataError(
+                f"`{type(self).__name__}(manifest={self.manifest!r})`: every patient must be in exactly one split, "
+                f"found {len(overlap)} patient(s) in several: {shown}. HINT: assign splits per patient, not per image; "
+                "a private patient whose images are also public or in the test set leaks."
+            )
+        if self.public_manifest is not None and any(s == {"public"} for s in splits_of.values()):
+            raise DataError(
+                f"`{type(self).__name__}(manifest={self.manifest!r}, public_manifest={self.public_manifest!r})`: the "
+                "public images must come from one place, found rows marked 'public' and a public manifest. "
+                "HINT: drop one of them."
+            )
+        assignment: dict[str, list[str]] = {name: [] for name in _SPLITS}
+        for patient, (split,) in sorted(splits_of.items()):
+            assignment[split].append(patient)
+        return assignment
+
+    def _read_public(
+        self, private: set[str], volumes: bool
+    ) -> tuple[PatientSegmentationDataset | None, SegmentationImages]:
+        assert self.public_manifest is not None
+        rows = read_segmentation_manifest(self.public_manifest, volumes=volumes, require_masks=False)
+        shared = sorted(private & {row.patient_id for row in rows})
+        if shared:
+            raise DataError(
+                f"`{type(self).__name__}(public_manifest={self.public_manifest!r})`: public patients must not occur in "
+                f"the private manifest {self.manifest!r}, found {len(shared)} in both: {shared[:10]}. HINT: a patient "
+                "is private or public, never both; remove them from one of the manifests."
+            )
+        if all(row.mask is not None for row in rows):
+            labeled = PatientSegmentationDataset(rows, cache=self.cache, **self.dataset_options)
+            return labeled, labeled.images_only()
+        options = {k: v for k, v in self.dataset_options.items() if k != "mask_threshold"}
+        return None, SegmentationImages(rows, cache=self.cache, **options)
+
+    def _check_shapes(
+        self, named: list[tuple[str, PatientSegmentationDataset]], public_images: SegmentationImages | None
+    ) -> None:
+        """All items must have one shape (C, spatial…), or batches cannot be stacked: say which differ."""
+        first: tuple[str, int, tuple[int, ...]] | None = None
+        datasets: list[tuple[str, PatientSegmentationDataset | SegmentationImages]] = list(named)
+        if public_images is not None:
+            datasets.append(("public images", public_images))
+        for name, dataset in datasets:
+            for i in range(len(dataset)):
+                shape = dataset.item_shape(i)
+                if first is None:
+                    first = (name, i, shape)
+                elif shape != first[2]:
+                    paths = dataset.image_paths
+                    here = paths[i].name if paths[i] is not None else f"item {i}"  # type: ignore[union-attr]
+                    raise DataError(
+                        f"`{type(self).__name__}(manifest={self.manifest!r})`: every item must have the same shape to "
+                        f"be batched, found {first[2]} ({first[0]} item {first[1]}) and {shape} ({name}: {here}). "
+                        "HINT: resize the images (and masks, nearest neighbour) to one size, convert them all to RGB "
+                        "or all to grayscale, or use items='patches' for volumes of different sizes."
+                    )
+
+    # ---- what setup built -----------------------------------------------------------------------------
+
+    def _split(self, name: str) -> PatientSegmentationDataset:
+        if self._splits is None:
+            raise DataNotReadyError(
+                f"`{type(self).__name__}.{name}_dataset`: setup() must run first, found it not called. "
+                "HINT: call datamodule.setup() (the Trainer does it in fit/validate/test)."
+            )
+        dataset = self._splits[name]
+        if dataset is None:
+            hint = (
+                "public masks come from public_fraction or rows marked 'public'; a public_manifest without masks "
+                "gives public_images only"
+                if name == "public"
+                else f"set {name}_fraction > 0 or mark rows '{name}' in the manifest"
+            )
+            raise DataError(
+                f"`{type(self).__name__}(manifest={self.manifest!r})`: the {name} split must hold at least one "
+                f"patient with masks to be read, found none. HINT: {hint}."
+            )
+        return dataset
+
+    @property
+    def train_dataset(self) -> PatientSegmentationDataset:
+        """The training patients' items (augmented if ``augment``): the private data."""
+        return self._split("train")
+
+    @property
+    def val_dataset(self) -> PatientSegmentationDataset:
+        """The validation patients' items (raises `DataError` if the split is empty)."""
+        return self._split("val")
+
+    @property
+    def test_dataset(self) -> PatientSegmentationDataset:
+        """The test patients' items (raises `DataError` if the split is empty)."""
+        return self._split("test")
+
+    @property
+    def public_dataset(self) -> PatientSegmentationDataset:
+        """The public patients' items with their masks (raises `DataError` without public masks)."""
+        return self._split("public")
+
+    @property
+    def public_images(self) -> SegmentationImages:
+        """The public images without masks (what a PATE student is labeled on); `DataError` if there are none."""
+        self._split("train")
+        if self._public_images is None:
+            raise DataError(
+                f"`{type(self).__name__}(manifest={self.manifest!r})`: public images must exist to be read, found no "
+                "public split. HINT: set public_fraction > 0, mark rows 'public', or give a public_manifest."
+            )
+        return self._public_images
+
+    @property
+    def train_patients(self) -> list[str]:
+        """The ids of the training patients, sorted (index ``k`` is patient index ``k`` in a batch)."""
+        return self.train_dataset.patient_ids
+
+    def teacher_partitions(self, num_teachers: int, seed: int = 0) -> list[list[str]]:
+        """``num_teachers`` disjoint groups of the training patients (`partition_patients`)."""
+        return partition_patients(self.train_patients, num_teachers, seed)
+
+    def teacher_datasets(self, num_teachers: int, seed: int = 0) -> list[PatientSegmentationDataset]:
+        """The training data of each of ``num_teachers`` teachers: disjoint patient subsets of `train_dataset`."""
+        return [self.train_dataset.subset_by_patients(p) for p in self.teacher_partitions(num_teachers, seed)]
+
+    # ---- loaders --------------------------------------------------------------------------------------
+
+    def _loader(self, dataset: Any, shuffle: bool) -> DataLoader[Any]:
+        return DataLoader(
+            dataset,
+            batch_size=self.batch_size,
+            shuffle=shuffle,
+            num_workers=self.num_workers,
+            persistent_workers=self.num_workers > 0,
+        )
+
+    def train_dataloader(self) -> DataLoader[SegmentationSample]:
+        return self._loader(self.train_dataset, shuffle=True)
+
+    def val_dataloader(self) -> Any:
+        self._split("train")
+        return [] if self._splits is None or self._splits["val"] is None else self._loader(self.val_dataset, False)
+
+    def test_dataloader(self) -> Any:
+        self._split("train")
+        return [] if self._splits is None or self._splits["test"] is None else self._loader(self.test_dataset, False)
+
+    def public_dataloader(self) -> DataLoader[SegmentationSample]:
+        """The public items with masks, in order: ``(images, masks, patients)`` batches."""
+        return self._loader(self.public_dataset, shuffle=False)
+
+    def public_images_dataloader(self) -> DataLoader[Tensor]:
+        """The public images without masks, in order: batches are image tensors."""
+        return self._loader(self.public_images, shuffle=False)
+
+    def predict_dataloader(self) -> DataLoader[Tensor]:
+        """``trainer.predict(model, datamodule=dm)`` predicts the public images (`public_images_dataloader`)."""
+        return self.public_images_dataloader()
+
+
+class SyntheticSilhouettesDataModule(SegmentationDataModule):
+    """`SegmentationDataModule` over synthetic silhouettes (see `generate_synthetic_silhouettes`).
+
+    ``prepare_data()`` writes the data set under ``root`` (skipped when ``root/synthetic.json`` holds
+    the same parameters); ``setup()`` generates it too if it is still missing, then loads it through
+    its manifest exactly like real data.
+
+    Args:
+        root: folder of the data set.
+        num_patients: number of patients.
+        images_per_patient: images per patient.
+        image_size: side of the generated images in pixels (>= 16).
+        seed: generator seed (same seed, same bytes).
+        target: the silhouette template the masks mark (``"dog"`` as in the thesis).
+        target_fraction: the probability that an image contains the target.
+        batch_size: as in `SegmentationDataModule`.
+        val_fraction: as in `SegmentationDataModule`.
+        test_fraction: as in `SegmentationDataModule`.
+        public_fraction: as in `SegmentationDataModule`.
+        split_seed: as in `SegmentationDataModule`.
+        num_workers: as in `SegmentationDataModule`.
+        augment: as in `SegmentationDataModule`.
+
+    Example:
+        >>> import tempfile
+        >>> dm = SyntheticSilhouettesDataModule(root=tempfile.mkdtemp(), num_patients=5, images_per_patient=2,
+        ...                                     image_size=16, augment=False)
+        >>> dm.prepare_data(); dm.setup()
+        >>> len(dm.train_dataset) + len(dm.val_dataset) + len(dm.test_dataset), tuple(dm.test_dataset[0][1].shape)
+        (10, (1, 16, 16))
+    """
+
+    def __init__(
+        self,
+        root: str = "data/synthetic_silhouettes",
+        num_patients: int = 100,
+        images_per_patient: int = 20,
+        image_size: int = 64,
+        seed: int = 0,
+        target: Shape = "dog",
+        target_fraction: float = 0.5,
+        batch_size: int = 16,
+        val_fraction: float = 0.1,
+        test_fraction: float = 0.2,
+        public_fraction: float = 0.0,
+        split_seed: int = 0,
+        num_workers: int = 0,
+        augment: bool = True,
+    ) -> None:
+        super().__init__(
+            manifest=os.path.join(root, "manifest.csv"),
+            batch_size=batch_size,
+            val_fraction=val_fraction,
+            test_fraction=test_fraction,
+            public_fraction=public_fraction,
+            split_seed=split_seed,
+            num_workers=num_workers,
+            augment=augment,
+        )
+        check_silhouette_parameters(num_patients, images_per_patient, image_size, seed, target, target_fraction)
+        self.root = str(root)
+        self.generator_kwargs: dict[str, Any] = {
+            "num_patients": num_patients,
+            "images_per_patient": images_per_patient,
+            "image_size": image_size,
+            "seed": seed,
+            "target": target,
+            "target_fraction": target_fraction,
+        }
+        self.save_hyperparameters()
+        # Lightning merges the parent's call into these; the parent's arguments derived here are not arguments.
+        for name in (
+            "manifest",
+            "public_manifest",
+            "items",
+            "slice_axis",
+            "patch_size",
+            "mask_threshold",
+            "intensity_range",
+            "cache",
+        ):
+            self.hparams.pop(name, None)
+
+    def prepare_data(self) -> None:
+        """Generates the data set (runs on one process per node under DDP)."""
+        generate_synthetic_silhouettes(self.root, **self.generator_kwargs)
+
+    def setup(self, stage: str | None = None) -> None:
+        # Generates only if prepare_data() did not run (or ran with other parameters): a cheap check.
+        self.prepare_data()
+        super().setup(stage)
