@@ -23,7 +23,6 @@ from lightning_dp.data.segmentation import (
 from lightning_dp.data.segmentation_datamodule import (
     SegmentationDataModule,
     SyntheticSilhouettesDataModule,
-    partition_patients,
 )
 from lightning_dp.data.silhouettes import generate_synthetic_silhouettes, synthetic_silhouettes
 from lightning_dp.data.synthetic import generate_synthetic_pathology, render_synthetic_patient
@@ -46,7 +45,6 @@ __all__ = [
     "generate_synthetic_pathology",
     "generate_synthetic_silhouettes",
     "load_image",
-    "partition_patients",
     "read_manifest",
     "read_segmentation_manifest",
     "render_synthetic_patient",

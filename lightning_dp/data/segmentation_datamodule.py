@@ -3,7 +3,7 @@
 Every patient lands in exactly one of train / val / test / public. The *public* patients are data
 the privacy guarantee does not cover: images a PATE student may be trained on (with teacher labels,
 their own masks unused) and on which a PATE aggregator may fit its compression (PCA, autoencoder).
-Teachers are trained on disjoint partitions of the training patients (`partition_patients`).
+Teachers are trained on disjoint partitions of the training patients (`teacher_partitions`).
 """
 
 from __future__ import annotations
@@ -31,48 +31,9 @@ from lightning_dp.data.segmentation import (
 from lightning_dp.data.silhouettes import Shape, check_silhouette_parameters, generate_synthetic_silhouettes
 from lightning_dp.errors import PrivacyConfigError, check_count, check_in_interval
 
-__all__ = ["SegmentationDataModule", "SyntheticSilhouettesDataModule", "partition_patients"]
+__all__ = ["SegmentationDataModule", "SyntheticSilhouettesDataModule"]
 
 _SPLITS = ("train", "val", "test", "public")
-
-
-def partition_patients(patient_ids: list[str], num_parts: int, seed: int = 0) -> list[list[str]]:
-    """Splits patients into ``num_parts`` disjoint groups of near-equal size (PATE's teacher partitions).
-
-    The patients are shuffled with ``numpy.random.default_rng(seed)`` and cut into consecutive groups
-    whose sizes differ by at most one. A patient is in exactly one group, so a teacher trained on one
-    group never sees another group's patients: one patient changes at most one teacher.
-
-    Args:
-        patient_ids: the patients (unique).
-        num_parts: the number of groups (K teachers), 1 <= K <= number of patients.
-        seed: the shuffling seed.
-
-    Returns:
-        ``num_parts`` lists, each sorted.
-
-    Raises:
-        PrivacyConfigError: ``num_parts`` is not an integer in [1, number of patients], or an id repeats.
-
-    Example:
-        >>> parts = partition_patients(["a", "b", "c", "d", "e"], 2, seed=0)
-        >>> sorted(len(p) for p in parts), sorted(sum(parts, []))
-        ([2, 3], ['a', 'b', 'c', 'd', 'e'])
-    """
-    owner = "partition_patients"
-    check_count(owner, "num_parts", num_parts, "the number of teachers, e.g. 16.", minimum=1)
-    if len(set(patient_ids)) != len(patient_ids):
-        raise PrivacyConfigError(
-            f"`{owner}(patient_ids=...)`: patient ids must be unique, found {len(patient_ids)} ids of which "
-            f"{len(set(patient_ids))} differ. HINT: pass dataset.patient_ids."
-        )
-    if num_parts > len(patient_ids):
-        raise PrivacyConfigError(
-            f"`{owner}(num_parts={num_parts})`: num_parts must be at most the number of patients, found "
-            f"{len(patient_ids)} patient(s). HINT: every teacher needs at least one patient; use fewer teachers."
-        )
-    order = np.random.default_rng(seed).permutation(sorted(patient_ids)).tolist()
-    return [sorted(str(p) for p in part) for part in np.array_split(np.asarray(order, dtype=object), num_parts)]
 
 
 class SegmentationDataModule(pl.LightningDataModule):
@@ -370,7 +331,9 @@ class SegmentationDataModule(pl.LightningDataModule):
         return self.train_dataset.patient_ids
 
     def teacher_partitions(self, num_teachers: int, seed: int = 0) -> list[list[str]]:
-        """``num_teachers`` disjoint groups of the training patients (`partition_patients`)."""
+        """``num_teachers`` disjoint groups of the training patients (`segmentation.partition_patients`)."""
+        from lightning_dp.segmentation import partition_patients
+
         return partition_patients(self.train_patients, num_teachers, seed)
 
     def teacher_datasets(self, num_teachers: int, seed: int = 0) -> list[PatientSegmentationDataset]:

@@ -92,7 +92,7 @@ def check_partitions(partitions: Sequence[Sequence[str]]) -> list[list[str]]:
 
 
 def partition_patients(patient_ids: Sequence[str], num_teachers: int, seed: int = 0) -> list[list[str]]:
-    """Splits the distinct ``patient_ids`` into ``num_teachers`` disjoint partitions of near-equal size.
+    """Splits the distinct ``patient_ids`` into ``num_teachers`` disjoint partitions of near-equal size, each sorted.
 
     The split is a seeded shuffle of the patient ids (a public choice: it is not a privacy release).
 
@@ -109,7 +109,7 @@ def partition_patients(patient_ids: Sequence[str], num_teachers: int, seed: int 
             f"HINT: use at most {len(distinct)} teachers."
         )
     random.Random(seed).shuffle(distinct)
-    return check_partitions([distinct[i::k] for i in range(k)])
+    return check_partitions([sorted(distinct[i::k]) for i in range(k)])
 
 
 # ---------------------------------------------------------------------- accounting

@@ -16,7 +16,6 @@ from lightning_dp.data import (
     SegmentationDataModule,
     SyntheticSilhouettesDataModule,
     generate_synthetic_silhouettes,
-    partition_patients,
 )
 from lightning_dp.errors import PrivacyConfigError
 
@@ -86,15 +85,6 @@ def test_teacher_partitions_are_disjoint_and_cover_the_training_patients(manifes
     assert [t.patient_ids for t in teachers] == parts
     assert sum(len(t) for t in teachers) == len(dm.train_dataset)
     assert dm.teacher_partitions(5, seed=0) == parts and dm.teacher_partitions(5, seed=1) != parts
-
-
-def test_partition_patients_errors() -> None:
-    with pytest.raises(PrivacyConfigError, match="num_parts must be at most the number of patients, found 2"):
-        partition_patients(["a", "b"], 3)
-    with pytest.raises(PrivacyConfigError, match="num_parts must be an integer >= 1"):
-        partition_patients(["a", "b"], 0)
-    with pytest.raises(PrivacyConfigError, match="patient ids must be unique"):
-        partition_patients(["a", "a"], 1)
 
 
 def _split_manifest(folder: Path, splits: list[tuple[str, str]], size: int = 8) -> Path:
