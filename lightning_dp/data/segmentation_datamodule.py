@@ -66,6 +66,10 @@ class SegmentationDataModule(pl.LightningDataModule):
         mask_threshold: as in `PatientSegmentationDataset`.
         intensity_range: as in `PatientSegmentationDataset`.
         cache: as in `PatientSegmentationDataset`.
+        teacher: with ``num_teachers``, train on PATE teacher ``teacher``'s partition of the training patients
+            only (`lightning_dp.segmentation.partition_patients` with ``teacher_seed``; val/test unchanged).
+        num_teachers: K, the number of PATE teachers the training patients are split among.
+        teacher_seed: seed of that split (the same for all K teachers).
 
     Raises:
         PrivacyConfigError: an argument is out of range (raised by the constructor, before any I/O).
@@ -102,9 +106,25 @@ class SegmentationDataModule(pl.LightningDataModule):
         mask_threshold: float | None = None,
         intensity_range: tuple[float, float] | None = None,
         cache: bool = True,
+        teacher: int | None = None,
+        num_teachers: int | None = None,
+        teacher_seed: int = 0,
     ) -> None:
         super().__init__()
         owner = type(self).__name__
+        if (teacher is None) != (num_teachers is None):
+            raise PrivacyConfigError(
+                f"`{owner}(teacher={teacher!r}, num_teachers={num_teachers!r})`: give both or neither. HINT: "
+                "teacher=k, num_teachers=K trains PATE's teacher k on its partition of the training patients."
+            )
+        if num_teachers is not None:
+            check_count(owner, "num_teachers", num_teachers, "K ≥ 2 teachers, e.g. 16.", minimum=2)
+            check_count(owner, "teacher", teacher, f"an index in 0..{num_teachers - 1}.")
+            if teacher is not None and teacher >= num_teachers:
+                raise PrivacyConfigError(
+                    f"`{owner}(teacher={teacher})`: the teacher index must be below num_teachers={num_teachers}. "
+                    f"HINT: teachers are numbered 0..{num_teachers - 1}."
+                )
         check_count(owner, "batch_size", batch_size, "use e.g. 16.", minimum=1)
         for name, value in (
             ("val_fraction", val_fraction),
@@ -153,6 +173,7 @@ class SegmentationDataModule(pl.LightningDataModule):
             "intensity_range": None if intensity_range is None else tuple(intensity_range),
         }
         self.cache = cache
+        self.teacher, self.num_teachers, self.teacher_seed = teacher, num_teachers, int(teacher_seed)
         self._splits: dict[str, PatientSegmentationDataset | None] | None = None
         self._public_images: SegmentationImages | None = None
         self.save_hyperparameters()
@@ -182,6 +203,12 @@ class SegmentationDataModule(pl.LightningDataModule):
                 f"`{type(self).__name__}(manifest={self.manifest!r})`: the training split must hold at least one "
                 "patient, found none. HINT: mark some rows 'train' in the split column, or lower the fractions."
             )
+        if self.num_teachers is not None:
+            from lightning_dp.segmentation import partition_patients
+
+            assert self.teacher is not None
+            part = partition_patients(train.patient_ids, self.num_teachers, self.teacher_seed)[self.teacher]
+            splits["train"] = train = train.subset_by_patients(part)
         if self.augment:
             train.transform = RandomFlipRot90()
         self._check_shapes([(name, ds) for name, ds in splits.items() if ds is not None], public_images)
@@ -397,6 +424,7 @@ class SyntheticSilhouettesDataModule(SegmentationDataModule):
         split_seed: as in `SegmentationDataModule`.
         num_workers: as in `SegmentationDataModule`.
         augment: as in `SegmentationDataModule`.
+        teacher, num_teachers, teacher_seed: as in `SegmentationDataModule` (PATE teachers).
 
     Example:
         >>> import tempfile
@@ -423,6 +451,9 @@ class SyntheticSilhouettesDataModule(SegmentationDataModule):
         split_seed: int = 0,
         num_workers: int = 0,
         augment: bool = True,
+        teacher: int | None = None,
+        num_teachers: int | None = None,
+        teacher_seed: int = 0,
     ) -> None:
         super().__init__(
             manifest=os.path.join(root, "manifest.csv"),
@@ -433,6 +464,9 @@ class SyntheticSilhouettesDataModule(SegmentationDataModule):
             split_seed=split_seed,
             num_workers=num_workers,
             augment=augment,
+            teacher=teacher,
+            num_teachers=num_teachers,
+            teacher_seed=teacher_seed,
         )
         check_silhouette_parameters(num_patients, images_per_patient, image_size, seed, target, target_fraction)
         self.root = str(root)

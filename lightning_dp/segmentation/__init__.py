@@ -19,6 +19,7 @@ from lightning_dp.segmentation.pate import (
     thesis_epsilon,
     thesis_noise_multiplier,
 )
+from lightning_dp.segmentation.student import PATEStudentDataModule
 
 __all__ = [
     "AutoencoderCompressor",
@@ -26,6 +27,7 @@ __all__ = [
     "PATEAggregator",
     "PATEReport",
     "PATEResult",
+    "PATEStudentDataModule",
     "PCACompressor",
     "check_maps",
     "check_partitions",

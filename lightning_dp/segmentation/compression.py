@@ -190,7 +190,8 @@ class AutoencoderCompressor(Compressor):
     Args:
         code_dim: l, the bottleneck width.
         hidden: width of the hidden layer of encoder and decoder.
-        bottleneck_noise: std of the Gaussian noise added to the code while training (≥ 0).
+        bottleneck_noise: std of the Gaussian noise added to the code while training (≥ 0); ``None``: the
+            aggregation's noise std, set by `PATEStudentDataModule` (0 when fitted directly).
         epochs: passes over the public maps.
         lr: Adam's learning rate.
         batch_size: maps per training step.
@@ -208,7 +209,7 @@ class AutoencoderCompressor(Compressor):
         self,
         code_dim: int,
         hidden: int = 256,
-        bottleneck_noise: float = 0.0,
+        bottleneck_noise: float | None = 0.0,
         epochs: int = 200,
         lr: float = 1e-3,
         batch_size: int = 64,
@@ -217,12 +218,14 @@ class AutoencoderCompressor(Compressor):
         owner = "AutoencoderCompressor"
         self.code_dim = check_count(owner, "code_dim", code_dim, "e.g. 16.", minimum=1)
         self.hidden = check_count(owner, "hidden", hidden, "e.g. 256.", minimum=1)
-        if isinstance(bottleneck_noise, bool) or not math.isfinite(bottleneck_noise) or bottleneck_noise < 0:
+        if bottleneck_noise is not None and (
+            isinstance(bottleneck_noise, bool) or not math.isfinite(bottleneck_noise) or bottleneck_noise < 0
+        ):
             raise PrivacyConfigError(
                 f"`{owner}(bottleneck_noise={bottleneck_noise!r})`: must be a finite number ≥ 0. HINT: the noise std "
                 "the aggregated code will carry (PATEAggregator.noise_std), or 0."
             )
-        self.bottleneck_noise = float(bottleneck_noise)
+        self.bottleneck_noise = None if bottleneck_noise is None else float(bottleneck_noise)
         self.epochs = check_count(owner, "epochs", epochs, "e.g. 200.", minimum=1)
         self.lr = check_finite_positive(owner, "lr", lr, "e.g. 1e-3.")
         self.batch_size = check_count(owner, "batch_size", batch_size, "e.g. 64.", minimum=1)
@@ -248,7 +251,7 @@ class AutoencoderCompressor(Compressor):
             for start in range(0, flat.shape[0], self.batch_size):
                 batch = flat[order[start : start + self.batch_size]]
                 code = net.encoder(batch)
-                if self.bottleneck_noise > 0:
+                if self.bottleneck_noise:
                     code = code + self.bottleneck_noise * torch.randn(code.shape, generator=generator)
                 loss = loss_fn(net.decoder(code), batch)
                 optimizer.zero_grad()
