@@ -118,12 +118,16 @@ class MaterializedGrads(ClippedSumTerm):
 
 @dataclass
 class GhostTerm(ClippedSumTerm):
-    """A ghost-normed layer call: its input and (cast, scaled) output gradient; the sum is one weight gradient."""
+    """A ghost-normed layer call: its input and (cast, scaled) output gradient, and its materialized bias gradients.
+
+    The weight's clipped sum is one weight gradient computed from the c-weighted output gradients.
+    """
 
     rule: ProductRule
     module: nn.Module
     activation: Tensor
     backprops: Tensor
+    bias: MaterializedGrads
 
     def add_clipped(self, coeff: Tensor, keep: Tensor | None, sums: Sums) -> None:
         activation, backprops = self.activation, self.backprops
@@ -131,6 +135,7 @@ class GhostTerm(ClippedSumTerm):
             activation = torch.where(_expand(keep, activation), activation, 0.0)
             backprops = torch.where(_expand(keep, backprops), backprops, 0.0)
         self.rule.weighted_sum(self.module, activation, backprops * _expand(coeff, backprops), sums)
+        self.bias.add_clipped(coeff, keep, sums)
 
 
 # ---------------------------------------------------------------------- rules
@@ -199,11 +204,11 @@ class ProductRule(LayerRule):
 
     @abstractmethod
     def weighted_sum(self, module: Any, activation: Tensor, weighted: Tensor, sums: Sums) -> None:
-        """Adds the batch's weight and bias gradients computed from the c-weighted output gradients to ``sums``."""
+        """Adds the batch's weight gradient computed from the c-weighted output gradients to ``sums``."""
 
-    def bias_backprops(self, module: nn.Module, backprops: Tensor) -> Tensor:
-        """(B, C_out, T_out), whose sum over the last dimension is each sample's bias gradient."""
-        return backprops.reshape(backprops.shape[0], backprops.shape[1], -1)
+    def bias_grads(self, module: nn.Module, backprops: Tensor) -> Tensor:
+        """(B, C_out): each sample's bias gradient, its output gradient summed over the output positions."""
+        return backprops.reshape(backprops.shape[0], backprops.shape[1], -1).sum(2)
 
     def use_ghost(self, module: Any, activation: Tensor, backprops: Tensor) -> bool:
         """Whether the ghost norm is cheaper than materializing, for this call."""
@@ -218,9 +223,13 @@ class ProductRule(LayerRule):
         if not self.use_ghost(module, activation, backprops):
             return super().norms(module, activation, backprops)
         at, gt = self.ghost_views(module, activation, backprops)
+        sq = _ghost_norms(at, gt)
+        # The bias gradient is only (B, C_out): materialized, its norm is exact and measured on the very values added
+        # to the sum. (Before a normalization layer it is ~0, and a ghost norm would be replaced by its bound.)
         bias = _trained_bias(module)
-        sq = _ghost_norms(at, gt, None if bias is None else self.bias_backprops(module, backprops))
-        return sq, GhostTerm(self, module, activation, backprops)
+        bias_grads = {} if bias is None else {bias: self.bias_grads(module, backprops)}
+        sq = sq + sum_of_squares(list(bias_grads.values()), backprops.shape[0], backprops.device)
+        return sq, GhostTerm(self, module, activation, backprops, MaterializedGrads(bias_grads))
 
 
 class LinearRule(ProductRule):
@@ -233,8 +242,8 @@ class LinearRule(ProductRule):
         a, g = _linear_views(activation, backprops)
         return a.transpose(1, 2), g.transpose(1, 2)
 
-    def bias_backprops(self, module: nn.Module, backprops: Tensor) -> Tensor:
-        return backprops.reshape(backprops.shape[0], -1, backprops.shape[-1]).transpose(1, 2)
+    def bias_grads(self, module: nn.Module, backprops: Tensor) -> Tensor:
+        return backprops.reshape(backprops.shape[0], -1, backprops.shape[-1]).sum(1)
 
     def per_sample_grads(self, module: Any, activation: Tensor, backprops: Tensor) -> dict[nn.Parameter, Tensor]:
         a, g = _linear_views(activation, backprops)
@@ -247,12 +256,9 @@ class LinearRule(ProductRule):
         return grads
 
     def weighted_sum(self, module: Any, activation: Tensor, weighted: Tensor, sums: Sums) -> None:
-        a, g = _linear_views(activation, weighted)
         if module.weight in sums:
+            a, g = _linear_views(activation, weighted)
             sums[module.weight].add_(g.reshape(-1, g.shape[-1]).t() @ a.reshape(-1, a.shape[-1]))
-        bias = _trained_bias(module)
-        if bias is not None and bias in sums:
-            sums[bias].add_(g.sum((0, 1)))
 
 
 class ConvRule(ProductRule):
@@ -293,7 +299,7 @@ class ConvRule(ProductRule):
             grads[weight] = folded.reshape(b, *weight.shape)
         bias = _trained_bias(module)
         if bias is not None:
-            grads[bias] = backprops.reshape(b, backprops.shape[1], -1).sum(2)
+            grads[bias] = self.bias_grads(module, backprops)
         return grads
 
     def weighted_sum(self, module: Any, activation: Tensor, weighted: Tensor, sums: Sums) -> None:
@@ -313,7 +319,6 @@ class ConvRule(ProductRule):
                 [False, True, False],
             )
             sums[module.weight].add_(weight_grad)
-        _add_bias_sum(module, weighted, sums)
 
 
 class ConvTransposeRule(ProductRule):
@@ -375,7 +380,7 @@ class ConvTransposeRule(ProductRule):
             grads[weight] = folded.reshape(b, *weight.shape)
         bias = _trained_bias(module)
         if bias is not None:
-            grads[bias] = backprops.reshape(b, backprops.shape[1], -1).sum(2)
+            grads[bias] = self.bias_grads(module, backprops)
         return grads
 
     def weighted_sum(self, module: Any, activation: Tensor, weighted: Tensor, sums: Sums) -> None:
@@ -394,7 +399,6 @@ class ConvTransposeRule(ProductRule):
                 [False, True, False],
             )
             sums[module.weight].add_(weight_grad)
-        _add_bias_sum(module, weighted, sums)
 
 
 class PReLURule(LayerRule):
@@ -623,12 +627,6 @@ def _trained_bias(module: nn.Module) -> nn.Parameter | None:
     return bias if isinstance(bias, nn.Parameter) and bias.requires_grad else None
 
 
-def _add_bias_sum(module: nn.Module, weighted: Tensor, sums: Sums) -> None:
-    bias = _trained_bias(module)
-    if bias is not None and bias in sums:
-        sums[bias].add_(weighted.sum([0, *range(2, weighted.dim())]))
-
-
 def _fold_batch(t: Tensor) -> Tensor:
     """(B, C, *S) as (1, B·C, *S): the batch folded into the channels (for a B-times grouped convolution)."""
     return t.reshape(1, t.shape[0] * t.shape[1], *t.shape[2:])
@@ -703,8 +701,8 @@ def _output_padding(module: Any, activation: Tensor, backprops: Tensor) -> list[
     ]
 
 
-def _ghost_norms(at: Tensor, gt: Tensor, bias_backprops: Tensor | None) -> Tensor:
-    """‖Σ_t g_t a_tᵀ‖² (+ the bias's ‖Σ_t g_t‖²) per sample, in float64, without forming the gradients.
+def _ghost_norms(at: Tensor, gt: Tensor) -> Tensor:
+    """‖Σ_t g_t a_tᵀ‖² per sample, in float64, without forming the gradients.
 
     Computed in float64 (the Gram products cancel when a sample's gradient terms nearly do), and
     replaced by the squared triangle-inequality bound where they cancel by more than
@@ -715,11 +713,7 @@ def _ghost_norms(at: Tensor, gt: Tensor, bias_backprops: Tensor | None) -> Tenso
         sq = at.pow(2).sum((1, 2)) * gt.pow(2).sum((1, 2))
     else:
         sq = (torch.bmm(at.transpose(1, 2), at) * torch.bmm(gt.transpose(1, 2), gt)).sum((1, 2))
-    sq = _guard(sq, (at.norm(dim=1) * gt.norm(dim=1)).sum(1))
-    if bias_backprops is not None:
-        bb = bias_backprops.double()
-        sq = sq + _guard(bb.sum(2).pow(2).sum(1), bb.norm(dim=1).sum(1))
-    return sq
+    return _guard(sq, (at.norm(dim=1) * gt.norm(dim=1)).sum(1))
 
 
 def _guard(sq: Tensor, bound: Tensor) -> Tensor:

@@ -140,6 +140,14 @@ CASES: dict[str, Callable[[], _Case]] = {
     "prelu_shared_slope": lambda: _Case(nn.Sequential(nn.Conv2d(3, 4, 3), nn.PReLU()), _x(3, 5, 5)),
     "prelu_per_channel": lambda: _Case(nn.Sequential(nn.Conv2d(3, 4, 3), nn.PReLU(4)), _x(3, 5, 5)),
     "prelu_on_features": lambda: _Case(nn.Sequential(nn.Linear(3, 5), nn.PReLU(5)), _x(3)),
+    # A bias right before a normalization layer has a per-sample gradient of ~0 (the norm removes any shift): it must
+    # be clipped on that, not on the bound Σ_t‖g_t‖ a ghost norm of the bias falls back to when its terms cancel.
+    "conv2d_ghost_before_instance_norm": lambda: _Case(
+        nn.Sequential(nn.Conv2d(16, 16, 3, padding=1), nn.InstanceNorm2d(16)), _x(16, 3, 3), ["ghost"]
+    ),
+    "conv_transpose2d_ghost_before_group_norm": lambda: _Case(
+        nn.Sequential(nn.ConvTranspose2d(16, 8, 2, stride=2), nn.GroupNorm(8, 8, affine=False)), _x(16, 2, 2), ["ghost"]
+    ),
     "linear_bias_only": lambda: _Case(_frozen_weight(nn.Linear(16, 16)), _x(2, 16), ["materialized"]),
     "conv2d_bias_only": lambda: _Case(_frozen_weight(nn.Conv2d(16, 16, 3)), _x(16, 3, 3), ["materialized"]),
     "conv_transpose2d_bias_only": lambda: _Case(
