@@ -10,9 +10,13 @@
 * A Dice loss over the whole batch (which couples the samples) is refused before training, with
   the per-sample fix in the message.
 
-Opacus (1.6) on MONAI's UNet: its hook-based modes fail on this network (Opacus issue #671), which
-is why lightning-dp reads output gradients through tensor hooks; ``benchmarks/dpsgd_step.py
---models monai_unet`` reports what each Opacus mode does. No test here depends on Opacus failing.
+Opacus on these networks (a note, not a test: nothing here depends on Opacus failing). Opacus
+issue #671 reports crashes of older Opacus on MONAI's 3-D segmentation networks. With Opacus 1.6,
+MONAI's UNet (2-D and 3-D) runs in the hooks and functorch modes, ghost clipping fails (its loss
+wrapper needs one loss per sample, not per pixel) and ew fails on PReLU; on smp's networks every
+mode but ew fails on the in-place ReLUs and residual additions (Opacus issue #828), which
+lightning-dp's tensor hooks survive. ``benchmarks/dpsgd_step.py --models monai_unet unet`` prints
+what each mode does.
 """
 
 from __future__ import annotations
