@@ -116,11 +116,29 @@ def trainable_layers(module: nn.Module, strict: bool = True) -> list[tuple[str, 
 
 @dataclass
 class _Record:
-    """One call of a layer in the forward pass."""
+    """One call of a layer in the forward pass.
 
-    activation: Tensor
+    ``done`` holds the call's squared norms and clipped-sum term when they were computed during the
+    backward pass (its input and output gradient are then released: ``activation`` is None).
+    """
+
+    activation: Tensor | None
     version: int
     backprops: Tensor | None = None
+    done: tuple[Tensor, ClippedSumTerm] | None = None
+
+    @property
+    def reached(self) -> bool:
+        """Whether the loss's gradient reached this call's output."""
+        return self.backprops is not None or self.done is not None
+
+
+@dataclass(frozen=True)
+class _Pass:
+    """What the backward pass of one `PerSampleClipper.accumulate` needs to evaluate layers as it reaches them."""
+
+    batch_size: int
+    dtype: torch.dtype
 
 
 @dataclass
@@ -178,6 +196,10 @@ class PerSampleClipper:
             self.layers.append(_Layer(name, sub, _direct_trainable(sub), rule))
         self.params = list({id(p): p for layer in self.layers for p in layer.params}.values())
         self._groups = _tied_groups(self.layers)
+        # A layer that shares no parameter is evaluated as soon as its output gradient is known (if it ran once), so
+        # that its input and output gradient are freed during the backward pass instead of all being held to its end.
+        self._alone = {id(group[0]) for group in self._groups if len(group) == 1}
+        self._pass: _Pass | None = None
         if not self.params:
             raise UnsupportedModelError(
                 f"`PerSampleClipper`: {type(module).__name__} has no trainable parameters. HINT: check requires_grad."
@@ -211,6 +233,8 @@ class PerSampleClipper:
 
             def grad_hook(grad: Tensor) -> None:
                 record.backprops = grad.detach()
+                if self._pass is not None and id(layer) in self._alone and len(layer.records) == 1:
+                    self._evaluate(layer, record, self._pass)
 
             output.register_hook(grad_hook)
             return replaced
@@ -301,22 +325,27 @@ class PerSampleClipper:
                     "`PerSampleClipper`: the loss does not depend on any trainable layer. HINT: check that "
                     "training_step uses the model's output and that its layers are trainable."
                 )
+            self._pass = _Pass(batch_size, self.flat_sum.dtype)
             (loss.sum() * loss_scale).backward()
-            if not any(r.backprops is not None for layer in self.layers for r in layer.records):
+            self._pass = None
+            if not any(r.reached for layer in self.layers for r in layer.records):
                 raise UnsupportedModelError(
                     "`PerSampleClipper`: the loss does not depend on any trainable layer. HINT: check that "
                     "training_step uses the model's output and that its layers are trainable."
                 )
+            # The rules work on the raw output gradients: per-sample gradients are linear in them, so the factor that
+            # turns them into the gradients of the per-sample losses (the batch size for a mean, 1/loss_scale) is
+            # applied once, to the norms and to the clip factors, instead of to a copy of every layer's gradient.
             scale = (batch_size if self.loss_reduction == "mean" else 1.0) / loss_scale
             # The clipping arithmetic runs in fp32 (or fp64) whatever autocast the caller's step uses.
             with torch.no_grad(), torch.autocast(self.params[0].device.type, enabled=False):
-                sq_norms, pending = self._squared_norms(batch_size, scale)
-                norms = sq_norms.sqrt()
+                sq_norms, pending = self._squared_norms(batch_size)
+                norms = sq_norms.sqrt() * scale
                 finite = torch.isfinite(norms)
                 if raise_on_nonfinite and not bool(finite.all()):
                     raise NonFiniteGradientsError(f"{int((~finite).sum())} of {batch_size} per-sample gradients")
                 coeff = clip_coefficients(norms, self.clip_norm)
-                self._add_clipped(pending, coeff, finite)
+                self._add_clipped(pending, coeff * scale, finite)
             return ClipStats(
                 batch_size=batch_size,
                 clipped=int(((norms > self.clip_norm) & finite).sum()),
@@ -324,28 +353,26 @@ class PerSampleClipper:
                 nonfinite=int((~finite).sum()),
             )
         finally:
+            self._pass = None
             for layer in self.layers:
                 layer.records.clear()
 
+    def _evaluate(self, layer: _Layer, record: _Record, state: _Pass) -> None:
+        """Computes a layer call's norms and clipped-sum term during the backward pass, and releases its tensors."""
+        _check_record(layer, record, state.batch_size)
+        with torch.no_grad(), torch.autocast(self.params[0].device.type, enabled=False):
+            activation, backprops = _inputs(record, state.dtype)
+            record.done = layer.rule.norms(layer.module, activation, backprops)
+        record.activation = record.backprops = None
+
     def _layer_records(self, layer: _Layer, batch_size: int) -> list[_Record]:
-        records = [r for r in layer.records if r.backprops is not None]
+        records = [r for r in layer.records if r.reached]
         for r in records:
-            if r.activation._version != r.version:
-                raise UnsupportedModelError(
-                    f"`{layer.name}` ({type(layer.module).__name__}): its input was modified in place after the layer "
-                    "used it, so its per-sample gradients would be wrong. HINT: lightning_dp.models.fix_model(model) "
-                    "turns off inplace activations; otherwise avoid in-place ops on that tensor."
-                )
-            if r.activation.shape[0] != batch_size or r.backprops.shape[0] != batch_size:  # type: ignore[union-attr]
-                raise UnsupportedModelError(
-                    f"`{layer.name}` ({type(layer.module).__name__}) got a tensor whose first dimension is "
-                    f"{r.activation.shape[0]}, but the batch holds {batch_size} samples. Per-sample gradients need "
-                    "the batch dimension first in every trainable layer. HINT: keep batch-first layouts, or freeze "
-                    "this layer."
-                )
+            if r.done is None:
+                _check_record(layer, r, batch_size)
         return records
 
-    def _squared_norms(self, batch_size: int, scale: float) -> tuple[Tensor, list[ClippedSumTerm]]:
+    def _squared_norms(self, batch_size: int) -> tuple[Tensor, list[ClippedSumTerm]]:
         """Σ over layers of each sample's squared gradient norm, and what each layer keeps for the clipped sum.
 
         Layers that share a parameter (tied weights) form one group: their per-sample gradients are
@@ -362,25 +389,28 @@ class PerSampleClipper:
             (layer, layer_records), *others = records
             if not others and len(layer_records) == 1:
                 # One call of a layer that shares nothing: its rule picks ghost norm or materialized gradients.
-                activation, backprops = _inputs(layer_records[0], scale, dtype)
-                sq, item = layer.rule.norms(layer.module, activation, backprops)
+                record = layer_records[0]
+                if record.done is None:
+                    activation, backprops = _inputs(record, dtype)
+                    record.done = layer.rule.norms(layer.module, activation, backprops)
+                sq, item = record.done
             else:
                 # Several calls of a layer, or tied parameters: per-sample gradients, summed before the norm.
                 grads: dict[nn.Parameter, Tensor] = {}
                 for member, member_records in records:
-                    for p, g in self._per_sample_grads(member, member_records, scale).items():
+                    for p, g in self._per_sample_grads(member, member_records).items():
                         grads[p] = grads[p] + g if p in grads else g
                 sq, item = sum_of_squares(list(grads.values()), batch_size, total.device), MaterializedGrads(grads)
             total += sq
             pending.append(item)
         return total, pending
 
-    def _per_sample_grads(self, layer: _Layer, records: list[_Record], scale: float) -> dict[nn.Parameter, Tensor]:
+    def _per_sample_grads(self, layer: _Layer, records: list[_Record]) -> dict[nn.Parameter, Tensor]:
         dtype = self.flat_sum.dtype
         trained = {id(p) for p in layer.params}
         out: dict[nn.Parameter, Tensor] = {}
         for r in records:
-            activation, backprops = _inputs(r, scale, dtype)
+            activation, backprops = _inputs(r, dtype)
             for p, g in layer.rule.trained_grads(layer.module, activation, backprops).items():
                 if id(p) not in trained:
                     continue
@@ -432,8 +462,26 @@ def _tied_groups(layers: list[_Layer]) -> list[list[_Layer]]:
     return list(groups.values())
 
 
-def _inputs(record: _Record, scale: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """A call's input (cast to ``dtype`` if floating point) and its output gradient (cast, times ``scale``)."""
-    assert record.backprops is not None
+def _check_record(layer: _Layer, record: _Record, batch_size: int) -> None:
+    """Raises `UnsupportedModelError` if a call's input changed in place since, or its batch dimension is not first."""
+    assert record.activation is not None and record.backprops is not None
+    if record.activation._version != record.version:
+        raise UnsupportedModelError(
+            f"`{layer.name}` ({type(layer.module).__name__}): its input was modified in place after the layer "
+            "used it, so its per-sample gradients would be wrong. HINT: lightning_dp.models.fix_model(model) "
+            "turns off inplace activations; otherwise avoid in-place ops on that tensor."
+        )
+    if record.activation.shape[0] != batch_size or record.backprops.shape[0] != batch_size:
+        raise UnsupportedModelError(
+            f"`{layer.name}` ({type(layer.module).__name__}) got a tensor whose first dimension is "
+            f"{record.activation.shape[0]}, but the batch holds {batch_size} samples. Per-sample gradients need "
+            "the batch dimension first in every trainable layer. HINT: keep batch-first layouts, or freeze "
+            "this layer."
+        )
+
+
+def _inputs(record: _Record, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """A call's input (cast to ``dtype`` if floating point) and its output gradient (cast; not copied if already)."""
+    assert record.activation is not None and record.backprops is not None
     activation = record.activation.to(dtype) if record.activation.is_floating_point() else record.activation
-    return activation, record.backprops.to(dtype) * scale
+    return activation, record.backprops.to(dtype)

@@ -118,7 +118,7 @@ class MaterializedGrads(ClippedSumTerm):
 
 @dataclass
 class GhostTerm(ClippedSumTerm):
-    """A ghost-normed layer call: its input and (cast, scaled) output gradient, and its materialized bias gradients.
+    """A ghost-normed layer call: its input and (cast) output gradient, and its materialized bias gradients.
 
     The weight's clipped sum is one weight gradient computed from the c-weighted output gradients.
     """
@@ -164,8 +164,10 @@ class LayerRule(ABC):
         Args:
             module: the layer.
             activation: its first input, batch first (cast to the engine's dtype if floating point).
-            backprops: the gradient of the loss with respect to its output (scaled so that the loss
-                is the sum of the per-sample losses), batch first.
+            backprops: the gradient of the loss with respect to its output, batch first (cast like
+                ``activation``). The engine multiplies the results by the factor that makes them the
+                gradients of the per-sample losses (the batch size for a mean, 1/loss_scale), so a rule must
+                be linear in ``backprops``, as every per-sample gradient is (∂L/∂θ = (∂y/∂θ)ᵀ ∂L/∂y).
 
         Returns:
             (B, *p.shape) per parameter p; parameters that do not require grad may be left out.

@@ -243,15 +243,20 @@ CASES: dict[str, Callable[[], _Case]] = {
 }
 
 
+def _in_model_order(model: nn.Module, seen: list[tuple[nn.Module, str]]) -> list[str]:
+    """The ways layers took, in the model's module order (layers are evaluated as the backward pass reaches them)."""
+    return [way for m in model.modules() for layer, way in seen if layer is m]
+
+
 @pytest.fixture
-def norm_rules(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """The way (ghost / materialized) each single-call Linear/Conv layer took, so that both regimes are covered."""
-    seen: list[str] = []
+def norm_rules(monkeypatch: pytest.MonkeyPatch) -> list[tuple[nn.Module, str]]:
+    """(layer, way) for each single-call Linear/Conv layer (ghost / materialized), so that both ways are covered."""
+    seen: list[tuple[nn.Module, str]] = []
     original = rules.ProductRule.norms
 
-    def spy(self: rules.ProductRule, *args: Any) -> tuple[Tensor, rules.ClippedSumTerm]:
-        sq, item = original(self, *args)
-        seen.append("ghost" if isinstance(item, rules.GhostTerm) else "materialized")
+    def spy(self: rules.ProductRule, module: nn.Module, *args: Any) -> tuple[Tensor, rules.ClippedSumTerm]:
+        sq, item = original(self, module, *args)
+        seen.append((module, "ghost" if isinstance(item, rules.GhostTerm) else "materialized"))
         return sq, item
 
     monkeypatch.setattr(rules.ProductRule, "norms", spy)
@@ -259,12 +264,12 @@ def norm_rules(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 
 
 @pytest.mark.parametrize("name", list(CASES))
-def test_layer_matches_naive_per_sample_loop(name: str, norm_rules: list[str]) -> None:
+def test_layer_matches_naive_per_sample_loop(name: str, norm_rules: list[tuple[nn.Module, str]]) -> None:
     case = CASES[name]()
     model = case.model.double()
     check_against_naive(model, _output_loss, *case.data)
     if case.rules is not None:
-        assert norm_rules == case.rules
+        assert _in_model_order(model, norm_rules) == case.rules
 
 
 def test_small_cnn_matches_naive_per_sample_loop() -> None:

@@ -49,14 +49,14 @@ def _x(*shape: int) -> Tensor:
 
 
 @pytest.fixture
-def ways(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """The way (ghost / materialized) each single-call Linear/Conv/ConvTranspose layer took, in call order."""
-    seen: list[str] = []
+def ways(monkeypatch: pytest.MonkeyPatch) -> list[tuple[nn.Module, str]]:
+    """(layer, way) for each single-call Linear/Conv/ConvTranspose layer: ghost norm or materialized gradients."""
+    seen: list[tuple[nn.Module, str]] = []
     original = rules.ProductRule.norms
 
-    def spy(self: rules.ProductRule, *args: Any) -> tuple[Tensor, rules.ClippedSumTerm]:
-        sq, item = original(self, *args)
-        seen.append("ghost" if isinstance(item, rules.GhostTerm) else "materialized")
+    def spy(self: rules.ProductRule, module: nn.Module, *args: Any) -> tuple[Tensor, rules.ClippedSumTerm]:
+        sq, item = original(self, module, *args)
+        seen.append((module, "ghost" if isinstance(item, rules.GhostTerm) else "materialized"))
         return sq, item
 
     monkeypatch.setattr(rules.ProductRule, "norms", spy)
@@ -172,11 +172,12 @@ class _TinyUNet(nn.Module):
 
 
 @pytest.mark.parametrize("name", list(CASES))
-def test_layer_matches_naive_per_sample_loop(name: str, ways: list[str]) -> None:
+def test_layer_matches_naive_per_sample_loop(name: str, ways: list[tuple[nn.Module, str]]) -> None:
     case = CASES[name]()
-    check_clipped_sum(case.model.double(), _output_loss, case.x)
+    model = case.model.double()
+    check_clipped_sum(model, _output_loss, case.x)
     if case.ways is not None:
-        assert ways == case.ways
+        assert [way for m in model.modules() for layer, way in ways if layer is m] == case.ways
 
 
 def test_conv_transpose_has_its_own_rule_not_functorch() -> None:
