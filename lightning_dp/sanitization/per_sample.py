@@ -16,6 +16,9 @@ DP-SGD needs Σ_i clip_C(g_i), the sum of per-sample gradients each scaled to L2
   cheaper (Li et al. 2022; Bu et al. 2023, "mixed ghost clipping"). Other layers (GroupNorm,
   LayerNorm, embeddings, ...) use Opacus' registered per-layer grad samplers, and parameter-holding
   leaf layers without buffers that nothing else covers use its functorch fallback.
+* A layer that ran once and shares no parameter is evaluated as soon as the backward pass reaches
+  its output, so its input and output gradient are released then rather than all held to the end
+  (on a U-Net this keeps the step's peak memory near the non-private one).
 * With the clip coefficients c_i = min(1, C/‖g_i‖) the clipped sum of a ghost-normed layer is one
   weight gradient computed from the c-weighted output gradients ("book-keeping", Bu et al. 2023).
 
