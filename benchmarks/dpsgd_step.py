@@ -9,12 +9,28 @@ For each model the script times, on the same batch and from the same weights:
   per-sample gradient modes, on the same model (BatchNorm replaced by GroupNorm, as Opacus requires).
   Modes that fail on the model are reported with their error.
 
+Models (``--models``): ``resnet18`` (classification, batch 32), and segmentation networks on
+per-pixel BCE (batch 8): ``unet``, ``fpn``, ``deeplabv3`` (smp, ResNet-18 encoder, random weights,
+BatchNorm replaced by GroupNorm) and ``monai_unet`` (MONAI's UNet, channels 16-256, two residual
+units per level: ConvTranspose2d, PReLU, InstanceNorm). ``--size`` is the image side (default 64;
+the issue's target is U-Net at 128: DP step ≤ 1.5× the non-private time and memory).
+
 Each variant runs in a fresh subprocess. Peak memory is the peak resident set size during its
 first step above the size before it (Linux ``/proc/self/status``), or the peak CUDA allocation of
 a step on a GPU; time is the median of ``--repeats`` later steps. Denormals are flushed to zero in
 every variant (as the DP callbacks do on CPU).
 
-Run: .venv/bin/python benchmarks/dpsgd_step.py [--models resnet18 unet] [--repeats 5] [--device cpu|cuda]
+Opacus modes that fail print their error instead of a time. Seen with Opacus 1.6 (CPU, size 32):
+on the smp networks hooks, ghost and functorch fail on the in-place ReLU/residual additions
+("Output 0 of BackwardHookFunction is a view and is being modified inplace"; Opacus issue #828)
+and only ew runs; on ``monai_unet`` hooks and functorch run, ghost fails (its loss wrapper needs a
+(B,) per-sample loss, a per-pixel loss is not one: "grad can be implicitly created only for scalar
+outputs") and ew fails on PReLU ("Expanded Weights ... cannot handle function prelu"). Opacus issue
+#671 reports crashes of older Opacus on MONAI's 3-D segmentation networks; with Opacus 1.6 a small
+3-D UNet runs in the hooks and functorch modes.
+
+Run: .venv/bin/python benchmarks/dpsgd_step.py [--models resnet18 unet fpn deeplabv3 monai_unet] [--size 64]
+     [--repeats 5] [--device cpu|cuda]
 Run it on an otherwise idle machine: torch's CPU threads slow down a lot under contention.
 """
 
@@ -44,16 +60,32 @@ from lightning_dp.training.step import OptimizerTarget, PrivateStep
 CLIP, NOISE, LR = 1.0, 1.0, 0.05
 
 
-def _model(name: str) -> tuple[nn.Module, tuple[int, ...], str]:
+MODELS = ("resnet18", "unet", "fpn", "deeplabv3", "monai_unet")
+
+
+def _model(name: str, size: int) -> tuple[nn.Module, tuple[int, ...], str]:
     if name == "resnet18":
-        return build_backbone("resnet18", num_classes=2, norm="group"), (32, 3, 64, 64), "cls"
-    if name == "unet":
+        return build_backbone("resnet18", num_classes=2, norm="group"), (32, 3, size, size), "cls"
+    if name in ("unet", "fpn", "deeplabv3"):
         import segmentation_models_pytorch as smp
 
-        unet = smp.Unet("resnet18", encoder_weights=None, classes=1)
-        fix_model(unet, warn=False)
-        return unet, (8, 3, 64, 64), "seg"
-    raise SystemExit(f"unknown model {name!r}: use resnet18 or unet")
+        arch = {"unet": smp.Unet, "fpn": smp.FPN, "deeplabv3": smp.DeepLabV3}[name]
+        net = arch(encoder_name="resnet18", encoder_weights=None, classes=1)
+        fix_model(net, warn=False)
+        return net, (8, 3, size, size), "seg"
+    if name == "monai_unet":
+        from monai.networks.nets import UNet
+
+        net = UNet(
+            spatial_dims=2,
+            in_channels=1,
+            out_channels=1,
+            channels=(16, 32, 64, 128, 256),
+            strides=(2, 2, 2, 2),
+            num_res_units=2,
+        )
+        return net, (8, 1, size, size), "seg"
+    raise SystemExit(f"unknown model {name!r}: use one of {', '.join(MODELS)}")
 
 
 def _loss_fn(kind: str) -> nn.Module:
@@ -163,12 +195,12 @@ def _opacus(model: nn.Module, x: Tensor, y: Tensor, kind: str, mode: str) -> Cal
     return step
 
 
-def _worker(name: str, variant: str, repeats: int, device: torch.device) -> dict[str, Any]:
+def _worker(name: str, variant: str, repeats: int, size: int, device: torch.device) -> dict[str, Any]:
     torch.manual_seed(0)
     # Denormals flushed for every variant, as the DP callbacks do while fitting on CPU (a step of plain SGD
     # on this random data otherwise crawls through denormal gradients, which would flatter the ratios).
     torch.set_flush_denormal(True)
-    model, shape, kind = _model(name)
+    model, shape, kind = _model(name, size)
     model.to(device)
     x, y = _batch(shape, kind, device)
     if variant == "non-private":
@@ -183,6 +215,7 @@ def _worker(name: str, variant: str, repeats: int, device: torch.device) -> dict
 
 def _run(name: str, variant: str, args: argparse.Namespace) -> dict[str, Any]:
     command = [sys.executable, __file__, "--worker", name, variant, "--repeats", str(args.repeats)]
+    command += ["--size", str(args.size)]
     proc = subprocess.run([*command, "--device", args.device], capture_output=True, text=True)
     if proc.returncode != 0:
         lines = [line for line in proc.stderr.splitlines() if line.strip()]
@@ -192,7 +225,8 @@ def _run(name: str, variant: str, args: argparse.Namespace) -> dict[str, Any]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", nargs="+", default=["resnet18", "unet"])
+    parser.add_argument("--models", nargs="+", default=["resnet18", "unet"], choices=MODELS)
+    parser.add_argument("--size", type=int, default=64, help="image side in pixels (default 64)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--opacus-modes", nargs="+", default=["hooks", "ghost", "functorch", "ew"])
@@ -200,9 +234,13 @@ def main() -> None:
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
     if args.worker:
-        print(json.dumps(_worker(*args.worker, args.repeats, torch.device(args.device))))
+        name, variant = args.worker
+        print(json.dumps(_worker(name, variant, args.repeats, args.size, torch.device(args.device))))
         return
-    print(f"device {args.device}, torch {torch.__version__}, threads {torch.get_num_threads()}, repeats {args.repeats}")
+    print(
+        f"device {args.device}, torch {torch.__version__}, threads {torch.get_num_threads()}, "
+        f"image {args.size}x{args.size}, repeats {args.repeats}"
+    )
     for name in args.models:
         variants = ["non-private", "lightning-dp", *(f"opacus-{m}" for m in args.opacus_modes)]
         results = {v: _run(name, v, args) for v in variants}

@@ -15,6 +15,7 @@ __all__ = [
     "PrivacyStateError",
     "PrivacyWarning",
     "UnsupportedEventError",
+    "UnsupportedModelError",
     "check_finite_positive",
     "check_in_interval",
     "check_sample_rate",
@@ -27,6 +28,10 @@ class PrivacyConfigError(ValueError):
 
 class UnsupportedEventError(PrivacyConfigError):
     """An accountant was given an event it cannot account for."""
+
+
+class UnsupportedModelError(PrivacyConfigError):
+    """The model has a part whose per-sample gradients cannot be computed (the message names it and the fix)."""
 
 
 class PrivacyStateError(RuntimeError):

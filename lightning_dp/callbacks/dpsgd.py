@@ -479,10 +479,12 @@ class DPSGD(DPCallback):
                 f"`DPSGD`: the gradient of a batch is not the sum of its samples' own gradients: {name} or its loss "
                 "couples the samples of a batch, so clipping each sample would not bound its influence. HINT: a loss "
                 "reduced over the whole batch divides or aggregates by batch statistics — a class-weighted or "
-                "ignore_index mean, a Dice loss summed over the batch (smp's DiceLoss, MONAI's DiceLoss with "
-                "batch=True): return per-sample losses (reduction='none', Dice per sample) and use "
-                "DPSGD(loss_reduction='none'); remove batch-dependent layers (BatchNorm; "
-                "lightning_dp.models.validate_model lists known ones)."
+                "ignore_index mean, a Dice loss over the whole batch (smp's DiceLoss, MONAI's DiceLoss with "
+                "batch=True). Compute each sample's loss on that sample alone — for Dice, the Dice of each sample "
+                "over its own pixels (MONAI's DiceLoss(batch=False, reduction='none'), reduced per sample) — and "
+                "either average them over the batch (loss_reduction='mean') or return the (B,) per-sample losses "
+                "with DPSGD(loss_reduction='none') (needed for class-weighted and ignore_index losses); remove "
+                "batch-dependent layers (BatchNorm; lightning_dp.models.validate_model lists known ones)."
             )
         if cause == "not_per_sample":
             raise UnsupportedModelError(

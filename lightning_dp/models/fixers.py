@@ -92,9 +92,16 @@ def validate_model(module: nn.Module) -> list[ModelProblem]:
     Checks: BatchNorm layers (a frozen one — eval mode, no trainable parameter — is fine: it mixes
     nothing and its statistics do not change); InstanceNorm with running statistics; recurrent layers
     (use Opacus' ``DPLSTM``/``DPGRU``/``DPRNN``); trainable parameters that do not belong to a layer
-    whose per-sample gradient can be computed.
+    whose per-sample gradient can be computed (`lightning_dp.sanitization.rules.rule_problem`, the
+    answer `PerSampleClipper` gets too).
+
+    Example:
+        >>> up = nn.Sequential(nn.ConvTranspose2d(8, 4, 3, stride=2), nn.InstanceNorm2d(4, affine=True), nn.PReLU())
+        >>> validate_model(up)  # each layer has a per-sample rule
+        []
     """
     from lightning_dp.sanitization.per_sample import parameters_next_to_children, trainable_layers
+    from lightning_dp.sanitization.rules import rule_problem
 
     problems: list[ModelProblem] = []
     for name, sub in module.named_modules():
@@ -139,25 +146,19 @@ def validate_model(module: nn.Module) -> list[ModelProblem]:
     for name, sub in trainable_layers(module, strict=False):
         if isinstance(sub, (*_BATCH_NORMS, *_RECURRENT)):
             continue
-        if not _has_rule(sub) and (any(True for _ in sub.buffers(recurse=False)) or any(True for _ in sub.children())):
+        problem = rule_problem(sub)  # the same answer PerSampleClipper gets from rule_for
+        if problem is not None:
+            kind = type(sub).__name__
             problems.append(
                 ModelProblem(
                     name,
-                    type(sub).__name__,
-                    "it has trainable parameters but no per-sample gradient rule, and buffers or sub-modules that "
-                    "the generic (functorch) rule cannot handle",
-                    "freeze it, replace it with standard layers, or register an Opacus grad sampler for it",
+                    kind,
+                    f"it {problem}",
+                    "freeze it, replace it with standard layers, or register a per-sample rule for its type "
+                    f"(lightning_dp.sanitization.rules.register_rule({kind}, rule), or an Opacus grad sampler)",
                 )
             )
     return problems
-
-
-def _has_rule(module: nn.Module) -> bool:
-    from opacus.grad_sample import GradSampleModule
-
-    return isinstance(module, (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)) or type(module) in (
-        GradSampleModule.GRAD_SAMPLERS
-    )
 
 
 def fix_model(module: nn.Module, warn: bool = True, keep_frozen: bool = True) -> list[str]:

@@ -10,6 +10,7 @@ from lightning_dp.sanitization.release import (
     Selection,
     StepRelease,
 )
+from lightning_dp.sanitization.rules import LayerRule, has_rule, register_rule, rule_for, unregister_rule
 from lightning_dp.sanitization.updates import ClipResult, ModelState, clip_factor, clip_update
 
 __all__ = [
@@ -17,6 +18,7 @@ __all__ = [
     "ClipResult",
     "EnergyNoise",
     "GaussianRelease",
+    "LayerRule",
     "ModelState",
     "PaperSelectedRelease",
     "Release",
@@ -25,4 +27,8 @@ __all__ = [
     "StepRelease",
     "clip_factor",
     "clip_update",
+    "has_rule",
+    "register_rule",
+    "rule_for",
+    "unregister_rule",
 ]

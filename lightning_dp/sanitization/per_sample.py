@@ -9,14 +9,18 @@ DP-SGD needs Σ_i clip_C(g_i), the sum of per-sample gradients each scaled to L2
   output gradient. (Tensor hooks still see the gradient of the value the layer produced when a
   later in-place op such as ResNet's ``out += identity`` or ``ReLU(inplace=True)`` changes the
   tensor. Opacus' module backward hooks fail there, Opacus issue #828.)
-* Each sample's squared gradient norm is summed layer by layer. For Linear and Conv layers it is
-  computed by the *ghost norm* identity ‖Σ_t g_t a_tᵀ‖² = Σ_{t,s} (a_t·a_s)(g_t·g_s) when the layer's
-  spatial extent T is small, or from the materialized per-sample gradients when that is cheaper
-  (Li et al. 2022; Bu et al. 2023, "mixed ghost clipping"). Other layers (GroupNorm, LayerNorm,
-  embeddings, ...) use Opacus' registered per-layer grad samplers, and layers Opacus has no sampler
-  for use its functorch fallback.
-* With the clip coefficients c_i = min(1, C/‖g_i‖) the clipped sum of each layer is one weight
-  gradient computed from the c-weighted output gradients ("book-keeping", Bu et al. 2023).
+* Each sample's squared gradient norm is summed layer by layer, each layer by its rule
+  (`lightning_dp.sanitization.rules`: one rule per layer type, `register_rule` adds one). Linear
+  layers and (transposed) convolutions take the *ghost norm* ‖Σ_t g_t a_tᵀ‖² = Σ_{t,s} (a_t·a_s)(g_t·g_s)
+  when the layer's spatial extent T is small, or the materialized per-sample gradients when that is
+  cheaper (Li et al. 2022; Bu et al. 2023, "mixed ghost clipping"). Other layers (GroupNorm,
+  LayerNorm, embeddings, ...) use Opacus' registered per-layer grad samplers, and parameter-holding
+  leaf layers without buffers that nothing else covers use its functorch fallback.
+* A layer that ran once and shares no parameter is evaluated as soon as the backward pass reaches
+  its output, so its input and output gradient are released then rather than all held to the end
+  (on a U-Net this keeps the step's peak memory near the non-private one).
+* With the clip coefficients c_i = min(1, C/‖g_i‖) the clipped sum of a ghost-normed layer is one
+  weight gradient computed from the c-weighted output gradients ("book-keeping", Bu et al. 2023).
 
 A sample whose gradient norm is not finite gets c_i = 0: its contribution is dropped (and counted),
 never propagated.
@@ -30,10 +34,17 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lightning_dp.errors import PrivacyConfigError, check_finite_positive
+from lightning_dp.errors import PrivacyConfigError, UnsupportedModelError, check_finite_positive
+from lightning_dp.sanitization.rules import (
+    ClippedSumTerm,
+    LayerRule,
+    MaterializedGrads,
+    registered_rule,
+    rule_for,
+    sum_of_squares,
+)
 
 __all__ = [
     "ClipStats",
@@ -49,8 +60,6 @@ __all__ = [
 
 LossReduction = Literal["mean", "sum", "none"]
 
-_CONV_TYPES = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
-
 
 def check_loss_reduction(owner: str, value: Any) -> LossReduction:
     """Returns ``value`` if it is 'mean', 'sum' or 'none', else raises `PrivacyConfigError`."""
@@ -63,18 +72,8 @@ def check_loss_reduction(owner: str, value: Any) -> LossReduction:
     return value
 
 
-class UnsupportedModelError(PrivacyConfigError):
-    """The model has a part whose per-sample gradients cannot be computed."""
-
-
 class NonFiniteGradientsError(ArithmeticError):
     """Some per-sample gradients were not finite and the caller asked to be told (nothing was added)."""
-
-
-def _opacus_grad_samplers() -> dict[type, Callable[..., dict[nn.Parameter, Tensor]]]:
-    from opacus.grad_sample import GradSampleModule
-
-    return dict(GradSampleModule.GRAD_SAMPLERS)
 
 
 def _direct_trainable(module: nn.Module) -> list[nn.Parameter]:
@@ -82,15 +81,16 @@ def _direct_trainable(module: nn.Module) -> list[nn.Parameter]:
 
 
 def parameters_next_to_children(module: nn.Module) -> list[tuple[str, nn.Module, list[str], list[str]]]:
-    """Modules holding trainable parameters *and* children with trainable parameters (other than Linear/Conv).
+    """Modules holding trainable parameters *and* children with trainable parameters (other than registered layers).
 
     Their parameters are used somewhere in their forward, outside any layer, so no per-sample rule
-    applies (for example a LightningModule with its own ``nn.Parameter``). Returns
-    (name, module, its parameter names, the parameterized children's names) for each.
+    applies (for example a LightningModule with its own ``nn.Parameter``). A module whose type has a
+    registered rule (`lightning_dp.sanitization.rules.register_rule`: Linear, Conv, ConvTranspose, ...)
+    is not listed. Returns (name, module, its parameter names, the parameterized children's names) for each.
     """
     found = []
     for name, sub in module.named_modules():
-        if not _direct_trainable(sub) or isinstance(sub, (*_CONV_TYPES, nn.Linear)):
+        if not _direct_trainable(sub) or registered_rule(sub) is not None:
             continue
         nested = [n for n, child in sub.named_modules() if child is not sub and _direct_trainable(child)]
         if nested:
@@ -119,11 +119,29 @@ def trainable_layers(module: nn.Module, strict: bool = True) -> list[tuple[str, 
 
 @dataclass
 class _Record:
-    """One call of a layer in the forward pass."""
+    """One call of a layer in the forward pass.
 
-    activation: Tensor
+    ``done`` holds the call's squared norms and clipped-sum term when they were computed during the
+    backward pass (its input and output gradient are then released: ``activation`` is None).
+    """
+
+    activation: Tensor | None
     version: int
     backprops: Tensor | None = None
+    done: tuple[Tensor, ClippedSumTerm] | None = None
+
+    @property
+    def reached(self) -> bool:
+        """Whether the loss's gradient reached this call's output."""
+        return self.backprops is not None or self.done is not None
+
+
+@dataclass(frozen=True)
+class _Pass:
+    """What the backward pass of one `PerSampleClipper.accumulate` needs to evaluate layers as it reaches them."""
+
+    batch_size: int
+    dtype: torch.dtype
 
 
 @dataclass
@@ -131,7 +149,7 @@ class _Layer:
     name: str
     module: nn.Module
     params: list[nn.Parameter]
-    kind: Literal["linear", "conv", "generic"]
+    rule: LayerRule
     records: list[_Record] = field(default_factory=list)
 
 
@@ -174,21 +192,17 @@ class PerSampleClipper:
     def __init__(self, module: nn.Module, clip_norm: float, loss_reduction: LossReduction = "mean") -> None:
         self.clip_norm = check_finite_positive("PerSampleClipper", "clip_norm", clip_norm, "e.g. 1.0.")
         self.loss_reduction: LossReduction = check_loss_reduction("PerSampleClipper", loss_reduction)
-        samplers = _opacus_grad_samplers()
         self.layers: list[_Layer] = []
         for name, sub in trainable_layers(module):
-            if isinstance(sub, nn.Linear):
-                kind: Literal["linear", "conv", "generic"] = "linear"
-            elif isinstance(sub, _CONV_TYPES):
-                kind = "conv"
-            else:
-                kind = "generic"
-                if type(sub) not in samplers:
-                    _prepare_functorch(name, sub)
-            self.layers.append(_Layer(name, sub, _direct_trainable(sub), kind))
-        self._samplers = samplers
+            rule = rule_for(sub, name)
+            rule.prepare(sub)
+            self.layers.append(_Layer(name, sub, _direct_trainable(sub), rule))
         self.params = list({id(p): p for layer in self.layers for p in layer.params}.values())
         self._groups = _tied_groups(self.layers)
+        # A layer that shares no parameter is evaluated as soon as its output gradient is known (if it ran once), so
+        # that its input and output gradient are freed during the backward pass instead of all being held to its end.
+        self._alone = {id(group[0]) for group in self._groups if len(group) == 1}
+        self._pass: _Pass | None = None
         if not self.params:
             raise UnsupportedModelError(
                 f"`PerSampleClipper`: {type(module).__name__} has no trainable parameters. HINT: check requires_grad."
@@ -222,6 +236,8 @@ class PerSampleClipper:
 
             def grad_hook(grad: Tensor) -> None:
                 record.backprops = grad.detach()
+                if self._pass is not None and id(layer) in self._alone and len(layer.records) == 1:
+                    self._evaluate(layer, record, self._pass)
 
             output.register_hook(grad_hook)
             return replaced
@@ -312,22 +328,27 @@ class PerSampleClipper:
                     "`PerSampleClipper`: the loss does not depend on any trainable layer. HINT: check that "
                     "training_step uses the model's output and that its layers are trainable."
                 )
+            self._pass = _Pass(batch_size, self.flat_sum.dtype)
             (loss.sum() * loss_scale).backward()
-            if not any(r.backprops is not None for layer in self.layers for r in layer.records):
+            self._pass = None
+            if not any(r.reached for layer in self.layers for r in layer.records):
                 raise UnsupportedModelError(
                     "`PerSampleClipper`: the loss does not depend on any trainable layer. HINT: check that "
                     "training_step uses the model's output and that its layers are trainable."
                 )
+            # The rules work on the raw output gradients: per-sample gradients are linear in them, so the factor that
+            # turns them into the gradients of the per-sample losses (the batch size for a mean, 1/loss_scale) is
+            # applied once, to the norms and to the clip factors, instead of to a copy of every layer's gradient.
             scale = (batch_size if self.loss_reduction == "mean" else 1.0) / loss_scale
             # The clipping arithmetic runs in fp32 (or fp64) whatever autocast the caller's step uses.
             with torch.no_grad(), torch.autocast(self.params[0].device.type, enabled=False):
-                sq_norms, pending = self._squared_norms(batch_size, scale)
-                norms = sq_norms.sqrt()
+                sq_norms, pending = self._squared_norms(batch_size)
+                norms = sq_norms.sqrt() * scale
                 finite = torch.isfinite(norms)
                 if raise_on_nonfinite and not bool(finite.all()):
                     raise NonFiniteGradientsError(f"{int((~finite).sum())} of {batch_size} per-sample gradients")
                 coeff = clip_coefficients(norms, self.clip_norm)
-                self._add_clipped(pending, coeff, finite)
+                self._add_clipped(pending, coeff * scale, finite)
             return ClipStats(
                 batch_size=batch_size,
                 clipped=int(((norms > self.clip_norm) & finite).sum()),
@@ -335,28 +356,26 @@ class PerSampleClipper:
                 nonfinite=int((~finite).sum()),
             )
         finally:
+            self._pass = None
             for layer in self.layers:
                 layer.records.clear()
 
+    def _evaluate(self, layer: _Layer, record: _Record, state: _Pass) -> None:
+        """Computes a layer call's norms and clipped-sum term during the backward pass, and releases its tensors."""
+        _check_record(layer, record, state.batch_size)
+        with torch.no_grad(), torch.autocast(self.params[0].device.type, enabled=False):
+            activation, backprops = _inputs(record, state.dtype)
+            record.done = layer.rule.norms(layer.module, activation, backprops)
+        record.activation = record.backprops = None
+
     def _layer_records(self, layer: _Layer, batch_size: int) -> list[_Record]:
-        records = [r for r in layer.records if r.backprops is not None]
+        records = [r for r in layer.records if r.reached]
         for r in records:
-            if r.activation._version != r.version:
-                raise UnsupportedModelError(
-                    f"`{layer.name}` ({type(layer.module).__name__}): its input was modified in place after the layer "
-                    "used it, so its per-sample gradients would be wrong. HINT: lightning_dp.models.fix_model(model) "
-                    "turns off inplace activations; otherwise avoid in-place ops on that tensor."
-                )
-            if r.activation.shape[0] != batch_size or r.backprops.shape[0] != batch_size:  # type: ignore[union-attr]
-                raise UnsupportedModelError(
-                    f"`{layer.name}` ({type(layer.module).__name__}) got a tensor whose first dimension is "
-                    f"{r.activation.shape[0]}, but the batch holds {batch_size} samples. Per-sample gradients need "
-                    "the batch dimension first in every trainable layer. HINT: keep batch-first layouts, or freeze "
-                    "this layer."
-                )
+            if r.done is None:
+                _check_record(layer, r, batch_size)
         return records
 
-    def _squared_norms(self, batch_size: int, scale: float) -> tuple[Tensor, list[_Pending]]:
+    def _squared_norms(self, batch_size: int) -> tuple[Tensor, list[ClippedSumTerm]]:
         """Σ over layers of each sample's squared gradient norm, and what each layer keeps for the clipped sum.
 
         Layers that share a parameter (tied weights) form one group: their per-sample gradients are
@@ -364,61 +383,48 @@ class PerSampleClipper:
         """
         dtype = self.flat_sum.dtype
         total = torch.zeros(batch_size, dtype=torch.float64, device=self.flat_sum.device)
-        pending: list[_Pending] = []
+        pending: list[ClippedSumTerm] = []
         for group in self._groups:
             records = [(layer, self._layer_records(layer, batch_size)) for layer in group]
             records = [(layer, rs) for layer, rs in records if rs]
             if not records:
                 continue
             (layer, layer_records), *others = records
-            if not others and len(layer_records) == 1 and layer.kind in ("linear", "conv"):
-                sq, item = _ghost_or_materialized(layer, layer_records[0], scale, dtype)
+            if not others and len(layer_records) == 1:
+                # One call of a layer that shares nothing: its rule picks ghost norm or materialized gradients.
+                record = layer_records[0]
+                if record.done is None:
+                    activation, backprops = _inputs(record, dtype)
+                    record.done = layer.rule.norms(layer.module, activation, backprops)
+                sq, item = record.done
             else:
-                # Several calls of a layer, tied parameters, or a generic layer: per-sample gradients, summed.
+                # Several calls of a layer, or tied parameters: per-sample gradients, summed before the norm.
                 grads: dict[nn.Parameter, Tensor] = {}
                 for member, member_records in records:
-                    for p, g in self._per_sample_grads(member, member_records, scale).items():
+                    for p, g in self._per_sample_grads(member, member_records).items():
                         grads[p] = grads[p] + g if p in grads else g
-                sq, item = _sum_of_squares(list(grads.values())), _Materialized(grads)
+                sq, item = sum_of_squares(list(grads.values()), batch_size, total.device), MaterializedGrads(grads)
             total += sq
             pending.append(item)
         return total, pending
 
-    def _per_sample_grads(self, layer: _Layer, records: list[_Record], scale: float) -> dict[nn.Parameter, Tensor]:
+    def _per_sample_grads(self, layer: _Layer, records: list[_Record]) -> dict[nn.Parameter, Tensor]:
         dtype = self.flat_sum.dtype
         trained = {id(p) for p in layer.params}
         out: dict[nn.Parameter, Tensor] = {}
         for r in records:
-            assert r.backprops is not None
-            backprops = r.backprops.to(dtype) * scale
-            activation = r.activation.to(dtype) if r.activation.is_floating_point() else r.activation
-            if layer.kind != "generic":
-                grads = _materialize(layer.kind, layer.module, activation, backprops)
-            else:
-                grads = self._samplers.get(type(layer.module), _functorch_sampler)(
-                    layer.module, [activation], backprops
-                )
-            padding = getattr(layer.module, "padding_idx", None) if isinstance(layer.module, nn.Embedding) else None
-            for p, g in grads.items():
-                if id(p) not in trained:  # the functorch rule also returns frozen parameters
+            activation, backprops = _inputs(r, dtype)
+            for p, g in layer.rule.trained_grads(layer.module, activation, backprops).items():
+                if id(p) not in trained:
                     continue
-                g = g.to(dtype)
-                if padding is not None:  # Opacus' embedding rule also gives the padding row a gradient
-                    g[:, padding] = 0.0
                 out[p] = out[p] + g if p in out else g
         return out
 
-    def _add_clipped(self, pending: list[_Pending], coeff: Tensor, finite: Tensor) -> None:
+    def _add_clipped(self, pending: list[ClippedSumTerm], coeff: Tensor, finite: Tensor) -> None:
         coeff = coeff.to(self.flat_sum.dtype)
-        dropped = None if bool(finite.all()) else finite
+        keep = None if bool(finite.all()) else finite
         for item in pending:
-            if isinstance(item, _Materialized):
-                for p, g in item.grads.items():
-                    if dropped is not None:  # 0·NaN is NaN: zero the dropped samples explicitly
-                        g = torch.where(_expand(dropped, g), g, 0.0)
-                    self._sum_views[p].add_(torch.tensordot(coeff, g, dims=1))
-            else:
-                _add_weighted(item, coeff, dropped, self._sum_views)
+            item.add_clipped(coeff, keep, self._sum_views)
 
 
 def clip_coefficients(norms: Tensor, clip_norm: float) -> Tensor:
@@ -434,26 +440,6 @@ def clip_coefficients(norms: Tensor, clip_norm: float) -> Tensor:
     coeff = (clip_norm / norms.clamp_min(1e-300)).clamp(max=1.0)
     keep = torch.isfinite(norms) & (coeff >= torch.finfo(torch.float32).tiny)
     return torch.where(keep, coeff, 0.0)
-
-
-@dataclass
-class _Materialized:
-    """A layer's per-sample gradients, (B, *param.shape) per parameter."""
-
-    grads: dict[nn.Parameter, Tensor]
-
-
-@dataclass
-class _Ghost:
-    """A ghost-normed Linear/Conv layer: its input and its (cast, scaled) output gradient."""
-
-    module: nn.Module
-    kind: Literal["linear", "conv"]
-    activation: Tensor
-    backprops: Tensor
-
-
-_Pending = _Materialized | _Ghost
 
 
 def _tied_groups(layers: list[_Layer]) -> list[list[_Layer]]:
@@ -479,218 +465,26 @@ def _tied_groups(layers: list[_Layer]) -> list[list[_Layer]]:
     return list(groups.values())
 
 
-def _sum_of_squares(tensors: list[Tensor]) -> Tensor:
-    """Per-sample Σ of squares of (B, ...) tensors, as float64; recomputed in float64 where fp32 overflowed."""
-    b = tensors[0].shape[0]
-    sq = torch.stack([t.reshape(b, -1).pow(2).sum(1) for t in tensors]).sum(0).double()
-    if not bool(torch.isfinite(sq).all()):
-        sq = torch.stack([t.reshape(b, -1).double().pow(2).sum(1) for t in tensors]).sum(0)
-    return sq
-
-
-def _expand(mask: Tensor, like: Tensor) -> Tensor:
-    return mask.view(-1, *([1] * (like.dim() - 1)))
-
-
-def _functorch_sampler(module: nn.Module, activations: list[Tensor], backprops: Tensor) -> dict[nn.Parameter, Tensor]:
-    from opacus.grad_sample.functorch import ft_compute_per_sample_gradient
-
-    return ft_compute_per_sample_gradient(module, activations, backprops)
-
-
-def _prepare_functorch(name: str, module: nn.Module) -> None:
-    if any(True for _ in module.buffers(recurse=False)) or any(True for _ in module.children()):
+def _check_record(layer: _Layer, record: _Record, batch_size: int) -> None:
+    """Raises `UnsupportedModelError` if a call's input changed in place since, or its batch dimension is not first."""
+    assert record.activation is not None and record.backprops is not None
+    if record.activation._version != record.version:
         raise UnsupportedModelError(
-            f"`{name}` ({type(module).__name__}) has trainable parameters but no per-sample gradient rule, and it "
-            "holds buffers or sub-modules, so the generic (functorch) rule cannot handle it either. HINT: freeze it, "
-            "replace it with standard layers, or register an Opacus grad sampler for it "
-            "(opacus.grad_sample.register_grad_sampler)."
+            f"`{layer.name}` ({type(layer.module).__name__}): its input was modified in place after the layer "
+            "used it, so its per-sample gradients would be wrong. HINT: lightning_dp.models.fix_model(model) "
+            "turns off inplace activations; otherwise avoid in-place ops on that tensor."
         )
-    from opacus.grad_sample.functorch import prepare_layer
-
-    prepare_layer(module)
-
-
-# ---------------------------------------------------------------------- Linear
-def _linear_views(activation: Tensor, backprops: Tensor) -> tuple[Tensor, Tensor]:
-    b = activation.shape[0]
-    return activation.reshape(b, -1, activation.shape[-1]), backprops.reshape(b, -1, backprops.shape[-1])
-
-
-# ---------------------------------------------------------------------- Conv
-def _conv_geometry(layer: nn.Module, activation: Tensor) -> tuple[Tensor, tuple[int, ...]]:
-    """The input padded as the layer pads it, and the padding left for the convolution itself (zeros)."""
-    conv: Any = layer
-    dims = activation.dim() - 2
-    kernel, dilation = conv.kernel_size, conv.dilation
-    if conv.padding == "valid":
-        pads = [(0, 0)] * dims
-    elif conv.padding == "same":
-        pads = []
-        for k, d in zip(kernel, dilation):
-            total = d * (k - 1)
-            pads.append((total // 2, total - total // 2))
-    else:
-        pads = [(p, p) for p in conv.padding]
-    symmetric = all(left == right for left, right in pads)
-    if conv.padding_mode == "zeros" and symmetric:
-        return activation, tuple(left for left, _ in pads)
-    flat: list[int] = []
-    for left, right in reversed(pads):
-        flat += [left, right]
-    mode = "constant" if conv.padding_mode == "zeros" else conv.padding_mode
-    return F.pad(activation, flat, mode=mode), (0,) * dims
-
-
-def _unfold(layer: nn.Module, activation: Tensor) -> Tensor:
-    """(B, C_in·k…, T): the receptive field of every output position."""
-    conv: Any = layer
-    x, padding = _conv_geometry(layer, activation)
-    if x.dim() == 3:  # Conv1d as a Conv2d of height 1
-        x = x.unsqueeze(2)
-        return F.unfold(
-            x,
-            (1, conv.kernel_size[0]),
-            dilation=(1, conv.dilation[0]),
-            padding=(0, padding[0]),
-            stride=(1, conv.stride[0]),
+    if record.activation.shape[0] != batch_size or record.backprops.shape[0] != batch_size:
+        raise UnsupportedModelError(
+            f"`{layer.name}` ({type(layer.module).__name__}) got a tensor whose first dimension is "
+            f"{record.activation.shape[0]}, but the batch holds {batch_size} samples. Per-sample gradients need "
+            "the batch dimension first in every trainable layer. HINT: keep batch-first layouts, or freeze "
+            "this layer."
         )
-    if x.dim() == 4:
-        return F.unfold(x, conv.kernel_size, dilation=conv.dilation, padding=padding, stride=conv.stride)
-    from opacus.utils.tensor_utils import unfold3d
-
-    return unfold3d(x, kernel_size=conv.kernel_size, padding=padding, stride=conv.stride, dilation=conv.dilation)
 
 
-def _views(
-    kind: Literal["linear", "conv"], module: nn.Module, activation: Tensor, backprops: Tensor
-) -> tuple[Tensor, Tensor]:
-    """A Linear or Conv layer as a matrix product per sample: (B, d, T) inputs and (B, p, T) output gradients."""
-    b = activation.shape[0]
-    if kind == "linear":
-        a, g = _linear_views(activation, backprops)
-        return a.transpose(1, 2), g.transpose(1, 2)
-    return _unfold(module, activation), backprops.reshape(b, backprops.shape[1], -1)
-
-
-def _materialize(
-    kind: Literal["linear", "conv"], module: nn.Module, activation: Tensor, backprops: Tensor
-) -> dict[nn.Parameter, Tensor]:
-    """Per-sample gradients of a Linear/Conv layer, (B, *param.shape) per trained parameter.
-
-    A convolution's are one grouped weight-gradient convolution with the batch folded into the
-    groups (B·groups groups): as fast as the layer's ordinary weight gradient, with no unfolded
-    input in memory.
-    """
-    layer: Any = module
-    b = activation.shape[0]
-    if kind == "linear":
-        a, g = _linear_views(activation, backprops)
-        grads = {layer.weight: torch.bmm(g.transpose(1, 2), a)}
-        bias = g.sum(1)
-    else:
-        x, padding = _conv_geometry(module, activation)
-        dims = x.dim() - 2
-        weight_shape = (b * layer.weight.shape[0], *layer.weight.shape[1:])
-        _, weight, _ = torch.ops.aten.convolution_backward(
-            backprops.reshape(1, b * backprops.shape[1], *backprops.shape[2:]),
-            x.reshape(1, b * x.shape[1], *x.shape[2:]),
-            torch.empty(weight_shape, dtype=x.dtype, device=x.device),  # only its shape is read
-            None,
-            list(layer.stride),
-            list(padding),
-            list(layer.dilation),
-            False,
-            [0] * dims,
-            b * layer.groups,
-            [False, True, False],
-        )
-        grads = {layer.weight: weight.reshape(b, *layer.weight.shape)}
-        bias = backprops.reshape(b, backprops.shape[1], -1).sum(2)
-    if layer.bias is not None and layer.bias.requires_grad:
-        grads[layer.bias] = bias
-    return grads
-
-
-# ---------------------------------------------------------------------- norms and sums
-def _ghost_or_materialized(layer: _Layer, record: _Record, scale: float, dtype: torch.dtype) -> tuple[Tensor, _Pending]:
-    """Squared per-sample gradient norms of a Linear/Conv layer, by whichever of the two rules is cheaper.
-
-    With T output positions, d = fan-in and p = fan-out, the ghost norm costs ~T²(d + p) per sample and
-    keeps nothing; materializing costs ~T·d·p and keeps the per-sample gradients (reused for the
-    clipped sum). Grouped convolutions are always materialized (per group they are small).
-    """
-    assert record.backprops is not None and layer.kind != "generic"
-    module: Any = layer.module
-    activation, backprops = record.activation.to(dtype), record.backprops.to(dtype) * scale
-    t = backprops[0].numel() // backprops.shape[-1 if layer.kind == "linear" else 1]  # output positions
-    p, d = module.weight.shape[0], module.weight[0].numel()  # fan-out, fan-in
-    if getattr(module, "groups", 1) == 1 and t * (d + p) < d * p:
-        at, gt = _views(layer.kind, module, activation, backprops)  # (B, d, T), (B, p, T)
-        return _ghost_norms(module, at, gt), _Ghost(module, layer.kind, activation, backprops)
-    grads = _materialize(layer.kind, module, activation, backprops)
-    return _sum_of_squares(list(grads.values())), _Materialized(grads)
-
-
-#: If a ghost norm is below this fraction of its triangle-inequality bound Σ_t‖g_t‖‖a_t‖, the terms of
-#: the sample's gradient nearly cancel, and fp32 round-off in the clipped sum (of order 1e-7 of the bound)
-#: could be a visible fraction of the norm: such a sample is clipped on the bound instead (it can only
-#: be clipped more).
-GHOST_CANCELLATION = 1e-2
-
-
-def _ghost_norms(module: Any, at: Tensor, gt: Tensor) -> Tensor:
-    """‖Σ_t g_t a_tᵀ‖² (+ ‖Σ_t g_t‖² for the bias) per sample, in float64, without forming the gradients.
-
-    Computed in float64 (the Gram products cancel when a sample's gradient terms nearly do), and
-    replaced by the squared triangle-inequality bound where they cancel by more than
-    ``GHOST_CANCELLATION``, so the norm never falls short of the contribution actually added.
-    """
-    at, gt = at.double(), gt.double()
-    if at.shape[2] == 1:
-        sq = at.pow(2).sum((1, 2)) * gt.pow(2).sum((1, 2))
-    else:
-        sq = (torch.bmm(at.transpose(1, 2), at) * torch.bmm(gt.transpose(1, 2), gt)).sum((1, 2))
-    g_norms = gt.norm(dim=1)  # (B, T)
-    sq = _guard(sq, (at.norm(dim=1) * g_norms).sum(1))
-    if module.bias is not None and module.bias.requires_grad:
-        sq = sq + _guard(gt.sum(2).pow(2).sum(1), g_norms.sum(1))
-    return sq
-
-
-def _guard(sq: Tensor, bound: Tensor) -> Tensor:
-    return torch.where(sq < (GHOST_CANCELLATION * bound) ** 2, bound**2, sq)
-
-
-def _add_weighted(item: _Ghost, coeff: Tensor, dropped: Tensor | None, sums: dict[nn.Parameter, Tensor]) -> None:
-    """Σ_i c_i·g_i of a ghost-normed layer: one weight gradient computed from c-weighted output gradients."""
-    module: Any = item.module
-    activation, backprops = item.activation, item.backprops
-    if dropped is not None:  # 0·NaN is NaN: zero the dropped samples explicitly
-        activation = torch.where(_expand(dropped, activation), activation, 0.0)
-        backprops = torch.where(_expand(dropped, backprops), backprops, 0.0)
-    weighted = backprops * _expand(coeff, backprops)
-    if item.kind == "linear":
-        a, g = _linear_views(activation, weighted)
-        sums[module.weight].add_(g.reshape(-1, g.shape[-1]).t() @ a.reshape(-1, a.shape[-1]))
-        if module.bias is not None and module.bias.requires_grad:
-            sums[module.bias].add_(g.sum((0, 1)))
-        return
-    x, padding = _conv_geometry(module, activation)
-    dims = x.dim() - 2
-    _, weight_grad, _ = torch.ops.aten.convolution_backward(
-        weighted,
-        x,
-        module.weight.to(x.dtype),
-        None,
-        list(module.stride),
-        list(padding),
-        list(module.dilation),
-        False,
-        [0] * dims,
-        module.groups,
-        [False, True, False],
-    )
-    sums[module.weight].add_(weight_grad)
-    if module.bias is not None and module.bias.requires_grad:
-        sums[module.bias].add_(weighted.sum([0, *range(2, weighted.dim())]))
+def _inputs(record: _Record, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """A call's input (cast to ``dtype`` if floating point) and its output gradient (cast; not copied if already)."""
+    assert record.activation is not None and record.backprops is not None
+    activation = record.activation.to(dtype) if record.activation.is_floating_point() else record.activation
+    return activation, record.backprops.to(dtype)

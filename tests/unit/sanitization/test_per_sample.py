@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 import torch
@@ -21,7 +22,7 @@ from torchvision.models.resnet import BasicBlock
 
 from lightning_dp.errors import PrivacyConfigError
 from lightning_dp.models.classifier import SmallCNN
-from lightning_dp.sanitization import per_sample
+from lightning_dp.sanitization import rules
 from lightning_dp.sanitization.per_sample import (
     ClipStats,
     NonFiniteGradientsError,
@@ -234,7 +235,7 @@ CASES: dict[str, Callable[[], _Case]] = {
     "unused_head": lambda: _Case(_UnusedHead(), (_x(4),)),
     "partially_frozen": lambda: _Case(_partially_frozen(), (_x(3),)),
     "functorch_leaf": lambda: _Case(nn.Sequential(nn.Linear(3, 4), _ScaleShift(4)), (_x(3),)),
-    "functorch_conv_transpose": lambda: _Case(
+    "conv_transpose_after_conv": lambda: _Case(
         nn.Sequential(nn.Conv2d(3, 4, 3), nn.ConvTranspose2d(4, 2, 3, stride=2)), (_x(3, 5, 5),)
     ),
     # ReLU(inplace=True) and `out += identity` after the layers: tensor hooks must still see the right gradients.
@@ -242,28 +243,33 @@ CASES: dict[str, Callable[[], _Case]] = {
 }
 
 
-@pytest.fixture
-def norm_rules(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """The rule (ghost / materialized) each single-call Linear/Conv layer used, so that both regimes are covered."""
-    seen: list[str] = []
-    original = per_sample._ghost_or_materialized
+def _in_model_order(model: nn.Module, seen: list[tuple[nn.Module, str]]) -> list[str]:
+    """The ways layers took, in the model's module order (layers are evaluated as the backward pass reaches them)."""
+    return [way for m in model.modules() for layer, way in seen if layer is m]
 
-    def spy(*args: object, **kwargs: object) -> tuple[Tensor, object]:
-        sq, item = original(*args, **kwargs)  # type: ignore[arg-type]
-        seen.append("ghost" if isinstance(item, per_sample._Ghost) else "materialized")
+
+@pytest.fixture
+def norm_rules(monkeypatch: pytest.MonkeyPatch) -> list[tuple[nn.Module, str]]:
+    """(layer, way) for each single-call Linear/Conv layer (ghost / materialized), so that both ways are covered."""
+    seen: list[tuple[nn.Module, str]] = []
+    original = rules.ProductRule.norms
+
+    def spy(self: rules.ProductRule, module: nn.Module, *args: Any) -> tuple[Tensor, rules.ClippedSumTerm]:
+        sq, item = original(self, module, *args)
+        seen.append((module, "ghost" if isinstance(item, rules.GhostTerm) else "materialized"))
         return sq, item
 
-    monkeypatch.setattr(per_sample, "_ghost_or_materialized", spy)
+    monkeypatch.setattr(rules.ProductRule, "norms", spy)
     return seen
 
 
 @pytest.mark.parametrize("name", list(CASES))
-def test_layer_matches_naive_per_sample_loop(name: str, norm_rules: list[str]) -> None:
+def test_layer_matches_naive_per_sample_loop(name: str, norm_rules: list[tuple[nn.Module, str]]) -> None:
     case = CASES[name]()
     model = case.model.double()
     check_against_naive(model, _output_loss, *case.data)
     if case.rules is not None:
-        assert norm_rules == case.rules
+        assert _in_model_order(model, norm_rules) == case.rules
 
 
 def test_small_cnn_matches_naive_per_sample_loop() -> None:

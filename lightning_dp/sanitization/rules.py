@@ -1,0 +1,722 @@
+"""Per-layer rules of the per-sample gradient engine: one rule object per layer type.
+
+`PerSampleClipper` sees each call of a trainable layer as its input (``activation``) and the
+gradient of the loss with respect to its output (``backprops``), both batch-first. A `LayerRule`
+turns them into each sample's squared gradient norm over the layer's *own* trainable parameters
+(``module.parameters(recurse=False)``), and into the term that the clipped sum Σ_i c_i·g_i needs
+once the clip factors c_i are known. The engine asks `rule_for` once per layer, and
+`lightning_dp.models.validate_model` asks the same question (`rule_problem`): a model is accepted
+by one exactly when it is by the other.
+
+Lookup, for a module of type ``T``:
+
+1. the rule registered for ``T`` or its nearest registered base class (`register_rule`). Built in:
+   Linear; Conv1d/2d/3d (any stride, dilation, groups, padding and padding mode);
+   ConvTranspose1d/2d/3d (any stride, padding, output padding, dilation and groups); PReLU.
+2. Opacus' grad sampler registered for exactly ``T`` (GroupNorm, LayerNorm, affine InstanceNorm,
+   Embedding, EmbeddingBag, RMSNorm, ...; ``opacus.grad_sample.register_grad_sampler`` adds more).
+3. the functorch rule (``torch.func.vmap`` over the layer's forward), for a leaf module without
+   buffers.
+
+A module that none of them can handle (trainable parameters next to buffers or sub-modules, such
+as a trainable BatchNorm) has no rule: `rule_for` raises `UnsupportedModelError` naming it and the
+fix.
+
+Linear layers and (transposed) convolutions choose per call between two ways, by cost
+(`ProductRule`): the *ghost norm* ‖Σ_t g_t a_tᵀ‖² = Σ_{t,s} (a_t·a_s)(g_t·g_s) over the layer's T
+positions costs ~T²(d + p) per sample and keeps nothing; *materializing* the per-sample gradients
+costs ~T·d·p and keeps them for the clipped sum (d = fan-in, p = fan-out). The ghost norm's cost
+grows with the square of the spatial size, so high-resolution layers materialize and deep,
+low-resolution ones use the ghost norm (Li et al. 2022; Bu et al. 2023, "mixed ghost clipping").
+After a ghost norm the layer's clipped sum is one ordinary weight gradient computed from the
+c-weighted output gradients (Bu et al. 2023, "book-keeping").
+
+A rule decides how much of a sample's gradient clipping sees: a wrong rule breaks the privacy
+guarantee. Test a new rule against a naive loop over samples, as ``tests/unit/sanitization`` does.
+
+Example:
+    >>> type(rule_for(nn.ConvTranspose2d(4, 2, 3, stride=2))).__name__
+    'ConvTransposeRule'
+    >>> has_rule(nn.GroupNorm(2, 4)), has_rule(nn.BatchNorm2d(4))
+    (True, False)
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, cast
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from lightning_dp.errors import PrivacyConfigError, UnsupportedModelError
+
+__all__ = [
+    "GHOST_CANCELLATION",
+    "ClippedSumTerm",
+    "ConvRule",
+    "ConvTransposeRule",
+    "FunctorchRule",
+    "GhostTerm",
+    "LayerRule",
+    "LinearRule",
+    "MaterializedGrads",
+    "OpacusRule",
+    "PReLURule",
+    "ProductRule",
+    "has_rule",
+    "register_rule",
+    "rule_for",
+    "rule_problem",
+    "unregister_rule",
+]
+
+#: The flat clipped sum's slice of each trained parameter (shaped like the parameter).
+Sums = Mapping[nn.Parameter, Tensor]
+
+#: If a ghost norm is below this fraction of its triangle-inequality bound Σ_t‖g_t‖‖a_t‖, the terms of
+#: the sample's gradient nearly cancel, and fp32 round-off in the clipped sum (of order 1e-7 of the bound)
+#: could be a visible fraction of the norm: such a sample is clipped on the bound instead (it can only
+#: be clipped more).
+GHOST_CANCELLATION = 1e-2
+
+
+# ---------------------------------------------------------------------- what a layer keeps for the clipped sum
+class ClippedSumTerm(ABC):
+    """What one layer keeps between a batch's norms and its clipped sum."""
+
+    @abstractmethod
+    def add_clipped(self, coeff: Tensor, keep: Tensor | None, sums: Sums) -> None:
+        """Adds the layer's Σ_i coeff_i·g_i to ``sums``.
+
+        Args:
+            coeff: (B,) clip factors.
+            keep: (B,) True for the samples kept, or None if all are. A dropped sample's gradient may
+                be NaN and must add nothing (0·NaN is NaN).
+            sums: each trained parameter's slice of the flat clipped sum; a parameter missing there is
+                not trained by this engine and is skipped.
+        """
+
+
+@dataclass
+class MaterializedGrads(ClippedSumTerm):
+    """A layer's per-sample gradients, (B, *param.shape) per trained parameter."""
+
+    grads: dict[nn.Parameter, Tensor]
+
+    def add_clipped(self, coeff: Tensor, keep: Tensor | None, sums: Sums) -> None:
+        for p, g in self.grads.items():
+            if p not in sums:
+                continue
+            if keep is not None:
+                g = torch.where(_expand(keep, g), g, 0.0)
+            sums[p].add_(torch.tensordot(coeff, g, dims=1))
+
+
+@dataclass
+class GhostTerm(ClippedSumTerm):
+    """A ghost-normed layer call: its input and (cast) output gradient, and its materialized bias gradients.
+
+    The weight's clipped sum is one weight gradient computed from the c-weighted output gradients.
+    """
+
+    rule: ProductRule
+    module: nn.Module
+    activation: Tensor
+    backprops: Tensor
+    bias: MaterializedGrads
+
+    def add_clipped(self, coeff: Tensor, keep: Tensor | None, sums: Sums) -> None:
+        activation, backprops = self.activation, self.backprops
+        if keep is not None:
+            activation = torch.where(_expand(keep, activation), activation, 0.0)
+            backprops = torch.where(_expand(keep, backprops), backprops, 0.0)
+        self.rule.weighted_sum(self.module, activation, backprops * _expand(coeff, backprops), sums)
+        self.bias.add_clipped(coeff, keep, sums)
+
+
+# ---------------------------------------------------------------------- rules
+class LayerRule(ABC):
+    """How the per-sample gradients of one layer type's own trainable parameters are computed.
+
+    Subclasses implement `per_sample_grads`; the default `norms` materializes them. A rule must
+    cover exactly the parameters ``module.parameters(recurse=False)`` that require grad, and the
+    gradient it returns for sample i must depend on sample i's input and output gradient only.
+    """
+
+    def problem(self, module: nn.Module) -> str | None:
+        """Why this rule cannot compute ``module``'s per-sample gradients, or None if it can.
+
+        The text follows the layer's name and type in messages: "`decoder.3` (MyLayer) <problem>".
+        """
+        return None
+
+    def prepare(self, module: nn.Module) -> None:  # noqa: B027 - a hook with nothing to do by default
+        """Called once when `PerSampleClipper` adopts ``module``, before any forward pass."""
+
+    @abstractmethod
+    def per_sample_grads(self, module: nn.Module, activation: Tensor, backprops: Tensor) -> dict[nn.Parameter, Tensor]:
+        """Per-sample gradients of ``module``'s own parameters for one call of the layer.
+
+        Args:
+            module: the layer.
+            activation: its first input, batch first (cast to the engine's dtype if floating point).
+            backprops: the gradient of the loss with respect to its output, batch first (cast like
+                ``activation``). The engine multiplies the results by the factor that makes them the
+                gradients of the per-sample losses (the batch size for a mean, 1/loss_scale), so a rule must
+                be linear in ``backprops``, as every per-sample gradient is (∂L/∂θ = (∂y/∂θ)ᵀ ∂L/∂y).
+
+        Returns:
+            (B, *p.shape) per parameter p; parameters that do not require grad may be left out.
+        """
+
+    def trained_grads(self, module: nn.Module, activation: Tensor, backprops: Tensor) -> dict[nn.Parameter, Tensor]:
+        """`per_sample_grads` restricted to the parameters that require grad, in the output gradient's dtype."""
+        grads = self.per_sample_grads(module, activation, backprops)
+        return {p: g.to(backprops.dtype) for p, g in grads.items() if p.requires_grad}
+
+    def norms(self, module: nn.Module, activation: Tensor, backprops: Tensor) -> tuple[Tensor, ClippedSumTerm]:
+        """(B,) squared per-sample gradient norms in float64, and what the clipped sum needs.
+
+        Called when the layer ran once in the batch and shares no parameter with another layer
+        (otherwise the engine sums `trained_grads` over the calls itself).
+        """
+        grads = self.trained_grads(module, activation, backprops)
+        return sum_of_squares(list(grads.values()), backprops.shape[0], backprops.device), MaterializedGrads(grads)
+
+
+class ProductRule(LayerRule):
+    """A layer whose per-sample weight gradient is a sum of outer products Σ_t g_t a_tᵀ over T positions.
+
+    `norms` takes the ghost norm when T·(d + p) < d·p (d = fan-in, p = fan-out, read from the weight
+    as ``weight[0].numel()`` and ``weight.shape[0]``), the layer has one group and its weight is
+    trained; it materializes the per-sample gradients otherwise.
+    """
+
+    @abstractmethod
+    def positions(self, module: nn.Module, activation: Tensor, backprops: Tensor) -> int:
+        """T, the number of positions the weight is applied at, per sample."""
+
+    @abstractmethod
+    def ghost_views(self, module: Any, activation: Tensor, backprops: Tensor) -> tuple[Tensor, Tensor]:
+        """(B, d, T) and (B, p, T): the weight gradient of sample i is their (d × p) product over T, transposed."""
+
+    @abstractmethod
+    def weighted_sum(self, module: Any, activation: Tensor, weighted: Tensor, sums: Sums) -> None:
+        """Adds the batch's weight gradient computed from the c-weighted output gradients to ``sums``."""
+
+    def bias_grads(self, module: nn.Module, backprops: Tensor) -> Tensor:
+        """(B, C_out): each sample's bias gradient, its output gradient summed over the output positions."""
+        return backprops.reshape(backprops.shape[0], backprops.shape[1], -1).sum(2)
+
+    def use_ghost(self, module: Any, activation: Tensor, backprops: Tensor) -> bool:
+        """Whether the ghost norm is cheaper than materializing, for this call."""
+        weight = module.weight
+        if getattr(module, "groups", 1) != 1 or not weight.requires_grad:
+            return False
+        t = self.positions(module, activation, backprops)
+        p, d = weight.shape[0], weight[0].numel()
+        return t * (d + p) < d * p
+
+    def norms(self, module: nn.Module, activation: Tensor, backprops: Tensor) -> tuple[Tensor, ClippedSumTerm]:
+        if not self.use_ghost(module, activation, backprops):
+            return super().norms(module, activation, backprops)
+        at, gt = self.ghost_views(module, activation, backprops)
+        sq = _ghost_norms(at, gt)
+        # The bias gradient is only (B, C_out): materialized, its norm is exact and measured on the very values added
+        # to the sum. (Before a normalization layer it is ~0, and a ghost norm would be replaced by its bound.)
+        bias = _trained_bias(module)
+        bias_grads = {} if bias is None else {bias: self.bias_grads(module, backprops)}
+        sq = sq + sum_of_squares(list(bias_grads.values()), backprops.shape[0], backprops.device)
+        return sq, GhostTerm(self, module, activation, backprops, MaterializedGrads(bias_grads))
+
+
+class LinearRule(ProductRule):
+    """nn.Linear on inputs of any shape (B, ..., in_features): the positions are the dimensions between."""
+
+    def positions(self, module: nn.Module, activation: Tensor, backprops: Tensor) -> int:
+        return backprops[0].numel() // backprops.shape[-1]
+
+    def ghost_views(self, module: Any, activation: Tensor, backprops: Tensor) -> tuple[Tensor, Tensor]:
+        a, g = _linear_views(activation, backprops)
+        return a.transpose(1, 2), g.transpose(1, 2)
+
+    def bias_grads(self, module: nn.Module, backprops: Tensor) -> Tensor:
+        return backprops.reshape(backprops.shape[0], -1, backprops.shape[-1]).sum(1)
+
+    def per_sample_grads(self, module: Any, activation: Tensor, backprops: Tensor) -> dict[nn.Parameter, Tensor]:
+        a, g = _linear_views(activation, backprops)
+        grads: dict[nn.Parameter, Tensor] = {}
+        if module.weight.requires_grad:
+            grads[module.weight] = torch.bmm(g.transpose(1, 2), a)
+        bias = _trained_bias(module)
+        if bias is not None:
+            grads[bias] = g.sum(1)
+        return grads
+
+    def weighted_sum(self, module: Any, activation: Tensor, weighted: Tensor, sums: Sums) -> None:
+        if module.weight in sums:
+            a, g = _linear_views(activation, weighted)
+            sums[module.weight].add_(g.reshape(-1, g.shape[-1]).t() @ a.reshape(-1, a.shape[-1]))
+
+
+class ConvRule(ProductRule):
+    """nn.Conv1d/2d/3d with any stride, dilation, groups, padding (numbers, 'same', 'valid') and padding mode.
+
+    Materialized per-sample gradients are one grouped weight-gradient convolution with the batch
+    folded into the groups (B·groups groups): as fast as the layer's ordinary weight gradient, with
+    no unfolded input in memory. Grouped convolutions always materialize (per group they are small).
+    """
+
+    def positions(self, module: nn.Module, activation: Tensor, backprops: Tensor) -> int:
+        return backprops[0].numel() // backprops.shape[1]
+
+    def ghost_views(self, module: Any, activation: Tensor, backprops: Tensor) -> tuple[Tensor, Tensor]:
+        x, padding = _conv_geometry(module, activation)
+        unfolded = _unfold(x, module.kernel_size, module.dilation, padding, module.stride)
+        return unfolded, backprops.reshape(backprops.shape[0], backprops.shape[1], -1)
+
+    def per_sample_grads(self, module: Any, activation: Tensor, backprops: Tensor) -> dict[nn.Parameter, Tensor]:
+        b = activation.shape[0]
+        grads: dict[nn.Parameter, Tensor] = {}
+        weight = module.weight
+        if weight.requires_grad:
+            x, padding = _conv_geometry(module, activation)
+            _, folded, _ = torch.ops.aten.convolution_backward(
+                _fold_batch(backprops),
+                _fold_batch(x),
+                torch.empty((b * weight.shape[0], *weight.shape[1:]), dtype=x.dtype, device=x.device),  # shape only
+                None,
+                list(module.stride),
+                list(padding),
+                list(module.dilation),
+                False,
+                [0] * (x.dim() - 2),
+                b * module.groups,
+                [False, True, False],
+            )
+            grads[weight] = folded.reshape(b, *weight.shape)
+        bias = _trained_bias(module)
+        if bias is not None:
+            grads[bias] = self.bias_grads(module, backprops)
+        return grads
+
+    def weighted_sum(self, module: Any, activation: Tensor, weighted: Tensor, sums: Sums) -> None:
+        if module.weight in sums:
+            x, padding = _conv_geometry(module, activation)
+            _, weight_grad, _ = torch.ops.aten.convolution_backward(
+                weighted,
+                x,
+                module.weight.to(x.dtype),
+                None,
+                list(module.stride),
+                list(padding),
+                list(module.dilation),
+                False,
+                [0] * (x.dim() - 2),
+                module.groups,
+                [False, True, False],
+            )
+            sums[module.weight].add_(weight_grad)
+
+
+class ConvTransposeRule(ProductRule):
+    """nn.ConvTranspose1d/2d/3d with any stride, padding, output padding, dilation and groups.
+
+    A transposed convolution is the adjoint of the convolution with the same weight, stride,
+    padding and dilation; per sample its weight gradient is Σ_t x_t u_tᵀ over the *input* positions
+    t, where u_t is the output gradient over the receptive field of t. Materialized, it is one
+    transposed weight-gradient convolution with the batch folded into the groups (B·groups groups).
+    The output padding is read from the actual shapes, so a call with ``output_size=`` is handled.
+    """
+
+    def positions(self, module: nn.Module, activation: Tensor, backprops: Tensor) -> int:
+        return activation[0, 0].numel()
+
+    def ghost_views(self, module: Any, activation: Tensor, backprops: Tensor) -> tuple[Tensor, Tensor]:
+        b = activation.shape[0]
+        unfolded = _unfold(backprops, module.kernel_size, module.dilation, module.padding, module.stride)
+        # The convolution over the output gradient has at least as many positions as the input (more when the
+        # output padding is ≥ the stride): the extra positions meet zero input.
+        counts = [
+            (n + 2 * p - d * (k - 1) - 1) // s + 1
+            for n, p, d, k, s in zip(
+                backprops.shape[2:], module.padding, module.dilation, module.kernel_size, module.stride
+            )
+        ]
+        extra = [c - n for c, n in zip(counts, activation.shape[2:])]
+        if any(e < 0 for e in extra):
+            raise UnsupportedModelError(
+                f"`{type(module).__name__}`: an input of spatial shape {tuple(activation.shape[2:])} gave an output of "
+                f"{tuple(backprops.shape[2:])}, smaller than its stride, padding and dilation allow. HINT: report this "
+                "layer configuration; freezing the layer avoids it."
+            )
+        pads: list[int] = []
+        for e in reversed(extra):
+            pads += [0, e]
+        x = F.pad(activation, pads) if any(extra) else activation
+        assert unfolded.shape[2] == x[0, 0].numel()  # the adjoint's positions are the (padded) input's
+        return unfolded, x.reshape(b, x.shape[1], -1)
+
+    def per_sample_grads(self, module: Any, activation: Tensor, backprops: Tensor) -> dict[nn.Parameter, Tensor]:
+        b = activation.shape[0]
+        grads: dict[nn.Parameter, Tensor] = {}
+        weight = module.weight
+        if weight.requires_grad:
+            _, folded, _ = torch.ops.aten.convolution_backward(
+                _fold_batch(backprops),
+                _fold_batch(activation),
+                torch.empty((b * weight.shape[0], *weight.shape[1:]), dtype=activation.dtype, device=activation.device),
+                None,
+                list(module.stride),
+                list(module.padding),
+                list(module.dilation),
+                True,
+                _output_padding(module, activation, backprops),
+                b * module.groups,
+                [False, True, False],
+            )
+            grads[weight] = folded.reshape(b, *weight.shape)
+        bias = _trained_bias(module)
+        if bias is not None:
+            grads[bias] = self.bias_grads(module, backprops)
+        return grads
+
+    def weighted_sum(self, module: Any, activation: Tensor, weighted: Tensor, sums: Sums) -> None:
+        if module.weight in sums:
+            _, weight_grad, _ = torch.ops.aten.convolution_backward(
+                weighted,
+                activation,
+                module.weight.to(activation.dtype),
+                None,
+                list(module.stride),
+                list(module.padding),
+                list(module.dilation),
+                True,
+                _output_padding(module, activation, weighted),
+                module.groups,
+                [False, True, False],
+            )
+            sums[module.weight].add_(weight_grad)
+
+
+class PReLURule(LayerRule):
+    """nn.PReLU: y = max(0, x) + w·min(0, x), so ∂L/∂w = Σ_positions g·min(0, x) (per channel if w has C entries).
+
+    Exact and cheaper than the functorch rule, which re-runs the layer's forward per sample
+    (MONAI's U-Net has a PReLU after every convolution).
+    """
+
+    def per_sample_grads(self, module: Any, activation: Tensor, backprops: Tensor) -> dict[nn.Parameter, Tensor]:
+        weight = module.weight
+        if not weight.requires_grad:
+            return {}
+        product = backprops * activation.clamp(max=0)
+        b = product.shape[0]
+        if weight.numel() == 1 or product.dim() < 2:
+            return {weight: product.reshape(b, -1).sum(1).reshape(b, *weight.shape)}
+        return {weight: product.reshape(b, product.shape[1], -1).sum(2)}
+
+
+class OpacusRule(LayerRule):
+    """One of Opacus' registered per-layer grad samplers (GroupNorm, LayerNorm, Embedding, ...).
+
+    Args:
+        sampler: ``sampler(module, [activation], backprops)`` → {parameter: (B, *shape)}, as registered
+            with ``opacus.grad_sample.register_grad_sampler``.
+    """
+
+    def __init__(self, sampler: Callable[..., dict[nn.Parameter, Tensor]]) -> None:
+        self.sampler = sampler
+
+    def per_sample_grads(self, module: nn.Module, activation: Tensor, backprops: Tensor) -> dict[nn.Parameter, Tensor]:
+        grads = dict(self.sampler(module, [activation], backprops))
+        if isinstance(module, nn.Embedding) and module.padding_idx is not None:
+            # Opacus also gives the padding row a gradient; nn.Embedding gives it none.
+            table = cast(nn.Parameter, module.weight)
+            if table in grads:
+                rows = grads[table].clone()
+                rows[:, module.padding_idx] = 0.0
+                grads[table] = rows
+        return grads
+
+
+class FunctorchRule(LayerRule):
+    """The generic rule: ``torch.func.vmap`` of the layer's own forward and backward per sample (Opacus' functorch).
+
+    It handles any leaf module whose forward uses its parameters and its first input only; it
+    cannot handle modules with buffers or sub-modules.
+    """
+
+    def problem(self, module: nn.Module) -> str | None:
+        if not any(p.requires_grad for p in module.parameters(recurse=False)):
+            return None
+        buffers = [name for name, _ in module.named_buffers(recurse=False)]
+        children = [name for name, _ in module.named_children()]
+        if not buffers and not children:
+            return None
+        held = " and ".join(
+            f"{what} {names[:3]}" for what, names in (("buffers", buffers), ("sub-modules", children)) if names
+        )
+        return (
+            "has trainable parameters but no per-sample gradient rule, and it holds "
+            f"{held}, so the generic (functorch) rule cannot handle it either"
+        )
+
+    def prepare(self, module: nn.Module) -> None:
+        from opacus.grad_sample.functorch import prepare_layer
+
+        prepare_layer(module)
+
+    def per_sample_grads(self, module: nn.Module, activation: Tensor, backprops: Tensor) -> dict[nn.Parameter, Tensor]:
+        from opacus.grad_sample.functorch import ft_compute_per_sample_gradient
+
+        return dict(ft_compute_per_sample_gradient(module, [activation], backprops))
+
+
+# ---------------------------------------------------------------------- the registry
+_REGISTRY: dict[type[nn.Module], LayerRule] = {}
+_FUNCTORCH = FunctorchRule()
+
+
+def register_rule(layer_type: type[nn.Module], rule: LayerRule) -> None:
+    """Makes ``rule`` compute the per-sample gradients of ``layer_type`` and its subclasses (replacing any).
+
+    The rule is trusted: it decides each sample's gradient norm, so a wrong rule breaks the privacy
+    guarantee. Check it against a naive loop over samples before training with it.
+
+    Args:
+        layer_type: an ``nn.Module`` subclass; subclasses without a rule of their own use it too.
+        rule: the rule.
+
+    Raises:
+        PrivacyConfigError: ``layer_type`` is not an nn.Module subclass or ``rule`` not a `LayerRule`.
+
+    Example:
+        >>> class Scale(nn.Module):
+        ...     def __init__(self) -> None:
+        ...         super().__init__()
+        ...         self.scale = nn.Parameter(torch.ones(()))
+        ...     def forward(self, x: Tensor) -> Tensor:
+        ...         return x * self.scale
+        >>> class ScaleRule(LayerRule):
+        ...     def per_sample_grads(self, module, activation, backprops):
+        ...         return {module.scale: (activation * backprops).flatten(1).sum(1)}
+        >>> register_rule(Scale, ScaleRule())
+        >>> type(rule_for(Scale())).__name__
+        'ScaleRule'
+        >>> type(unregister_rule(Scale)).__name__, type(rule_for(Scale())).__name__
+        ('ScaleRule', 'FunctorchRule')
+    """
+    if not (isinstance(layer_type, type) and issubclass(layer_type, nn.Module)):
+        raise PrivacyConfigError(
+            f"`register_rule(layer_type={layer_type!r})`: layer_type must be an nn.Module subclass, found "
+            f"{type(layer_type).__name__}. HINT: pass the class itself, e.g. register_rule(MyLayer, MyRule())."
+        )
+    if not isinstance(rule, LayerRule):
+        raise PrivacyConfigError(
+            f"`register_rule({layer_type.__name__}, rule={rule!r})`: rule must be a LayerRule, found "
+            f"{type(rule).__name__}. HINT: subclass lightning_dp.sanitization.rules.LayerRule and implement "
+            "per_sample_grads."
+        )
+    _REGISTRY[layer_type] = rule
+
+
+def unregister_rule(layer_type: type[nn.Module]) -> LayerRule | None:
+    """Removes the rule registered for exactly ``layer_type`` and returns it (None if there was none)."""
+    return _REGISTRY.pop(layer_type, None)
+
+
+def registered_rule(module: nn.Module) -> LayerRule | None:
+    """The rule registered for ``type(module)`` or its nearest registered base class; None if there is none."""
+    for cls in type(module).__mro__:
+        rule = _REGISTRY.get(cls)
+        if rule is not None:
+            return rule
+    return None
+
+
+def _candidate(module: nn.Module) -> LayerRule:
+    rule = registered_rule(module)
+    if rule is not None:
+        return rule
+    from opacus.grad_sample import GradSampleModule
+
+    sampler = GradSampleModule.GRAD_SAMPLERS.get(type(module))
+    return OpacusRule(sampler) if sampler is not None else _FUNCTORCH
+
+
+def rule_problem(module: nn.Module) -> str | None:
+    """Why no rule can compute ``module``'s per-sample gradients, or None if one can (see `rule_for`).
+
+    Example:
+        >>> rule_problem(nn.PReLU()) is None
+        True
+        >>> rule_problem(nn.BatchNorm2d(4))[:94]
+        "has trainable parameters but no per-sample gradient rule, and it holds buffers ['running_mean'"
+    """
+    return _candidate(module).problem(module)
+
+
+def has_rule(module: nn.Module) -> bool:
+    """Whether the per-sample gradients of ``module``'s own trainable parameters can be computed.
+
+    Example:
+        >>> has_rule(nn.ConvTranspose3d(2, 2, 2, stride=2)), has_rule(nn.BatchNorm1d(3))
+        (True, False)
+    """
+    return rule_problem(module) is None
+
+
+def rule_for(module: nn.Module, name: str | None = None) -> LayerRule:
+    """The rule that computes the per-sample gradients of ``module``'s own trainable parameters.
+
+    Args:
+        module: the layer.
+        name: its qualified name in the model, for the error message.
+
+    Returns:
+        The registered rule of its type (or nearest base class), else Opacus' grad sampler for its
+        type, else the functorch rule.
+
+    Raises:
+        UnsupportedModelError: no rule can handle it; the message names the layer and the fix.
+
+    Example:
+        >>> [type(rule_for(m)).__name__ for m in (nn.Linear(2, 2), nn.Conv2d(1, 1, 3), nn.LayerNorm(4))]
+        ['LinearRule', 'ConvRule', 'OpacusRule']
+    """
+    rule = _candidate(module)
+    problem = rule.problem(module)
+    if problem is not None:
+        kind = type(module).__name__
+        raise UnsupportedModelError(
+            f"`{name or kind}` ({kind}) {problem}. HINT: freeze it, replace it with standard layers, or register a "
+            f"rule for its type: lightning_dp.sanitization.rules.register_rule({kind}, rule) (an Opacus grad sampler, "
+            "opacus.grad_sample.register_grad_sampler, works too)."
+        )
+    return rule
+
+
+register_rule(nn.Linear, LinearRule())
+for _conv in (nn.Conv1d, nn.Conv2d, nn.Conv3d):
+    register_rule(_conv, ConvRule())
+for _transposed in (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d):
+    register_rule(_transposed, ConvTransposeRule())
+register_rule(nn.PReLU, PReLURule())
+
+
+# ---------------------------------------------------------------------- helpers
+def sum_of_squares(tensors: Sequence[Tensor], batch_size: int, device: torch.device) -> Tensor:
+    """Per-sample Σ of squares of (B, ...) tensors, as float64; recomputed in float64 where fp32 overflowed."""
+    if not tensors:
+        return torch.zeros(batch_size, dtype=torch.float64, device=device)
+    sq = torch.stack([t.reshape(batch_size, -1).pow(2).sum(1) for t in tensors]).sum(0).double()
+    if not bool(torch.isfinite(sq).all()):
+        sq = torch.stack([t.reshape(batch_size, -1).double().pow(2).sum(1) for t in tensors]).sum(0)
+    return sq
+
+
+def _expand(mask: Tensor, like: Tensor) -> Tensor:
+    return mask.view(-1, *([1] * (like.dim() - 1)))
+
+
+def _trained_bias(module: nn.Module) -> nn.Parameter | None:
+    bias = getattr(module, "bias", None)
+    return bias if isinstance(bias, nn.Parameter) and bias.requires_grad else None
+
+
+def _fold_batch(t: Tensor) -> Tensor:
+    """(B, C, *S) as (1, B·C, *S): the batch folded into the channels (for a B-times grouped convolution)."""
+    return t.reshape(1, t.shape[0] * t.shape[1], *t.shape[2:])
+
+
+def _linear_views(activation: Tensor, backprops: Tensor) -> tuple[Tensor, Tensor]:
+    b = activation.shape[0]
+    return activation.reshape(b, -1, activation.shape[-1]), backprops.reshape(b, -1, backprops.shape[-1])
+
+
+def _conv_geometry(layer: nn.Module, activation: Tensor) -> tuple[Tensor, tuple[int, ...]]:
+    """The input padded as the layer pads it, and the padding left for the convolution itself (zeros)."""
+    conv: Any = layer
+    dims = activation.dim() - 2
+    kernel, dilation = conv.kernel_size, conv.dilation
+    if conv.padding == "valid":
+        pads = [(0, 0)] * dims
+    elif conv.padding == "same":
+        pads = []
+        for k, d in zip(kernel, dilation):
+            total = d * (k - 1)
+            pads.append((total // 2, total - total // 2))
+    else:
+        pads = [(p, p) for p in conv.padding]
+    symmetric = all(left == right for left, right in pads)
+    if conv.padding_mode == "zeros" and symmetric:
+        return activation, tuple(left for left, _ in pads)
+    flat: list[int] = []
+    for left, right in reversed(pads):
+        flat += [left, right]
+    mode = "constant" if conv.padding_mode == "zeros" else conv.padding_mode
+    return F.pad(activation, flat, mode=mode), (0,) * dims
+
+
+def _unfold(
+    x: Tensor,
+    kernel: Sequence[int],
+    dilation: Sequence[int],
+    padding: Sequence[int],
+    stride: Sequence[int],
+) -> Tensor:
+    """(B, C·k…, T): the zero-padded receptive field of every output position of a 1-, 2- or 3-d convolution."""
+    if x.dim() == 3:  # 1-d as 2-d of height 1
+        return F.unfold(
+            x.unsqueeze(2),
+            (1, kernel[0]),
+            dilation=(1, dilation[0]),
+            padding=(0, padding[0]),
+            stride=(1, stride[0]),
+        )
+    if x.dim() == 4:
+        return F.unfold(x, tuple(kernel), dilation=tuple(dilation), padding=tuple(padding), stride=tuple(stride))
+    from opacus.utils.tensor_utils import unfold3d
+
+    return unfold3d(
+        x, kernel_size=tuple(kernel), padding=tuple(padding), stride=tuple(stride), dilation=tuple(dilation)
+    )
+
+
+def _output_padding(module: Any, activation: Tensor, backprops: Tensor) -> list[int]:
+    """The output padding of this call of a transposed convolution, from its input and output shapes."""
+    return [
+        o - ((i - 1) * s - 2 * p + d * (k - 1) + 1)
+        for i, o, s, p, d, k in zip(
+            activation.shape[2:],
+            backprops.shape[2:],
+            module.stride,
+            module.padding,
+            module.dilation,
+            module.kernel_size,
+        )
+    ]
+
+
+def _ghost_norms(at: Tensor, gt: Tensor) -> Tensor:
+    """‖Σ_t g_t a_tᵀ‖² per sample, in float64, without forming the gradients.
+
+    Computed in float64 (the Gram products cancel when a sample's gradient terms nearly do), and
+    replaced by the squared triangle-inequality bound where they cancel by more than
+    ``GHOST_CANCELLATION``, so the norm never falls short of the contribution actually added.
+    """
+    at, gt = at.double(), gt.double()
+    if at.shape[2] == 1:
+        sq = at.pow(2).sum((1, 2)) * gt.pow(2).sum((1, 2))
+    else:
+        sq = (torch.bmm(at.transpose(1, 2), at) * torch.bmm(gt.transpose(1, 2), gt)).sum((1, 2))
+    return _guard(sq, (at.norm(dim=1) * gt.norm(dim=1)).sum(1))
+
+
+def _guard(sq: Tensor, bound: Tensor) -> Tensor:
+    return torch.where(sq < (GHOST_CANCELLATION * bound) ** 2, bound**2, sq)

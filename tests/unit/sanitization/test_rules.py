@@ -1,0 +1,292 @@
+"""The per-layer rule registry: transposed and dilated convolutions, PReLU, bias-only layers, user rules.
+
+Every clipped sum is checked against the naive loop (each sample's gradient alone, clipped,
+summed; float64, relative 1e-10), and the cases say which way (ghost norm or materialized
+per-sample gradients) each Linear/Conv/ConvTranspose layer took, so that both are covered.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+from lightning_dp.errors import PrivacyConfigError, UnsupportedModelError
+from lightning_dp.models import validate_model
+from lightning_dp.sanitization import rules
+from lightning_dp.sanitization.per_sample import PerSampleClipper
+from lightning_dp.sanitization.rules import (
+    ConvRule,
+    ConvTransposeRule,
+    FunctorchRule,
+    LayerRule,
+    LinearRule,
+    OpacusRule,
+    PReLURule,
+    has_rule,
+    register_rule,
+    rule_for,
+    rule_problem,
+    unregister_rule,
+)
+from tests.helpers.per_sample_reference import check_clipped_sum
+
+BATCH = 4
+
+
+def _output_loss(model: nn.Module, x: Tensor) -> Tensor:
+    """Mean over the batch of a smooth, non-linear per-sample loss of the model's output."""
+    out = model(x)
+    return (out.sin() + 0.5 * out.pow(2)).flatten(1).sum(1).mean()
+
+
+def _x(*shape: int) -> Tensor:
+    return torch.randn(BATCH, *shape, dtype=torch.float64)
+
+
+@pytest.fixture
+def ways(monkeypatch: pytest.MonkeyPatch) -> list[tuple[nn.Module, str]]:
+    """(layer, way) for each single-call Linear/Conv/ConvTranspose layer: ghost norm or materialized gradients."""
+    seen: list[tuple[nn.Module, str]] = []
+    original = rules.ProductRule.norms
+
+    def spy(self: rules.ProductRule, module: nn.Module, *args: Any) -> tuple[Tensor, rules.ClippedSumTerm]:
+        sq, item = original(self, module, *args)
+        seen.append((module, "ghost" if isinstance(item, rules.GhostTerm) else "materialized"))
+        return sq, item
+
+    monkeypatch.setattr(rules.ProductRule, "norms", spy)
+    return seen
+
+
+class _WithOutputSize(nn.Module):
+    """A ConvTranspose2d called with ``output_size=``: the output padding differs from the layer's attribute."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.ConvTranspose2d(3, 2, 3, stride=3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.up(x, output_size=[13, 14])  # the smallest output is 12 × 12 for a 4 × 4 input
+
+
+def _frozen_weight(layer: nn.Module) -> nn.Module:
+    layer.weight.requires_grad_(False)  # bias-only fine-tuning (BitFit)
+    return layer
+
+
+@dataclass
+class _Case:
+    model: nn.Module
+    x: Tensor
+    ways: list[str] | None = None  # the way each product layer must take (None: unchecked)
+
+
+# T = positions (a transposed convolution's *input* positions), d = fan-in, p = fan-out, read from the weight as
+# weight[0].numel() and weight.shape[0]: the ghost norm is used when T·(d + p) < d·p and groups == 1.
+CASES: dict[str, Callable[[], _Case]] = {
+    "conv_transpose1d_stride2_output_padding": lambda: _Case(
+        nn.ConvTranspose1d(3, 4, 3, stride=2, padding=1, output_padding=1), _x(3, 10), ["materialized"]
+    ),
+    "conv_transpose1d_ghost": lambda: _Case(nn.ConvTranspose1d(16, 16, 3, stride=2), _x(16, 3), ["ghost"]),
+    "conv_transpose2d_stride2_output_padding": lambda: _Case(
+        nn.ConvTranspose2d(4, 3, 3, stride=2, padding=1, output_padding=1), _x(4, 5, 5), ["materialized"]
+    ),
+    "conv_transpose2d_stride2_output_padding_ghost": lambda: _Case(
+        nn.ConvTranspose2d(16, 8, 3, stride=2, padding=1, output_padding=1), _x(16, 3, 3), ["ghost"]
+    ),
+    "conv_transpose2d_kernel2_stride2": lambda: _Case(
+        nn.ConvTranspose2d(4, 2, 2, stride=2), _x(4, 6, 6), ["materialized"]
+    ),
+    "conv_transpose2d_dilation": lambda: _Case(
+        nn.ConvTranspose2d(3, 4, 3, stride=2, dilation=2, padding=2, output_padding=1), _x(3, 5, 4), ["materialized"]
+    ),
+    # output_padding ≥ stride (allowed as it is < dilation): the adjoint convolution has more positions than the input
+    "conv_transpose2d_output_padding_above_stride": lambda: _Case(
+        nn.ConvTranspose2d(2, 3, 2, stride=1, dilation=3, output_padding=2), _x(2, 4, 3), ["materialized"]
+    ),
+    "conv_transpose2d_output_padding_above_stride_ghost": lambda: _Case(
+        nn.ConvTranspose2d(16, 16, 2, stride=1, dilation=3, output_padding=2), _x(16, 2, 2), ["ghost"]
+    ),
+    "conv_transpose2d_groups": lambda: _Case(
+        nn.ConvTranspose2d(4, 6, 3, stride=2, groups=2, output_padding=1), _x(4, 4, 4), ["materialized"]
+    ),
+    "conv_transpose2d_depthwise": lambda: _Case(
+        nn.ConvTranspose2d(4, 4, 2, stride=2, groups=4), _x(4, 3, 3), ["materialized"]
+    ),
+    "conv_transpose2d_no_bias_ghost": lambda: _Case(
+        nn.ConvTranspose2d(16, 8, 2, stride=2, bias=False), _x(16, 2, 2), ["ghost"]
+    ),
+    "conv_transpose2d_output_size": lambda: _Case(_WithOutputSize(), _x(3, 4, 4), ["materialized"]),
+    "conv_transpose3d_stride2_output_padding": lambda: _Case(
+        nn.ConvTranspose3d(2, 3, 3, stride=2, padding=1, output_padding=1), _x(2, 3, 3, 2), ["materialized"]
+    ),
+    "conv_transpose3d_ghost": lambda: _Case(
+        nn.ConvTranspose3d(16, 8, 2, stride=2, output_padding=1), _x(16, 1, 2, 2), ["ghost"]
+    ),
+    "conv_transpose3d_dilation_groups": lambda: _Case(
+        nn.ConvTranspose3d(4, 2, 2, stride=2, dilation=2, groups=2), _x(4, 2, 3, 2), ["materialized"]
+    ),
+    "conv2d_dilated": lambda: _Case(nn.Conv2d(3, 4, 3, dilation=2, padding=2), _x(3, 8, 8), ["materialized"]),
+    "conv2d_dilated_ghost": lambda: _Case(nn.Conv2d(16, 16, 3, dilation=3, padding=3), _x(16, 3, 3), ["ghost"]),
+    "conv2d_dilated_reflect": lambda: _Case(
+        nn.Conv2d(3, 4, 3, dilation=2, padding=2, padding_mode="reflect"), _x(3, 6, 6), ["materialized"]
+    ),
+    "conv_then_transpose_skip": lambda: _Case(_TinyUNet(), _x(1, 8, 8)),
+    "prelu_shared_slope": lambda: _Case(nn.Sequential(nn.Conv2d(3, 4, 3), nn.PReLU()), _x(3, 5, 5)),
+    "prelu_per_channel": lambda: _Case(nn.Sequential(nn.Conv2d(3, 4, 3), nn.PReLU(4)), _x(3, 5, 5)),
+    "prelu_on_features": lambda: _Case(nn.Sequential(nn.Linear(3, 5), nn.PReLU(5)), _x(3)),
+    # A bias right before a normalization layer has a per-sample gradient of ~0 (the norm removes any shift): it must
+    # be clipped on that, not on the bound Σ_t‖g_t‖ a ghost norm of the bias falls back to when its terms cancel.
+    "conv2d_ghost_before_instance_norm": lambda: _Case(
+        nn.Sequential(nn.Conv2d(16, 16, 3, padding=1), nn.InstanceNorm2d(16)), _x(16, 3, 3), ["ghost"]
+    ),
+    "conv_transpose2d_ghost_before_group_norm": lambda: _Case(
+        nn.Sequential(nn.ConvTranspose2d(16, 8, 2, stride=2), nn.GroupNorm(8, 8, affine=False)), _x(16, 2, 2), ["ghost"]
+    ),
+    "linear_bias_only": lambda: _Case(_frozen_weight(nn.Linear(16, 16)), _x(2, 16), ["materialized"]),
+    "conv2d_bias_only": lambda: _Case(_frozen_weight(nn.Conv2d(16, 16, 3)), _x(16, 3, 3), ["materialized"]),
+    "conv_transpose2d_bias_only": lambda: _Case(
+        _frozen_weight(nn.ConvTranspose2d(16, 8, 2, stride=2)), _x(16, 2, 2), ["materialized"]
+    ),
+}
+
+
+class _TinyUNet(nn.Module):
+    """Down (strided conv), up (ConvTranspose2d), skip concatenation, 1×1 head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.down = nn.Conv2d(1, 8, 3, stride=2, padding=1)
+        self.norm = nn.GroupNorm(2, 8)
+        self.up = nn.ConvTranspose2d(8, 4, 2, stride=2)
+        self.head = nn.Conv2d(5, 1, 1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = torch.relu(self.norm(self.down(x)))
+        return self.head(torch.cat([torch.relu(self.up(h)), x], 1))
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_layer_matches_naive_per_sample_loop(name: str, ways: list[tuple[nn.Module, str]]) -> None:
+    case = CASES[name]()
+    model = case.model.double()
+    check_clipped_sum(model, _output_loss, case.x)
+    if case.ways is not None:
+        assert [way for m in model.modules() for layer, way in ways if layer is m] == case.ways
+
+
+def test_conv_transpose_has_its_own_rule_not_functorch() -> None:
+    for layer in (nn.ConvTranspose1d(2, 2, 2), nn.ConvTranspose2d(2, 2, 2), nn.ConvTranspose3d(2, 2, 2)):
+        assert isinstance(rule_for(layer), ConvTransposeRule)
+
+
+def test_built_in_rules() -> None:
+    assert isinstance(rule_for(nn.Linear(2, 2)), LinearRule)
+    assert all(isinstance(rule_for(c(1, 1, 1)), ConvRule) for c in (nn.Conv1d, nn.Conv2d, nn.Conv3d))
+    assert isinstance(rule_for(nn.PReLU()), PReLURule)
+    for layer in (nn.GroupNorm(2, 4), nn.LayerNorm(4), nn.InstanceNorm2d(4, affine=True), nn.Embedding(5, 2)):
+        assert isinstance(rule_for(layer), OpacusRule), type(layer).__name__
+    assert isinstance(rule_for(_ScaleShift()), FunctorchRule)
+
+
+class _Conv2dSubclass(nn.Conv2d):
+    pass
+
+
+def test_a_subclass_uses_its_nearest_registered_base() -> None:
+    assert isinstance(rule_for(_Conv2dSubclass(1, 1, 1)), ConvRule)
+
+
+# ---------------------------------------------------------------------- user rules
+class _ScaleShift(nn.Module):
+    """A leaf layer with its own parameters and no registered rule: the functorch fallback."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.randn(3))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x * self.scale
+
+
+class _MaskedScale(nn.Module):
+    """A parameter next to a buffer: the functorch fallback cannot handle it."""
+
+    mask: Tensor
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(3))
+        self.register_buffer("mask", torch.tensor([1.0, 0.0, 1.0]))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x * self.weight * self.mask
+
+
+class _MaskedScaleRule(LayerRule):
+    def per_sample_grads(self, module: Any, activation: Tensor, backprops: Tensor) -> dict[nn.Parameter, Tensor]:
+        return {module.weight: (activation * backprops * module.mask).reshape(len(activation), -1, 3).sum(1)}
+
+
+@pytest.fixture
+def masked_scale_rule() -> Iterator[LayerRule]:
+    rule = _MaskedScaleRule()
+    register_rule(_MaskedScale, rule)
+    try:
+        yield rule
+    finally:
+        unregister_rule(_MaskedScale)
+
+
+def _masked_model() -> nn.Sequential:
+    return nn.Sequential(nn.Linear(3, 3), nn.Tanh(), _MaskedScale())
+
+
+def test_a_layer_without_rule_is_refused_by_the_engine_and_validate_model_alike() -> None:
+    model = _masked_model()
+    layer = model[2]
+    assert not has_rule(layer)
+    assert rule_problem(layer) is not None and "buffers ['mask']" in str(rule_problem(layer))
+    with pytest.raises(UnsupportedModelError, match=r"`2` \(_MaskedScale\) has trainable parameters but no .*register"):
+        PerSampleClipper(model, 1.0)
+    problems = validate_model(model)
+    assert [(p.name, p.layer) for p in problems] == [("2", "_MaskedScale")]
+    assert "register_rule(_MaskedScale, rule)" in problems[0].fix
+
+
+def test_a_registered_rule_is_used_by_the_engine_and_validate_model(masked_scale_rule: LayerRule) -> None:
+    model = _masked_model().double()
+    assert rule_for(model[2]) is masked_scale_rule and has_rule(model[2])
+    assert validate_model(model) == []
+    check_clipped_sum(model, _output_loss, _x(3))
+
+
+def test_unregistering_restores_the_default() -> None:
+    original = rule_for(nn.PReLU())
+    assert unregister_rule(nn.PReLU) is original
+    try:
+        assert isinstance(rule_for(nn.PReLU()), FunctorchRule)
+        check_clipped_sum(nn.Sequential(nn.Linear(3, 4), nn.PReLU()).double(), _output_loss, _x(3))
+    finally:
+        register_rule(nn.PReLU, original)
+    assert rule_for(nn.PReLU()) is original
+    assert unregister_rule(_MaskedScale) is None
+
+
+def test_register_rule_rejects_what_is_not_a_layer_type_or_rule() -> None:
+    with pytest.raises(PrivacyConfigError, match=r"layer_type must be an nn.Module subclass, found Linear"):
+        register_rule(nn.Linear(2, 2), LinearRule())  # type: ignore[arg-type]
+    with pytest.raises(PrivacyConfigError, match=r"rule must be a LayerRule, found function.*HINT: subclass"):
+        register_rule(nn.Linear, lambda *a: {})  # type: ignore[arg-type]
+    assert isinstance(rule_for(nn.Linear(2, 2)), LinearRule), "a refused registration changes nothing"
+
+
+def test_frozen_layers_and_parameter_free_modules_need_no_rule() -> None:
+    bn = nn.BatchNorm2d(4).requires_grad_(False)
+    assert has_rule(bn) and has_rule(nn.ReLU())
+    assert not has_rule(nn.BatchNorm2d(4))
