@@ -311,6 +311,7 @@ class PerSampleClipper:
         Returns:
             What clipping saw (private: not to be logged unless the user opts in).
         """
+        check_finite_positive("PerSampleClipper.accumulate", "loss_scale", loss_scale, "1.0, or the fp16 loss scale.")
         try:
             with self._record():
                 loss = compute_loss()

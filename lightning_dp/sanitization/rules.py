@@ -174,9 +174,14 @@ class LayerRule(ABC):
         """
 
     def trained_grads(self, module: nn.Module, activation: Tensor, backprops: Tensor) -> dict[nn.Parameter, Tensor]:
-        """`per_sample_grads` restricted to the parameters that require grad, in the output gradient's dtype."""
+        """`per_sample_grads` restricted to the layer's own trained parameters, in the output gradient's dtype.
+
+        A gradient a rule returns for another layer's parameter is dropped: its norm would be summed apart from
+        that layer's own gradient (‖a‖² + ‖b‖² instead of ‖a + b‖²), a looser clip than the bound.
+        """
         grads = self.per_sample_grads(module, activation, backprops)
-        return {p: g.to(backprops.dtype) for p, g in grads.items() if p.requires_grad}
+        own = {id(p) for p in module.parameters(recurse=False)}
+        return {p: g.to(backprops.dtype) for p, g in grads.items() if p.requires_grad and id(p) in own}
 
     def norms(self, module: nn.Module, activation: Tensor, backprops: Tensor) -> tuple[Tensor, ClippedSumTerm]:
         """(B,) squared per-sample gradient norms in float64, and what the clipped sum needs.
@@ -531,11 +536,16 @@ def unregister_rule(layer_type: type[nn.Module]) -> LayerRule | None:
 
 
 def registered_rule(module: nn.Module) -> LayerRule | None:
-    """The rule registered for ``type(module)`` or its nearest registered base class; None if there is none."""
-    for cls in type(module).__mro__:
+    """The rule registered for ``type(module)`` or its nearest registered base class; None if there is none.
+
+    A subclass that overrides ``forward`` computes something else than its base class: the base class's rule
+    does not apply to it (it falls back to Opacus' sampler for its exact type, or the functorch rule).
+    """
+    kind = type(module)
+    for cls in kind.__mro__:
         rule = _REGISTRY.get(cls)
         if rule is not None:
-            return rule
+            return rule if cls is kind or getattr(kind, "forward", None) is getattr(cls, "forward", None) else None
     return None
 
 

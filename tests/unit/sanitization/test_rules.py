@@ -290,3 +290,79 @@ def test_frozen_layers_and_parameter_free_modules_need_no_rule() -> None:
     bn = nn.BatchNorm2d(4).requires_grad_(False)
     assert has_rule(bn) and has_rule(nn.ReLU())
     assert not has_rule(nn.BatchNorm2d(4))
+
+
+# ---------------------------------------------------------------------- review findings (independent review)
+@pytest.mark.parametrize("scale", [-1.0, -2.0, 0.0, float("nan"), float("inf")])
+def test_a_loss_scale_that_is_not_finite_and_positive_is_refused(scale: float) -> None:
+    """A negative loss scale made every norm negative, so nothing was clipped (‖sum‖ 213 for a bound of 3)."""
+    net = nn.Linear(4, 2)
+    clipper = PerSampleClipper(net, clip_norm=1.0, loss_reduction="sum")
+    x = torch.randn(3, 4) * 10
+    with pytest.raises(PrivacyConfigError, match="loss_scale must be a finite number > 0"):
+        clipper.accumulate(lambda: net(x).sum(), batch_size=3, loss_scale=scale)
+    assert float(clipper.flat_sum.abs().sum()) == 0.0
+
+
+class _Scale(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(4, dtype=torch.float64))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x * self.scale
+
+
+def test_a_sampler_that_returns_another_layers_gradient_cannot_loosen_the_clip(monkeypatch: Any) -> None:
+    """Each sample's contribution stays ≤ C even if a registered sampler also returns a foreign parameter."""
+    from opacus.grad_sample import GradSampleModule
+
+    net = nn.Sequential(_Scale(), nn.Linear(4, 1).double())
+    head = net[1].weight
+
+    def sampler(layer: nn.Module, activations: list[Tensor], backprops: Tensor) -> dict[nn.Parameter, Tensor]:
+        a = activations[0]
+        return {layer.scale: a * backprops, head: torch.ones(a.shape[0], 1, 4, dtype=a.dtype)}  # foreign, wrong
+
+    monkeypatch.setitem(GradSampleModule.GRAD_SAMPLERS, _Scale, sampler)
+    x = torch.randn(3, 4, dtype=torch.float64)
+
+    def clipped_sum(rows: list[int]) -> Tensor:
+        clipper = PerSampleClipper(net, 1.0, "sum")
+        try:
+            clipper.accumulate(lambda: net(x[rows]).sum(), len(rows))
+            return clipper.flat_sum.clone()
+        finally:
+            clipper.remove()
+
+    full = clipped_sum([0, 1, 2])
+    for i in range(3):
+        added = full - clipped_sum([j for j in range(3) if j != i])
+        assert float(added.norm()) <= 1.0 + 1e-9
+
+
+class _GainConvTranspose(nn.ConvTranspose2d):
+    def __init__(self) -> None:
+        super().__init__(2, 3, 2, stride=2)
+        self.gain = nn.Parameter(torch.full((1,), 3.0))
+
+    def forward(self, x: Tensor) -> Tensor:  # type: ignore[override]
+        return super().forward(x) * self.gain
+
+
+class _ShiftPReLU(nn.PReLU):
+    def __init__(self) -> None:
+        super().__init__()
+        self.shift = nn.Parameter(torch.tensor(0.5))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return super().forward(x + self.shift)
+
+
+@pytest.mark.parametrize("layer", [_GainConvTranspose, _ShiftPReLU], ids=["conv_transpose", "prelu"])
+def test_a_subclass_with_its_own_forward_does_not_get_its_base_class_rule(layer: type[nn.Module]) -> None:
+    """The plain ConvTranspose / PReLU formula is wrong for a subclass that computes something else."""
+
+    model = nn.Sequential(layer()).double()
+    assert rules.registered_rule(model[0]) is None
+    check_clipped_sum(model, lambda m, x: (m(x) ** 2).flatten(1).sum(1).mean(), torch.randn(4, 2, 2, 2).double())
