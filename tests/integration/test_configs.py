@@ -9,9 +9,9 @@ import pytest
 
 from lightning_dp.cli import main
 
-# The PATE student needs trained teachers: tests/integration/test_segmentation_pate.py runs it after them.
+# PATE's two configs (K teachers, then the student on their checkpoints) run in test_segmentation_pate.py.
 CONFIGS = sorted(
-    c for c in (Path(__file__).resolve().parents[2] / "configs").glob("*.yaml") if "pate_student" not in c.stem
+    c for c in (Path(__file__).resolve().parents[2] / "configs").glob("*.yaml") if "_pate_" not in c.stem
 )
 SEGMENTATION = [c for c in CONFIGS if "SyntheticSilhouettesDataModule" in c.read_text()]
 
