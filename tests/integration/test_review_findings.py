@@ -151,7 +151,7 @@ def test_a_stock_unet_with_per_pixel_bce_is_accepted(tmp_path: Path, seed: int) 
 
 def test_a_batch_aggregated_dice_loss_is_refused_naming_dice(tmp_path: Path) -> None:
     cb = dpsgd(batch_size=4, max_physical_batch_size=4)
-    with pytest.raises(UnsupportedModelError, match="Dice loss summed over the batch"), pytest.warns(PrivacyWarning):
+    with pytest.raises(UnsupportedModelError, match="a Dice loss over the whole batch"), pytest.warns(PrivacyWarning):
         trainer(tmp_path, [cb], max_steps=1).fit(_UNet(0, loss="dice"), _MaskData())
 
 
