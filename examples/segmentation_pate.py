@@ -59,8 +59,13 @@ def _model(lr: float = 3e-3) -> SegmentationModule:
     )
 
 
+#: Where the runs write (the DP callbacks' privacy reports); set by main().
+ROOT = "."
+
+
 def _trainer(epochs: int | None = None, steps: int = -1, callbacks: list[Any] | None = None) -> pl.Trainer:
     return pl.Trainer(
+        default_root_dir=ROOT,
         accelerator="cpu",
         devices=1,
         max_epochs=epochs,
@@ -159,6 +164,8 @@ def main() -> None:
         args.code_dim, args.queries, args.data = 4, 8, args.data + "_quick"
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    global ROOT
+    ROOT = str(out)
     pl.seed_everything(args.seed, verbose=False)
     started = time.perf_counter()
 

@@ -101,6 +101,7 @@ def test_segmentation_pate_example_quick(tmp_path: Path) -> None:
         text=True,
         timeout=900,
         check=False,
+        cwd=tmp_path,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     text = (tmp_path / "out" / "results.txt").read_text()
