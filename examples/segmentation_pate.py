@@ -27,7 +27,6 @@ Run: .venv/bin/python examples/segmentation_pate.py           (reduced scale, ~1
 from __future__ import annotations
 
 import argparse
-import math
 import time
 import warnings
 from pathlib import Path
@@ -47,6 +46,7 @@ from lightning_dp.segmentation import (
     PATEAggregator,
     PCACompressor,
     encoded_maps,
+    pate_noise_multiplier,
 )
 
 warnings.filterwarnings("ignore", ".*does not have many workers.*")
@@ -220,17 +220,10 @@ def main() -> None:
     reports = {}
     compressors: dict[str, Compressor] = {"PCA": PCACompressor(code_dim=args.code_dim).fit(atlas_masks)}
     queries_n = len(queries)
-    probe = PATEAggregator(
-        compressors["PCA"], args.teachers, delta=args.delta, target_epsilon=args.epsilon, seed=args.seed
-    )
-    z = probe.plan(queries_n)
-    ae_sensitivity = 2 * math.sqrt(args.code_dim)
-    compressors["AE"] = AutoencoderCompressor(
-        code_dim=args.code_dim,
-        bottleneck_noise=z * ae_sensitivity / args.teachers,  # the noise the aggregated code will carry
-        epochs=20 if args.quick else 300,
-        seed=args.seed,
-    ).fit(atlas_masks)
+    z = pate_noise_multiplier(args.epsilon, args.delta, queries_n)  # what each aggregation below will use
+    ae = AutoencoderCompressor(code_dim=args.code_dim, epochs=20 if args.quick else 300, seed=args.seed)
+    ae.bottleneck_noise = z * ae.sensitivity / args.teachers  # the noise the aggregated code will carry
+    compressors["AE"] = ae.fit(atlas_masks)
     for name, compressor in compressors.items():
         encoded = torch.stack([encoded_maps(compressor, m) for m in maps]).float()
         results[f"{name}: encoded teacher maps (mean)"] = (

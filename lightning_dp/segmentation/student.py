@@ -21,12 +21,11 @@ from typing import Any
 
 import pytorch_lightning as pl
 import torch
-from torch import Tensor
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_dp.errors import PrivacyConfigError, check_in_interval
 from lightning_dp.segmentation.compression import AutoencoderCompressor, Compressor
-from lightning_dp.segmentation.pate import PATEAggregator, PATEReport
+from lightning_dp.segmentation.pate import PATEAggregator, PATEReport, pate_noise_multiplier
 
 __all__ = ["PATEStudentDataModule"]
 
@@ -192,13 +191,8 @@ class PATEStudentDataModule(pl.LightningDataModule):
                 [torch.cat([t(queries[i : i + 64]).sigmoid() for i in range(0, len(queries), 64)]) for t in teachers]
             )
         if isinstance(self.compressor, AutoencoderCompressor) and self.compressor.bottleneck_noise is None:
-            probe = PATEAggregator(
-                _Unfitted(self.compressor, atlas_masks),
-                len(teachers),
-                delta=self.delta,
-                target_epsilon=self.target_epsilon,
-            )
-            self.compressor.bottleneck_noise = probe.noise_std(len(queries))
+            z = pate_noise_multiplier(self.target_epsilon, self.delta, len(queries))  # what aggregate() will use
+            self.compressor.bottleneck_noise = z * self.compressor.sensitivity / len(teachers)
         self.compressor.fit(atlas_masks)
         aggregator = PATEAggregator(
             self.compressor, len(teachers), delta=self.delta, target_epsilon=self.target_epsilon, seed=self.seed
@@ -226,23 +220,3 @@ def _settings(data: Any) -> dict[str, Any]:
     out = {key: getattr(data, key) for key in _SAME if hasattr(data, key)}
     out.update(getattr(data, "generator_kwargs", {}))
     return out
-
-
-class _Unfitted(Compressor):
-    """An autoencoder's sensitivity and map shape before it is fitted (to size its training noise)."""
-
-    def __init__(self, ae: AutoencoderCompressor, maps: Tensor) -> None:
-        self.code_dim, self._s, self.map_shape = ae.code_dim, ae.sensitivity, tuple(maps.shape[1:])
-
-    @property
-    def sensitivity(self) -> float:
-        return self._s
-
-    def fit(self, public_maps: Tensor) -> Compressor:  # pragma: no cover - never fitted
-        raise NotImplementedError
-
-    def _encode(self, maps: Tensor) -> Tensor:  # pragma: no cover
-        raise NotImplementedError
-
-    def _decode(self, codes: Tensor) -> Tensor:  # pragma: no cover
-        raise NotImplementedError
