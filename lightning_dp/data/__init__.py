@@ -25,7 +25,13 @@ from lightning_dp.data.segmentation_datamodule import (
     SyntheticSilhouettesDataModule,
 )
 from lightning_dp.data.silhouettes import generate_synthetic_silhouettes, synthetic_silhouettes
-from lightning_dp.data.synthetic import generate_synthetic_pathology, render_synthetic_patient
+from lightning_dp.data.synthetic import (
+    SITES,
+    SiteStyle,
+    generate_synthetic_pathology,
+    render_synthetic_patient,
+    site_style,
+)
 
 __all__ = [
     "DataError",
@@ -48,6 +54,9 @@ __all__ = [
     "read_manifest",
     "read_segmentation_manifest",
     "render_synthetic_patient",
+    "SITES",
+    "SiteStyle",
+    "site_style",
     "split_patients",
     "synthetic_silhouettes",
 ]

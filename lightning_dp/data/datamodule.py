@@ -21,7 +21,7 @@ from torchvision.transforms import v2
 from lightning_dp.data.dataset import PatientImageDataset, PatientSample, Transform
 from lightning_dp.data.errors import DataError, DataNotReadyError
 from lightning_dp.data.manifest import ManifestRow, read_manifest
-from lightning_dp.data.synthetic import check_synthetic_parameters, generate_synthetic_pathology
+from lightning_dp.data.synthetic import check_synthetic_parameters, generate_synthetic_pathology, site_style
 from lightning_dp.errors import PrivacyConfigError, check_count, check_in_interval
 
 __all__ = ["PatientDataModule", "RandomRot90", "SyntheticPathologyDataModule", "split_patients"]
@@ -359,6 +359,10 @@ class SyntheticPathologyDataModule(PatientDataModule):
         split_seed: as in `PatientDataModule`.
         num_workers: as in `PatientDataModule`.
         augment: as in `PatientDataModule`.
+        site: the hospital the patients come from: a name in `lightning_dp.data.SITES` (``"reference"``,
+            ``"hospital_b"``) or a dict of `SiteStyle` fields (stain, magnification, blur, noise, white
+            balance); ``None``: the reference site. Pre-train on one site and fine-tune on another to
+            see a domain shift.
 
     Example:
         >>> import tempfile
@@ -383,6 +387,7 @@ class SyntheticPathologyDataModule(PatientDataModule):
         split_seed: int = 0,
         num_workers: int = 0,
         augment: bool = True,
+        site: str | dict[str, Any] | None = None,
     ) -> None:
         super().__init__(
             manifest=os.path.join(root, "manifest.csv"),
@@ -401,6 +406,7 @@ class SyntheticPathologyDataModule(PatientDataModule):
             "image_size": image_size,
             "seed": seed,
             "positive_fraction": positive_fraction,
+            "site": site_style(site),
         }
         check_synthetic_parameters(num_patients, patches_per_patient, image_size, seed, positive_fraction)
         self.save_hyperparameters()

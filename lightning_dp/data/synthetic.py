@@ -18,6 +18,12 @@ that matter for patient-level privacy:
   patients and not on new ones: a non-private ResNet-18 overfits, with a clear train–test gap
   when the data are split by patient, the effect patient-level privacy is meant to limit.
 
+* **Hospitals differ** (`SiteStyle`, the ``site`` argument): a site's scanner and lab shift every
+  one of its patients the same way: stain protocol (hematoxylin hue, stain strengths), magnification
+  (structures are smaller at a lower one), focus, sensor noise and white balance. A model trained on
+  one site's patients transfers imperfectly to another's: the domain shift that makes fine-tuning on a
+  hospital's own (private) patients worth doing. The default site is the reference (no shift).
+
 Rendering is vectorised over the patches of a patient and patients are rendered and written on a
 few threads (NumPy, SciPy and Pillow's PNG encoder release the GIL): 200 patients × 50 patches of
 64×64 take about 10 s on 2 CPU cores, about half of it PNG encoding.
@@ -29,7 +35,9 @@ import csv
 import json
 import os
 import shutil
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any, Union
 
@@ -42,6 +50,9 @@ from lightning_dp.errors import PrivacyConfigError, check_count, check_in_interv
 
 __all__ = [
     "GENERATOR_VERSION",
+    "SITES",
+    "SiteStyle",
+    "site_style",
     "check_synthetic_parameters",
     "generate_synthetic_pathology",
     "render_synthetic_patient",
@@ -54,6 +65,132 @@ GENERATOR_VERSION = 1
 _H_OD = np.array([0.65, 0.70, 0.29])  # Ruifrok & Johnston's hematoxylin optical density vector
 _E_OD = np.array([0.07, 0.99, 0.11])  # eosin
 _OWNER = "generate_synthetic_pathology"
+
+
+def _check_closed(name: str, value: Any, low: float, high: float, hint: str) -> float:
+    return check_in_interval("SiteStyle", name, value, low, high, low_closed=True, high_closed=True, hint=hint)
+
+
+@dataclass(frozen=True)
+class SiteStyle:
+    """How one hospital's scanner and lab render every one of its patients (a deterministic domain shift).
+
+    The patient-level variation (each patient's own stain, texture, noise) is drawn as before; a site
+    then applies the same systematic shift to all of its patients. The default is the reference site:
+    no shift, the exact images of a data set generated without a site.
+
+    Args:
+        hematoxylin_hue: rotation of the hematoxylin optical-density vector towards the eosin one
+            (radians; > 0: purpler/redder nuclei, < 0: bluer).
+        hematoxylin_strength: multiplies every patient's hematoxylin strength (staining time).
+        eosin_strength: multiplies every patient's eosin strength.
+        magnification: scales every length (a patch at 0.7 covers 1/0.7 times more tissue: smaller
+            glomeruli, tubules and nuclei).
+        blur: extra Gaussian blur of the optics, in pixels of a 64-pixel patch (focus).
+        noise: extra sensor noise (standard deviation, as a fraction of full scale).
+        white_balance: per-channel (R, G, B) gains of the camera.
+        brightness: multiplies the illumination.
+
+    Example:
+        >>> SiteStyle().is_reference, SITES["hospital_b"].magnification
+        (True, 0.75)
+    """
+
+    hematoxylin_hue: float = 0.0
+    hematoxylin_strength: float = 1.0
+    eosin_strength: float = 1.0
+    magnification: float = 1.0
+    blur: float = 0.0
+    noise: float = 0.0
+    white_balance: tuple[float, float, float] = (1.0, 1.0, 1.0)
+    brightness: float = 1.0
+
+    def __post_init__(self) -> None:
+        for name in ("hematoxylin_strength", "eosin_strength", "magnification", "brightness"):
+            _check_closed(name, getattr(self, name), 0.1, 10.0, "1.0 is the reference site.")
+        _check_closed("hematoxylin_hue", self.hematoxylin_hue, -1.0, 1.0, "radians, e.g. 0.3.")
+        _check_closed("blur", self.blur, 0.0, 8.0, "pixels of a 64-px patch, e.g. 0.8.")
+        _check_closed("noise", self.noise, 0.0, 0.5, "a fraction of full scale, e.g. 0.02.")
+        balance = tuple(self.white_balance)
+        if len(balance) != 3:
+            raise PrivacyConfigError(
+                f"`SiteStyle(white_balance={self.white_balance!r})`: white_balance must hold 3 gains (R, G, B), found "
+                f"{len(balance)}. HINT: (1.0, 1.0, 1.0) is the reference."
+            )
+        for gain in balance:
+            _check_closed("white_balance", gain, 0.1, 10.0, "gains near 1.0, e.g. 1.05.")
+        object.__setattr__(self, "white_balance", tuple(float(g) for g in balance))
+
+    @property
+    def is_reference(self) -> bool:
+        """Whether this site renders exactly like the reference (no shift)."""
+        return self == SiteStyle()
+
+    def as_dict(self) -> dict[str, Any]:
+        """The fields as plain JSON-able values (what ``synthetic.json`` stores)."""
+        values = asdict(self)
+        values["white_balance"] = list(self.white_balance)
+        return values
+
+
+SITES: dict[str, SiteStyle] = {
+    "reference": SiteStyle(),
+    # A second hospital: another stain protocol (purpler hematoxylin, stronger eosin), a scanner at lower
+    # magnification with softer focus, more noise and a cooler white balance.
+    "hospital_b": SiteStyle(
+        hematoxylin_hue=0.35,
+        hematoxylin_strength=0.8,
+        eosin_strength=1.6,
+        magnification=0.75,
+        blur=0.8,
+        noise=0.02,
+        white_balance=(0.92, 0.95, 1.08),
+        brightness=0.95,
+    ),
+}
+"""Named sites: ``"reference"`` (no shift, the default) and ``"hospital_b"`` (a shifted hospital)."""
+
+
+def site_style(site: Union[str, SiteStyle, Mapping[str, Any], None]) -> SiteStyle:
+    """A `SiteStyle` from a name in `SITES`, a mapping of its fields (a YAML config's dict), or ``None``.
+
+    Example:
+        >>> site_style(None).is_reference, site_style({"magnification": 0.8}).magnification
+        (True, 0.8)
+        >>> site_style("hospital_b") == SITES["hospital_b"]
+        True
+    """
+    if site is None:
+        return SiteStyle()
+    if isinstance(site, SiteStyle):
+        return site
+    if isinstance(site, str):
+        if site not in SITES:
+            raise PrivacyConfigError(
+                f"`site={site!r}`: unknown site, the named ones are {sorted(SITES)}. HINT: or pass a dict of "
+                f"SiteStyle fields, e.g. {{'magnification': 0.8, 'eosin_strength': 1.4}}."
+            )
+        return SITES[site]
+    if isinstance(site, Mapping):
+        known = {f.name for f in fields(SiteStyle)}
+        unknown = sorted(set(site) - known)
+        if unknown:
+            raise PrivacyConfigError(
+                f"`site={dict(site)!r}`: unknown field(s) {unknown}. HINT: SiteStyle's fields are {sorted(known)}."
+            )
+        return SiteStyle(**dict(site))
+    raise PrivacyConfigError(
+        f"`site={site!r}`: site must be a name, a dict of SiteStyle fields or None, found {type(site).__name__}. "
+        f"HINT: e.g. site='hospital_b'."
+    )
+
+
+def _rotate_towards(vector: NDArray[np.float64], other: NDArray[np.float64], angle: float) -> NDArray[np.float64]:
+    """``vector`` rotated by ``angle`` radians in the plane it spans with ``other`` (unit length)."""
+    unit = vector / np.linalg.norm(vector)
+    orthogonal = other - unit * float(unit @ other)
+    orthogonal /= np.linalg.norm(orthogonal)
+    return np.asarray(np.cos(angle) * unit + np.sin(angle) * orthogonal)
 
 
 def _unit(vector: NDArray[np.float64]) -> NDArray[np.float64]:
@@ -141,7 +278,11 @@ class _Nuclei:
 
 
 def render_synthetic_patient(
-    rng: np.random.Generator, num_patches: int, image_size: int, positive_fraction: float
+    rng: np.random.Generator,
+    num_patches: int,
+    image_size: int,
+    positive_fraction: float,
+    site: Union[str, SiteStyle, Mapping[str, Any], None] = None,
 ) -> tuple[NDArray[np.uint8], NDArray[np.int64]]:
     """Renders the patches of one synthetic patient (style drawn from ``rng``).
 
@@ -150,6 +291,9 @@ def render_synthetic_patient(
         num_patches: how many patches.
         image_size: the side of the square patches in pixels.
         positive_fraction: the mean over patients of the fraction of glomerulus patches.
+        site: the hospital's `SiteStyle` (or its name in `SITES`, or a dict of its fields); ``None``: the
+            reference. The site changes how the patient looks, not what its patches show: the same
+            generator state gives the same labels at every site.
 
     Returns:
         ``(images, labels)``: ``uint8`` RGB patches of shape (num_patches, S, S, 3) and their labels
@@ -163,26 +307,34 @@ def render_synthetic_patient(
         >>> bool((again == images).all())
         True
     """
+    style = site_style(site)
     n, size = num_patches, image_size
-    unit = size / 64.0  # lengths below are in pixels of a 64×64 patch
+    unit = size / 64.0 * style.magnification  # lengths below are in pixels of a 64×64 patch at the reference
+    area = (size / 64.0 / style.magnification) ** 2 if style.magnification != 1.0 else unit**2  # tissue per patch
     shape = (n, size, size)
     f32 = np.float32
 
     # ---- the patient's style ---------------------------------------------------------------------------
-    h_od = _unit(_H_OD + rng.normal(0.0, 0.05, 3))
+    h_base = _H_OD if style.hematoxylin_hue == 0.0 else _rotate_towards(_H_OD, _E_OD, style.hematoxylin_hue)
+    h_od = _unit(h_base + rng.normal(0.0, 0.05, 3))
     e_od = _unit(_E_OD + rng.normal(0.0, 0.05, 3))
-    h_strength = rng.uniform(0.6, 0.95)
-    e_strength = rng.uniform(0.25, 0.5)
+    h_strength = rng.uniform(0.6, 0.95) * style.hematoxylin_strength
+    e_strength = rng.uniform(0.25, 0.5) * style.eosin_strength
     illumination = np.clip(rng.uniform(0.86, 1.0) * (1.0 + rng.normal(0.0, 0.03, 3)), 0.05, 1.0)
+    if not style.is_reference:
+        balance = np.asarray(style.white_balance) * style.brightness
+        illumination = np.clip(illumination * balance, 0.05, 1.0)
     stroma = rng.uniform(0.25, 0.75)  # eosin density of the background tissue
     coarse_amp = rng.uniform(0.1, 0.45)
     coarse_sigma = rng.uniform(4.0, 10.0) * unit
     fibre_amp = rng.uniform(0.0, 0.5)
     fibre_sigma = (rng.uniform(0.6, 3.5) * unit, rng.uniform(0.6, 3.5) * unit)
-    bg_nuclei = rng.uniform(6.0, 28.0) * unit**2  # scattered nuclei per patch
+    bg_nuclei = rng.uniform(6.0, 28.0) * area  # scattered nuclei per patch
     nucleus_sigma = rng.uniform(0.85, 1.35) * unit
-    noise_std = rng.uniform(0.004, 0.05)
+    noise_std = rng.uniform(0.004, 0.05) + style.noise
     blur = rng.uniform(0.0, 1.0) * unit
+    if style.blur > 0.0:
+        blur = float(np.hypot(blur, style.blur * size / 64.0))
     tuft_density = rng.uniform(0.045, 0.09) / unit**2  # nuclei per pixel inside a glomerular tuft
     clarity = rng.uniform(0.75, 1.0)  # how visible the capsule and Bowman's space are
     if 0.0 < positive_fraction < 1.0:
@@ -219,7 +371,8 @@ def render_synthetic_patient(
 
     # ---- tubules: rings of epithelial nuclei around a pale lumen, pink cytoplasm -------------------------
     max_tubules = 5
-    tubules = np.minimum(rng.poisson(np.where(shows, 1.3, 2.8)), max_tubules)
+    more = 1.0 if style.magnification == 1.0 else 1.0 / style.magnification**2  # more tissue, more tubules
+    tubules = np.minimum(rng.poisson(np.where(shows, 1.3, 2.8) * more), max_tubules)
     t_cy = rng.uniform(-0.1, 1.1, (n, max_tubules)) * size
     t_cx = rng.uniform(-0.1, 1.1, (n, max_tubules)) * size
     t_ry = rng.uniform(4.5, 9.0, (n, max_tubules)) * unit
@@ -343,6 +496,7 @@ def generate_synthetic_pathology(
     seed: int = 0,
     positive_fraction: float = 0.5,
     overwrite: bool = False,
+    site: Union[str, SiteStyle, Mapping[str, Any], None] = None,
 ) -> Path:
     """Writes a synthetic glomerulus data set and returns the path of its manifest.
 
@@ -361,6 +515,10 @@ def generate_synthetic_pathology(
             patient does not change when ``num_patients`` grows.
         positive_fraction: the expected fraction of glomerulus patches, in [0, 1].
         overwrite: regenerate even if the parameters match.
+        site: the hospital the patients come from (`SiteStyle`, a name in `SITES` or a dict of its
+            fields); ``None`` or ``"reference"``: no domain shift. Public and private data sets from
+            different sites (``"reference"`` and ``"hospital_b"``) give a pre-trained model a domain
+            shift to overcome.
 
     Returns:
         ``root/manifest.csv``.
@@ -390,6 +548,9 @@ def generate_synthetic_pathology(
         "seed": seed,
         "positive_fraction": float(positive_fraction),
     }
+    style = site_style(site)
+    if not style.is_reference:  # a reference data set keeps the parameters (and the cache) it always had
+        params["site"] = style.as_dict()
     if not overwrite and synthetic_parameters(folder) == params and manifest.is_file():
         return manifest
     if manifest.exists() and not info.exists() and not overwrite:
@@ -408,7 +569,7 @@ def generate_synthetic_pathology(
     def write_patient(i: int) -> list[tuple[str, int, str]]:
         patient = f"P{i:04d}"
         images, labels = render_synthetic_patient(
-            np.random.default_rng([seed, i]), patches_per_patient, image_size, positive_fraction
+            np.random.default_rng([seed, i]), patches_per_patient, image_size, positive_fraction, style
         )
         patient_dir = images_dir / patient
         patient_dir.mkdir()
