@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import pytorch_lightning as pl
 from pytorch_lightning.loggers import TensorBoardLogger
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # type: ignore[import-untyped]
 
 from lightning_dp.callbacks import P3SGD
 from lightning_dp.callbacks.base import EPSILON_KEY, DPCallback
