@@ -7,6 +7,7 @@ configuration spend, which noise reaches a target ε, how many steps fit a budge
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import sys
 from collections.abc import Sequence
@@ -21,7 +22,16 @@ from lightning_dp.accounting import (
 from lightning_dp.errors import PrivacyConfigError, check_count, check_finite_positive, check_in_interval
 from lightning_dp.schedules import ConstantNoise, ExponentialDecay, NoiseSchedule
 
-__all__ = ["main", "plan_main"]
+__all__ = ["LIGHTNING_COMMANDS", "PLAN_DESCRIPTION", "main", "plan_main"]
+
+#: The LightningCLI subcommands, with the one-line descriptions ``lightning-dp --help`` shows.
+LIGHTNING_COMMANDS = {
+    "fit": "Train a model from a config (LightningCLI); its DPSGD/P3SGD callback makes it private.",
+    "validate": "Run one evaluation epoch over the validation set (LightningCLI).",
+    "test": "Run one evaluation epoch over the test set (LightningCLI).",
+    "predict": "Run inference on your data (LightningCLI).",
+}
+PLAN_DESCRIPTION = "Privacy planning: ε for a configuration, or the noise / steps that fit a target ε."
 
 
 class _OneLineParser(argparse.ArgumentParser):
@@ -34,7 +44,7 @@ class _OneLineParser(argparse.ArgumentParser):
 def _plan_parser() -> argparse.ArgumentParser:
     p = _OneLineParser(
         prog="lightning-dp plan",
-        description="Privacy planning: ε for a configuration, or the noise / steps that fit a target ε.",
+        description=PLAN_DESCRIPTION,
     )
     p.add_argument("--sample-rate", type=float, required=True, help="Poisson sampling rate q (patients or samples).")
     p.add_argument("--noise-multiplier", type=float, help="noise multiplier z (the initial z with --decay).")
@@ -173,21 +183,68 @@ def plan_main(argv: Sequence[str]) -> int:
     return 0
 
 
+def _overview(audit_description: str) -> str:
+    """The text of ``lightning-dp --help``: every command with its one-line description."""
+    commands = {**LIGHTNING_COMMANDS, "plan": PLAN_DESCRIPTION, "audit": audit_description}
+    width = max(len(name) for name in commands)
+    lines = [
+        f"usage: lightning-dp {{{','.join(commands)}}} ...",
+        "",
+        "Differentially private training with PyTorch Lightning: train, plan ε, audit.",
+        "",
+        "commands:",
+        *(f"  {name:<{width}}  {text}" for name, text in commands.items()),
+        "",
+        "Run 'lightning-dp COMMAND --help' for a command's options. LightningCLI's options that come before",
+        "the command (-c/--config, --print_config) are passed to it.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``lightning-dp`` console script."""
+    """Entry point of the ``lightning-dp`` console script.
+
+    ``plan`` and ``audit`` are ours; fit, validate, test and predict (and LightningCLI's options before
+    them) go to LightningCLI. ``--help`` prints the overview of all of them on stdout; no arguments print
+    it on stderr with exit status 2 (argparse's status for a missing command); an unknown command is one
+    line on stderr, status 2.
+    """
+    from_command_line = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] == "plan":
+    command = argv[0] if argv else None
+    if command == "plan":
         return plan_main(argv[1:])
-    if argv and argv[0] == "audit":
+    if command == "audit":
         from lightning_dp.audit.cli import audit_main
 
         return audit_main(argv[1:])
+    if command is None or command in ("-h", "--help"):
+        from lightning_dp.audit.cli import DESCRIPTION as audit_description
+
+        text = _overview(audit_description)
+        if command is None:
+            sys.stderr.write(text)
+            return 2
+        sys.stdout.write(text)
+        return 0
+    if command not in LIGHTNING_COMMANDS and not command.startswith("-"):
+        valid = [*LIGHTNING_COMMANDS, "plan", "audit"]
+        close = difflib.get_close_matches(command, valid, n=1)
+        guess = f" Did you mean '{close[0]}'?" if close else ""
+        print(
+            f"lightning-dp: error: unknown command '{command}' (choose from {', '.join(valid)}; see "
+            f"lightning-dp --help).{guess}",
+            file=sys.stderr,
+        )
+        return 2
     from pytorch_lightning.cli import LightningCLI
 
     LightningCLI(
         subclass_mode_model=True,
         subclass_mode_data=True,
-        args=argv,
+        # From the console, LightningCLI reads sys.argv itself: given args as well, it warns that both were given.
+        args=None if from_command_line else argv,
+        parser_kwargs={"prog": "lightning-dp"},
         save_config_kwargs={"overwrite": True},
         auto_configure_optimizers=False,
     )

@@ -24,7 +24,9 @@ from lightning_dp.audit.whitebox import StepAudit, StepAuditResult
 from lightning_dp.errors import PrivacyConfigError
 from lightning_dp.schedules import NoiseSchedule
 
-__all__ = ["audit_main"]
+__all__ = ["DESCRIPTION", "audit_main"]
+
+DESCRIPTION = "Empirical privacy audit: an ε lower bound from a canary, beside the accountant's ε."
 
 
 class _Parser(argparse.ArgumentParser):
@@ -35,7 +37,7 @@ class _Parser(argparse.ArgumentParser):
 def _parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog="lightning-dp audit",
-        description="Empirical privacy audit: an ε lower bound from a canary, beside the accountant's ε.",
+        description=DESCRIPTION,
     )
     p.add_argument("--config", type=Path, help="a training config (lightning-dp fit --config ...): its DP callback.")
     p.add_argument("--level", choices=["sample", "patient"], help="sample (DPSGD) or patient (P3SGD).")

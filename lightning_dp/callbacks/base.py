@@ -39,12 +39,16 @@ from lightning_dp.selection import AlwaysAccept, StepAcceptance
 from lightning_dp.training.checks import eval_mode
 from lightning_dp.training.step import PrivateStep, StepResult
 
-__all__ = ["DPAccountantName", "DPCallback", "default_delta", "state_digest"]
+__all__ = ["EPSILON_KEY", "DPAccountantName", "DPCallback", "default_delta", "state_digest"]
 
 DPAccountantName = Literal["rdp", "prv"]
 _LIGHTNING_DEFAULT_EPOCHS = 1000  # what Trainer() sets when neither max_epochs nor max_steps is given
 #: Above this δ·N a guarantee allows exposing some unit with non-negligible probability (ALGORITHMS.md §0).
 MAX_SAFE_DELTA_TIMES_N = 0.1
+#: The logged ε (one scalar per step, also on the progress bar): the ε of the callback's one accountant at
+#: the ledger's δ. The key names no accountant (the privacy report and a message at setup do) and no
+#: callback ``name``: a Trainer runs one DP callback (a second one is refused in setup), so keys cannot collide.
+EPSILON_KEY = "privacy/epsilon"
 
 
 def default_delta(units: int) -> float:
@@ -158,11 +162,6 @@ class DPCallback(pl.Callback):
     @property
     def state_key(self) -> str:
         return f"{self.mechanism}[{self.name}]" if self.name else self.mechanism
-
-    @property
-    def _epsilon_key(self) -> str:
-        """The logged ε's name, which names its accountant (``privacy/epsilon_rdp``)."""
-        return f"privacy/epsilon_{self.accountant.name}"
 
     def attach_budget(self, budget: PrivacyBudget) -> None:
         self._budget = budget
@@ -294,6 +293,10 @@ class DPCallback(pl.Callback):
         seeds = [secure_seed() for _ in range(3)] if self.seed is None else [self.seed + k for k in range(3)]
         seeds = trainer.strategy.broadcast(seeds, src=0)  # every rank samples, noises and decides identically
         self.ledger = PrivacyLedger(self.unit, delta)
+        rank_zero_info(
+            f"{self.state_key}: logs {EPSILON_KEY}, the {self.accountant.name} accountant's ε at δ = {delta:.3g} "
+            f"per {self.unit}."
+        )
         self.accepted_ledger = PrivacyLedger(self.unit, delta) if self.acceptance.can_reject else None
         self._loader = self._build(trainer, pl_module, seeds)
         assert self.release is not None
@@ -514,7 +517,7 @@ class DPCallback(pl.Callback):
             assert self.release is not None
             self.accepted_ledger.record(self.release.event(released.step))
         metrics = {
-            self._epsilon_key: self.accountant.epsilon(self.ledger),
+            EPSILON_KEY: self.accountant.epsilon(self.ledger),
             "privacy/delta": self.ledger.delta,
             "privacy/noise_multiplier": released.noise_multiplier,
             "privacy/noise_std": released.noise_std,
@@ -528,14 +531,17 @@ class DPCallback(pl.Callback):
         self._log(pl_module, metrics)
 
     def _log(self, pl_module: pl.LightningModule, metrics: dict[str, float]) -> None:
-        """Logs the callback's sanitized metrics (the only ones logged during training)."""
+        """Logs the callback's sanitized metrics (the only ones logged during training).
+
+        ε is logged once, to the logger and the progress bar alike: a second, progress-bar-only key would
+        be a second series in TensorBoard (Lightning sends every ``log(..., logger=True)`` to the logger).
+        """
         self._logging = True
         try:
-            pl_module.log_dict(
-                metrics, on_step=True, on_epoch=False, prog_bar=False, sync_dist=False, rank_zero_only=True
-            )
-            eps = metrics[self._epsilon_key]
-            pl_module.log(f"eps_{self.accountant.name}", eps, prog_bar=True, on_step=True, rank_zero_only=True)
+            rest = {key: value for key, value in metrics.items() if key != EPSILON_KEY}
+            options: dict[str, Any] = {"on_step": True, "on_epoch": False, "sync_dist": False, "rank_zero_only": True}
+            pl_module.log(EPSILON_KEY, metrics[EPSILON_KEY], prog_bar=True, **options)
+            pl_module.log_dict(rest, prog_bar=False, **options)
         finally:
             self._logging = False
 

@@ -100,14 +100,15 @@ class DPSGD(DPCallback):
         delta: δ; default the PrivacyBudget's, else min(1e-5, 1/(10N)) for N training samples. A δ with
             δ·N > 0.1 is warned about.
         accountant: this callback's one accountant (``rdp`` or ``prv``): it calibrates ``target_epsilon``,
-            computes the logged ε (``privacy/epsilon_rdp`` / ``privacy/epsilon_prv``) and decides a
+            computes the logged ε (``privacy/epsilon``; the accountant's name is in the privacy report) and decides a
             `PrivacyBudget`'s stop (unless the budget names another).
         convert_batchnorm: replace BatchNorm by GroupNorm (with a `PrivacyWarning`); if False a
             model with BatchNorm is an error.
         seed: seed of the sampler and the noise; ``None`` (default) draws them from the OS CSPRNG.
         log_private_diagnostics: also log the batch size, the clipped fraction and the mean
             per-sample gradient norm. They are computed from private data and **not** sanitized.
-        name: distinguishes several DPSGD callbacks' checkpoint state.
+        name: distinguishes several DPSGD callbacks' checkpoint state. It does not change the logged
+            keys: a Trainer runs one DP callback.
         flush_denormal: flush denormal floats to zero on CPU while fitting (``torch.set_flush_denormal``;
             on by default: noised weights can make CPU training up to ~10x slower through denormals).
 

@@ -107,14 +107,15 @@ class P3SGD(DPCallback):
             weak). A δ with δ·N > 0.1 is warned about.
         accounting: ``"rigorous"`` (default) or ``"paper"`` (reproduces Table 2; not a guarantee).
         accountant: this callback's one accountant (``rdp`` or ``prv``): it computes the logged ε
-            (``privacy/epsilon_rdp`` / ``privacy/epsilon_prv``) and decides a `PrivacyBudget`'s stop
+            (``privacy/epsilon``; the accountant's name is in the privacy report) and decides a `PrivacyBudget`'s stop
             (unless the budget names another).
         seed: seed of the patient sampler and the noise; ``None`` (default) draws them from the OS
             CSPRNG. Set it only for reproducibility studies; it is never derived from data.
         log_private_diagnostics: also log the number of patients in each round, the fraction clipped
             and the mean update norm. These are computed from private data and are **not**
             sanitized; off by default.
-        name: distinguishes several P3SGD callbacks' checkpoint state.
+        name: distinguishes several P3SGD callbacks' checkpoint state. It does not change the logged
+            keys: a Trainer runs one DP callback.
         flush_denormal: flush denormal floats to zero on CPU while fitting (``torch.set_flush_denormal``;
             on by default: noised weights can make CPU training up to ~10x slower through denormals).
 

@@ -35,7 +35,7 @@ from pytorch_lightning.loggers import CSVLogger  # noqa: E402
 
 from lightning_dp.accounting import PrivacyLedger, get_accountant  # noqa: E402
 from lightning_dp.callbacks import DPSGD, P3SGD  # noqa: E402
-from lightning_dp.callbacks.base import DPCallback  # noqa: E402
+from lightning_dp.callbacks.base import EPSILON_KEY, DPCallback  # noqa: E402
 from lightning_dp.schedules import ExponentialDecay  # noqa: E402
 from tests.helpers.patients import TinyClassifier, TinyPatientDataModule  # noqa: E402
 from tests.helpers.samples import SampleClassifier, SampleDataModule, flat_weights  # noqa: E402
@@ -140,7 +140,7 @@ def run(engine: str, mode: str, out: Path, devices: int = 1) -> dict[str, Any]:
         "ledger": cb.ledger.state_dict(),
         "ledger_steps_at_start": start.steps,
         "steps": trainer.global_step,
-        "logged_epsilon": float(trainer.logged_metrics[cb._epsilon_key]),
+        "logged_epsilon": float(trainer.logged_metrics[EPSILON_KEY]),
         "report_epsilon": None if report is None else report["epsilon"][cb.accountant.name],
         "accountant": cb.accountant.name,
         "weights": flat_weights(model),

@@ -110,7 +110,7 @@ def test_one_step_one_charge_of_exactly_its_announced_event(
         expected.record(cb.private_step.event(step))
     assert cb.ledger.entries == expected.entries, "each step is charged what its event said before the step"
     logged = run.logged_metrics
-    assert float(logged["privacy/epsilon_rdp"]) == pytest.approx(cb.accountant.epsilon(cb.ledger))
+    assert float(logged["privacy/epsilon"]) == pytest.approx(cb.accountant.epsilon(cb.ledger))
     assert "train/loss" not in logged, "a loss computed on private data left the step unsanitized"
     assert float(logged["privacy/noise_multiplier"]) == pytest.approx(cb.release.noise_multiplier(4))  # type: ignore[union-attr]
     if acceptance != "always":

@@ -73,7 +73,7 @@ def test_each_step_is_one_dp_step_and_one_ledger_entry(default_run: _Run) -> Non
 def test_logged_metrics_are_sanitized_or_public(default_run: _Run) -> None:
     cb, logged = default_run.cb, default_run.trainer.logged_metrics
     assert cb.ledger is not None and cb.sampler is not None
-    assert float(logged["privacy/epsilon_rdp"]) == pytest.approx(RDPAccountant().epsilon(cb.ledger), rel=1e-6)
+    assert float(logged["privacy/epsilon"]) == pytest.approx(RDPAccountant().epsilon(cb.ledger), rel=1e-6)
     q, n = cb.sampler.sample_rate, cb.sampler.num_samples
     assert float(logged["privacy/noise_std"]) == pytest.approx(1.0 * 1.0 / (q * n), rel=1e-6), "σ = z·C/(q·N)"
     assert "train/loss" not in logged, "a loss computed on private samples left the step unsanitized"

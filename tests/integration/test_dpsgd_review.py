@@ -178,7 +178,7 @@ def test_training_metrics_logged_outside_the_step_are_dropped_validation_kept(tm
     trainer.fit(_LogsAtEpochEnd(), _WithValidation())
     logged = set(trainer.logged_metrics)
     assert "train/epoch_loss" not in logged and "train/loss" not in logged
-    assert "val/loss" in logged and "privacy/epsilon_rdp" in logged
+    assert "val/loss" in logged and "privacy/epsilon" in logged
 
 
 # ---------------------------------------------------------------------- the user's sampler

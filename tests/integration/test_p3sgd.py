@@ -64,7 +64,7 @@ def test_training_metrics_of_the_module_are_not_logged(tmp_path: Path) -> None:
     trainer.fit(TinyClassifier(), TinyPatientDataModule())
     logged = set(trainer.logged_metrics)
     assert "train/loss" not in logged, "a loss computed on private images left the round unsanitized"
-    assert {"privacy/epsilon_rdp", "privacy/noise_std", "privacy/noise_multiplier"} <= logged
+    assert {"privacy/epsilon", "privacy/noise_std", "privacy/noise_multiplier"} <= logged
     assert not any(k.startswith("private_diagnostics/") for k in logged), "private diagnostics are opt-in"
 
 
@@ -72,7 +72,7 @@ def test_logged_epsilon_is_the_ledger_epsilon(tmp_path: Path) -> None:
     cb = _p3sgd(noise_scales=(3.0, 1.0), selection_epsilon=0.316, loss_bound=3.0)
     trainer = _trainer(tmp_path, [cb])
     trainer.fit(TinyClassifier(), TinyPatientDataModule())
-    assert float(trainer.logged_metrics["privacy/epsilon_rdp"]) == pytest.approx(RDPAccountant().epsilon(cb.ledger))
+    assert float(trainer.logged_metrics["privacy/epsilon"]) == pytest.approx(RDPAccountant().epsilon(cb.ledger))
     assert sum(cb.selection_counts) == 6
 
 

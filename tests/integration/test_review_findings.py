@@ -262,7 +262,7 @@ def test_prv_calibration_logging_and_budget_agree(tmp_path: Path) -> None:
     assert cb.ledger is not None and cb.steps == 30 and not cb._stopped_by_budget
     eps = PRVAccountant().epsilon(cb.ledger)
     assert eps <= target
-    assert float(run.logged_metrics["privacy/epsilon_prv"]) == pytest.approx(eps)
+    assert float(run.logged_metrics["privacy/epsilon"]) == pytest.approx(eps)
     assert RDPAccountant().epsilon(cb.ledger) > target, "RDP alone would have stopped this run early"
 
 
