@@ -25,7 +25,13 @@ def quiet_lightning() -> None:
 
 
 def synthetic_data(
-    root: str, patients: int, patches: int, seed: int, test_fraction: float, image_size: int = 32
+    root: str,
+    patients: int,
+    patches: int,
+    seed: int,
+    test_fraction: float,
+    image_size: int = 32,
+    site: str | None = None,
 ) -> SyntheticPathologyDataModule:
     """Synthetic patients split by patient into train / test (no validation, no augmentation), set up."""
     data = SyntheticPathologyDataModule(
@@ -38,6 +44,7 @@ def synthetic_data(
         val_fraction=0.0,
         test_fraction=test_fraction,
         augment=False,
+        site=site,
     )
     data.prepare_data()
     data.setup()
