@@ -29,7 +29,9 @@ Run:   .venv/bin/python examples/domain_shift.py --quick   (what `make demo` run
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
+import io
 import json
 import statistics
 import time
@@ -119,7 +121,8 @@ def private_fine_tune(
     if args.ema > 0:
         callbacks.append(EMAWeightAveraging(decay=args.ema))
     run_dir = Path(args.out) / "reports" / f"p3sgd_eps{epsilon:g}_seed{seed}"  # the privacy report goes there
-    cpu_trainer(callbacks, max_steps=args.rounds, default_root_dir=str(run_dir)).fit(model, private)
+    with contextlib.redirect_stdout(io.StringIO()):  # the callback prints its privacy report: it is in run_dir
+        cpu_trainer(callbacks, max_steps=args.rounds, default_root_dir=str(run_dir)).fit(model, private)
     assert dp.ledger is not None and dp.release is not None
     return {
         "test": _accuracy(model, private),
@@ -127,6 +130,7 @@ def private_fine_tune(
         "delta": dp.ledger.delta,
         "noise_multiplier": dp.release.noise_multiplier(0),
         "rounds": dp.rounds,
+        "report": str(run_dir / "privacy_report.txt"),
     }
 
 
@@ -159,7 +163,7 @@ def plot(path: Path, rows: dict[str, Any], epsilons: list[float]) -> None:
     plt.close(fig)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="the demo: 120 private patients, ε ∈ {1, 4}, 1 seed")
     parser.add_argument("--private-patients", type=int, default=300, help="private site (70 %% train, 30 %% test)")
@@ -175,13 +179,13 @@ def main() -> None:
     parser.add_argument("--trainable", nargs="+", default=["norm", "head"], help="what P3SGD fine-tunes")
     parser.add_argument("--rounds", type=int, default=50)
     parser.add_argument("--sample-rate", type=float, default=0.2, help="q, the patients' Poisson rate")
-    parser.add_argument("--clip-norm", type=float, default=1.0, help="C_u, bound on a patient's update")
-    parser.add_argument("--local-lr", type=float, default=0.05)
+    parser.add_argument("--clip-norm", type=float, default=0.3, help="C_u, bound on a patient's update")
+    parser.add_argument("--local-lr", type=float, default=0.2)
     parser.add_argument("--local-epochs", type=int, default=2)
     parser.add_argument("--ema", type=float, default=0.9, help="EMA decay of the released weights (0: off)")
     parser.add_argument("--data-root", default="data/domain_shift")
     parser.add_argument("--out", default="runs/domain_shift")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.quick:
         args.private_patients, args.epsilons, args.seeds, args.public_patients = 120, [1.0, 4.0], [0], 150
         args.pretrain_epochs, args.sgd_epochs, args.rounds = 6, 6, 40
@@ -259,7 +263,9 @@ def main() -> None:
     say("[5/5] results")
     figure = out / "accuracy_vs_epsilon.png"
     plot(figure, rows, args.epsilons)
-    (out / "results.json").write_text(json.dumps({"args": vars(args), **rows}, indent=2))
+    rows["args"] = vars(args)
+    rows["seconds"] = time.time() - _START
+    (out / "results.json").write_text(json.dumps(rows, indent=2))
     seeds = f"mean ± std over {len(args.seeds)} seed(s)" if len(args.seeds) > 1 else "one seed"
     print(
         f"\nTest accuracy on {private.test_dataset.num_patients} test patients of the private site ({seeds}); "

@@ -289,8 +289,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     epsilon, delta = float(callback.report["epsilon"]["rdp"]), float(callback.report["delta"])
     print(f"P3SGD: ε = {epsilon:.2f} for one patient (RDP, δ = {delta:.1e}, {callback.rounds} rounds)")
 
-    _stage(5, f"inverting layer-3 features of {args.patches_attacked} training + {args.patches_attacked} held-out "
-              f"patches ({args.steps} Adam steps)", start)
+    _stage(
+        5,
+        f"inverting layer-3 features of {args.patches_attacked} training + {args.patches_attacked} held-out "
+        f"patches ({args.steps} Adam steps)",
+        start,
+    )
     n = args.patches_attacked
     originals = torch.cat([pick_patches(private.train_dataset, n, seed=1), pick_patches(private.test_dataset, n, 2)])
     splits = {"train": slice(0, n), "held_out": slice(n, 2 * n)}
@@ -334,13 +338,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     )
     results["privacy"] = {
         "P3SGD": {
-            "epsilon": epsilon, "delta": delta, "accountant": "rdp", "unit": "patient", "rounds": callback.rounds
+            "epsilon": epsilon,
+            "delta": delta,
+            "accountant": "rdp",
+            "unit": "patient",
+            "rounds": callback.rounds,
         },
         "SGD": {"epsilon": None, "note": "non-private: no guarantee (ε = ∞)"},
     }
-    results["settings"] = {
-        key: value for key, value in vars(args).items() if key not in ("out", "data_root")
-    } | {
+    results["settings"] = {key: value for key, value in vars(args).items() if key not in ("out", "data_root")} | {
         "train_patients": len(private.train_patients),
         "held_out_patients": private.test_dataset.num_patients,
         "features": f"ResNet-18 layer3 output, {tuple(layer3_features(sgd)(originals[:1]).shape[1:])}",
