@@ -33,7 +33,7 @@ from lightning_dp.errors import (
     check_finite_positive,
     check_sample_rate,
 )
-from lightning_dp.models.fixers import batch_norm_layers, fix_model, is_frozen_batch_norm, validate_model
+from lightning_dp.models.fixers import batch_norm_layers, fix_model, is_eval_batch_norm, validate_model
 from lightning_dp.sampling.samples import LogicalBatch, PoissonBatches, PoissonSampleSampler, identity_collate
 from lightning_dp.sanitization import GaussianRelease
 from lightning_dp.sanitization.per_sample import (
@@ -184,7 +184,7 @@ class DPSGD(DPCallback):
         self._float64 = False
         self._first_chunk_check: IndependenceCheck | None = None
         self._rate_used: float | None = None
-        self._frozen_batch_norms: list[torch.nn.Module] = []
+        self._eval_batch_norms: list[torch.nn.Module] = []
 
     def __repr__(self) -> str:
         noise = (
@@ -235,10 +235,11 @@ class DPSGD(DPCallback):
                 "training samples. HINT: use a smaller batch_size."
             )
         self._dataset, self._source_loader = dataset, loader
-        # A frozen BatchNorm (eval mode, no trainable parameter: the backbone of DP transfer learning) mixes nothing
-        # and keeps its public statistics; it is kept, and checked to stay frozen at every step.
-        self._frozen_batch_norms = [m for m in pl_module.modules() if is_frozen_batch_norm(m)]
-        batch_norms = batch_norm_layers(pl_module, include_frozen=False)
+        # A BatchNorm in eval mode with running statistics (the frozen backbone of DP transfer learning, or one whose
+        # affine alone is fine-tuned) mixes nothing and keeps its public statistics; it is kept, and checked to stay
+        # in eval mode at every step.
+        self._eval_batch_norms = [m for m in pl_module.modules() if is_eval_batch_norm(m)]
+        batch_norms = batch_norm_layers(pl_module, include_eval=False)
         if batch_norms:
             if not self.convert_batchnorm:
                 raise UnsupportedModelError(
@@ -246,7 +247,7 @@ class DPSGD(DPCallback):
                     f"{batch_norms[:5]}, which mix the samples of a batch. HINT: "
                     "build the model with GroupNorm, or let DPSGD convert them (convert_batchnorm=True)."
                 )
-            self.converted_layers = fix_model(pl_module, warn=False, keep_frozen=True)
+            self.converted_layers = fix_model(pl_module, warn=False, keep_frozen=True, keep_eval=True)
             rank_zero_warn(
                 f"DPSGD replaced {len(self.converted_layers)} BatchNorm layer(s) of {type(pl_module).__name__} by "
                 f"GroupNorm (e.g. {self.converted_layers[0]}): BatchNorm mixes samples and releases private running "
@@ -515,13 +516,15 @@ class DPSGD(DPCallback):
             return
         if batch.chunks:
             self._check_first_chunk(pl_module, batch.chunks[0], min(self.max_physical_batch_size, batch.size))
-        thawed = [m for m in self._frozen_batch_norms if not is_frozen_batch_norm(m)]
+        thawed = [m for m in self._eval_batch_norms if not is_eval_batch_norm(m)]
         if thawed:
             raise UnsupportedModelError(
-                f"`DPSGD`: {len(thawed)} BatchNorm layer(s) of {type(pl_module).__name__} were frozen (eval mode, no "
-                "trainable parameter) when training started and are no longer: in training mode a BatchNorm mixes "
-                "the samples of a batch and updates private running statistics. HINT: keep them in eval mode (override "
-                "LightningModule.train, as ImageClassifier(freeze_backbone=True) does), or convert them to GroupNorm."
+                f"`DPSGD`: {len(thawed)} BatchNorm layer(s) of {type(pl_module).__name__} were frozen (eval mode, "
+                "fixed running statistics; their affine trainable or not) when training started and are no longer: "
+                "in training mode a BatchNorm mixes the samples of a batch and updates private running statistics. "
+                "HINT: "
+                "keep them in eval mode (override LightningModule.train, as ImageClassifier(trainable=[...]) does), or "
+                "convert them to GroupNorm."
             )
         self._sync_clipper(pl_module)
         assert self.clipper is not None
