@@ -67,6 +67,15 @@ from lightning_dp.training.step import OptimizerTarget
 __all__ = ["DPSGD"]
 
 
+def _is_weight_averaging(callback: pl.Callback) -> bool:
+    """Whether ``callback`` is Lightning's `WeightAveraging` (or `EMAWeightAveraging`; Lightning ≥ 2.5 has them)."""
+    try:
+        from pytorch_lightning.callbacks import WeightAveraging
+    except ImportError:  # pragma: no cover - an older Lightning
+        return False
+    return isinstance(callback, WeightAveraging)
+
+
 _FP16 = ("16-mixed", "16-true", "16")
 _INITIAL_LOSS_SCALE = 2.0**16
 _LIGHTNING_DEFAULT_EPOCHS = 1000  # what Trainer() sets when neither max_epochs nor max_steps is given
@@ -247,6 +256,7 @@ class DPSGD(DPCallback):
                     f"{batch_norms[:5]}, which mix the samples of a batch. HINT: "
                     "build the model with GroupNorm, or let DPSGD convert them (convert_batchnorm=True)."
                 )
+            self._refuse_averaging_before_conversion(trainer, batch_norms)
             self.converted_layers = fix_model(pl_module, warn=False, keep_frozen=True, keep_eval=True)
             rank_zero_warn(
                 f"DPSGD replaced {len(self.converted_layers)} BatchNorm layer(s) of {type(pl_module).__name__} by "
@@ -262,6 +272,24 @@ class DPSGD(DPCallback):
                 f"`DPSGD`: {type(pl_module).__name__} cannot be trained with per-sample gradients:\n  {listed}"
             )
         return num_samples
+
+    def _refuse_averaging_before_conversion(self, trainer: pl.Trainer, batch_norms: list[str]) -> None:
+        """Refuses a weight-averaging callback set up before this one when BatchNorm is about to be converted.
+
+        Lightning calls the callbacks' ``setup`` in the order of ``trainer.callbacks``: a `WeightAveraging`
+        listed earlier has already copied the model with its BatchNorm layers, so its average would keep a
+        structure the trained model no longer has (its checkpoints' ``state_dict`` would not load).
+        """
+        callbacks: list[pl.Callback] = trainer.callbacks  # type: ignore[attr-defined]
+        mine = next((i for i, cb in enumerate(callbacks) if cb is self), len(callbacks))
+        earlier = [type(cb).__name__ for cb in callbacks[:mine] if _is_weight_averaging(cb)]
+        if earlier:
+            raise PrivacyConfigError(
+                f"`DPSGD`: {earlier[0]} is listed before DPSGD in the Trainer's callbacks, so it copied the model "
+                f"before DPSGD converts its BatchNorm layers ({batch_norms[:3]}) to GroupNorm: the average would keep "
+                "the BatchNorm structure and its checkpoints would not load into the trained model. HINT: list DPSGD "
+                "before the averaging callback, or build the model with GroupNorm (ImageClassifier(norm='group'))."
+            )
 
     def _rate(self, num_samples: int) -> float:
         return self.sample_rate if self.sample_rate is not None else self.batch_size / num_samples  # type: ignore[operator]
