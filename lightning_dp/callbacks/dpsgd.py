@@ -24,6 +24,7 @@ from pytorch_lightning.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, SequentialSampler
 
 from lightning_dp.accounting import PrivacyLedger, calibrate_noise_multiplier
+from lightning_dp.callbacks.averaging import is_lightning_weight_averaging
 from lightning_dp.callbacks.base import DPAccountantName, DPCallback
 from lightning_dp.errors import (
     PrivacyConfigError,
@@ -65,15 +66,6 @@ from lightning_dp.training.checks import (
 from lightning_dp.training.step import OptimizerTarget
 
 __all__ = ["DPSGD"]
-
-
-def _is_weight_averaging(callback: pl.Callback) -> bool:
-    """Whether ``callback`` is Lightning's `WeightAveraging` (or `EMAWeightAveraging`; Lightning ≥ 2.5 has them)."""
-    try:
-        from pytorch_lightning.callbacks import WeightAveraging
-    except ImportError:  # pragma: no cover - an older Lightning
-        return False
-    return isinstance(callback, WeightAveraging)
 
 
 _FP16 = ("16-mixed", "16-true", "16")
@@ -282,7 +274,7 @@ class DPSGD(DPCallback):
         """
         callbacks: list[pl.Callback] = trainer.callbacks  # type: ignore[attr-defined]
         mine = next((i for i, cb in enumerate(callbacks) if cb is self), len(callbacks))
-        earlier = [type(cb).__name__ for cb in callbacks[:mine] if _is_weight_averaging(cb)]
+        earlier = [type(cb).__name__ for cb in callbacks[:mine] if is_lightning_weight_averaging(cb)]
         if earlier:
             raise PrivacyConfigError(
                 f"`DPSGD`: {earlier[0]} is listed before DPSGD in the Trainer's callbacks, so it copied the model "

@@ -74,7 +74,7 @@ def test_freeze_backbone_is_an_alias_of_head() -> None:
     both = ImageClassifier(arch="resnet18", freeze_backbone=True, trainable=["head"])
     assert _trained(alias) == _trained(named) == _trained(both) == {"fc.weight", "fc.bias"}
     assert alias.trainable == named.trainable == ("head",)
-    assert not alias.net.layer1.training and not named.net.layer1.training
+    assert not alias.net.get_submodule("layer1").training and not named.net.get_submodule("layer1").training
 
 
 def test_freeze_backbone_with_another_selection_is_refused() -> None:
@@ -119,5 +119,5 @@ def test_the_selection_round_trips_through_a_checkpoint(tmp_path: Path) -> None:
     assert loaded.trainable == ("norm", "head")
     assert _trained(loaded) == _trained(model)
     loaded.train()
-    assert not loaded.net.features.training and loaded.net.head.training
+    assert not loaded.net.get_submodule("features").training and loaded.net.get_submodule("head").training
     assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), model.state_dict().values()))
