@@ -104,7 +104,9 @@ class DPSGD(DPCallback):
             computes the logged ε (``privacy/epsilon_rdp`` / ``privacy/epsilon_prv``) and decides a
             `PrivacyBudget`'s stop (unless the budget names another).
         convert_batchnorm: replace BatchNorm by GroupNorm (with a `PrivacyWarning`); if False a
-            model with BatchNorm is an error.
+            model with BatchNorm is an error. A BatchNorm in eval mode with running statistics mixes
+            nothing and is kept, frozen or with its affine trained (``ImageClassifier(trainable=["norm",
+            "head"])``); it must stay in eval mode.
         seed: seed of the sampler and the noise; ``None`` (default) draws them from the OS CSPRNG.
         log_private_diagnostics: also log the batch size, the clipped fraction and the mean
             per-sample gradient norm. They are computed from private data and **not** sanitized.
