@@ -1,5 +1,6 @@
-"""Lightning callbacks: DP training, budgets and reports."""
+"""Lightning callbacks: DP training, budgets, reports and averaging of released weights."""
 
+from lightning_dp.callbacks.averaging import ReleasedWeightAveraging
 from lightning_dp.callbacks.base import DPCallback
 from lightning_dp.callbacks.budget import PrivacyBudget
 from lightning_dp.callbacks.dpsgd import DPSGD
@@ -13,6 +14,7 @@ __all__ = [
     "GeneralizationReport",
     "P3SGD",
     "PrivacyBudget",
+    "ReleasedWeightAveraging",
     "evaluate_accuracy",
     "privacy_report",
     "write_privacy_report",

@@ -24,6 +24,7 @@ from pytorch_lightning.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, SequentialSampler
 
 from lightning_dp.accounting import PrivacyLedger, calibrate_noise_multiplier
+from lightning_dp.callbacks.averaging import is_lightning_weight_averaging
 from lightning_dp.callbacks.base import DPAccountantName, DPCallback
 from lightning_dp.errors import (
     PrivacyConfigError,
@@ -33,7 +34,7 @@ from lightning_dp.errors import (
     check_finite_positive,
     check_sample_rate,
 )
-from lightning_dp.models.fixers import batch_norm_layers, fix_model, is_frozen_batch_norm, validate_model
+from lightning_dp.models.fixers import batch_norm_layers, fix_model, is_eval_batch_norm, validate_model
 from lightning_dp.sampling.samples import LogicalBatch, PoissonBatches, PoissonSampleSampler, identity_collate
 from lightning_dp.sanitization import GaussianRelease
 from lightning_dp.sanitization.per_sample import (
@@ -103,7 +104,9 @@ class DPSGD(DPCallback):
             computes the logged ε (``privacy/epsilon``; the accountant's name is in the privacy report) and decides a
             `PrivacyBudget`'s stop (unless the budget names another).
         convert_batchnorm: replace BatchNorm by GroupNorm (with a `PrivacyWarning`); if False a
-            model with BatchNorm is an error.
+            model with BatchNorm is an error. A BatchNorm in eval mode with running statistics mixes
+            nothing and is kept, frozen or with its affine trained (``ImageClassifier(trainable=["norm",
+            "head"])``); it must stay in eval mode.
         seed: seed of the sampler and the noise; ``None`` (default) draws them from the OS CSPRNG.
         log_private_diagnostics: also log the batch size, the clipped fraction and the mean
             per-sample gradient norm. They are computed from private data and **not** sanitized.
@@ -185,7 +188,7 @@ class DPSGD(DPCallback):
         self._float64 = False
         self._first_chunk_check: IndependenceCheck | None = None
         self._rate_used: float | None = None
-        self._frozen_batch_norms: list[torch.nn.Module] = []
+        self._eval_batch_norms: list[torch.nn.Module] = []
 
     def __repr__(self) -> str:
         noise = (
@@ -236,10 +239,11 @@ class DPSGD(DPCallback):
                 "training samples. HINT: use a smaller batch_size."
             )
         self._dataset, self._source_loader = dataset, loader
-        # A frozen BatchNorm (eval mode, no trainable parameter: the backbone of DP transfer learning) mixes nothing
-        # and keeps its public statistics; it is kept, and checked to stay frozen at every step.
-        self._frozen_batch_norms = [m for m in pl_module.modules() if is_frozen_batch_norm(m)]
-        batch_norms = batch_norm_layers(pl_module, include_frozen=False)
+        # A BatchNorm in eval mode with running statistics (the frozen backbone of DP transfer learning, or one whose
+        # affine alone is fine-tuned) mixes nothing and keeps its public statistics; it is kept, and checked to stay
+        # in eval mode at every step.
+        self._eval_batch_norms = [m for m in pl_module.modules() if is_eval_batch_norm(m)]
+        batch_norms = batch_norm_layers(pl_module, include_eval=False)
         if batch_norms:
             if not self.convert_batchnorm:
                 raise UnsupportedModelError(
@@ -247,7 +251,8 @@ class DPSGD(DPCallback):
                     f"{batch_norms[:5]}, which mix the samples of a batch. HINT: "
                     "build the model with GroupNorm, or let DPSGD convert them (convert_batchnorm=True)."
                 )
-            self.converted_layers = fix_model(pl_module, warn=False, keep_frozen=True)
+            self._refuse_averaging_before_conversion(trainer, batch_norms)
+            self.converted_layers = fix_model(pl_module, warn=False, keep_frozen=True, keep_eval=True)
             rank_zero_warn(
                 f"DPSGD replaced {len(self.converted_layers)} BatchNorm layer(s) of {type(pl_module).__name__} by "
                 f"GroupNorm (e.g. {self.converted_layers[0]}): BatchNorm mixes samples and releases private running "
@@ -262,6 +267,24 @@ class DPSGD(DPCallback):
                 f"`DPSGD`: {type(pl_module).__name__} cannot be trained with per-sample gradients:\n  {listed}"
             )
         return num_samples
+
+    def _refuse_averaging_before_conversion(self, trainer: pl.Trainer, batch_norms: list[str]) -> None:
+        """Refuses a weight-averaging callback set up before this one when BatchNorm is about to be converted.
+
+        Lightning calls the callbacks' ``setup`` in the order of ``trainer.callbacks``: a `WeightAveraging`
+        listed earlier has already copied the model with its BatchNorm layers, so its average would keep a
+        structure the trained model no longer has (its checkpoints' ``state_dict`` would not load).
+        """
+        callbacks: list[pl.Callback] = trainer.callbacks  # type: ignore[attr-defined]
+        mine = next((i for i, cb in enumerate(callbacks) if cb is self), len(callbacks))
+        earlier = [type(cb).__name__ for cb in callbacks[:mine] if is_lightning_weight_averaging(cb)]
+        if earlier:
+            raise PrivacyConfigError(
+                f"`DPSGD`: {earlier[0]} is listed before DPSGD in the Trainer's callbacks, so it copied the model "
+                f"before DPSGD converts its BatchNorm layers ({batch_norms[:3]}) to GroupNorm: the average would keep "
+                "the BatchNorm structure and its checkpoints would not load into the trained model. HINT: list DPSGD "
+                "before the averaging callback, or build the model with GroupNorm (ImageClassifier(norm='group'))."
+            )
 
     def _rate(self, num_samples: int) -> float:
         return self.sample_rate if self.sample_rate is not None else self.batch_size / num_samples  # type: ignore[operator]
@@ -516,13 +539,15 @@ class DPSGD(DPCallback):
             return
         if batch.chunks:
             self._check_first_chunk(pl_module, batch.chunks[0], min(self.max_physical_batch_size, batch.size))
-        thawed = [m for m in self._frozen_batch_norms if not is_frozen_batch_norm(m)]
+        thawed = [m for m in self._eval_batch_norms if not is_eval_batch_norm(m)]
         if thawed:
             raise UnsupportedModelError(
-                f"`DPSGD`: {len(thawed)} BatchNorm layer(s) of {type(pl_module).__name__} were frozen (eval mode, no "
-                "trainable parameter) when training started and are no longer: in training mode a BatchNorm mixes "
-                "the samples of a batch and updates private running statistics. HINT: keep them in eval mode (override "
-                "LightningModule.train, as ImageClassifier(freeze_backbone=True) does), or convert them to GroupNorm."
+                f"`DPSGD`: {len(thawed)} BatchNorm layer(s) of {type(pl_module).__name__} were frozen (eval mode, "
+                "fixed running statistics; their affine trainable or not) when training started and are no longer: "
+                "in training mode a BatchNorm mixes the samples of a batch and updates private running statistics. "
+                "HINT: "
+                "keep them in eval mode (override LightningModule.train, as ImageClassifier(trainable=[...]) does), or "
+                "convert them to GroupNorm."
             )
         self._sync_clipper(pl_module)
         assert self.clipper is not None

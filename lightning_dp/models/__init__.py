@@ -1,7 +1,14 @@
 """Reference models, and fixers that make ordinary models trainable with per-sample gradients."""
 
-from lightning_dp.models.classifier import Architecture, ImageClassifier, build_backbone
-from lightning_dp.models.fixers import ModelProblem, fix_model, group_norm_for, is_frozen_batch_norm, validate_model
+from lightning_dp.models.classifier import Architecture, ImageClassifier, TrainableGroup, build_backbone
+from lightning_dp.models.fixers import (
+    ModelProblem,
+    fix_model,
+    group_norm_for,
+    is_eval_batch_norm,
+    is_frozen_batch_norm,
+    validate_model,
+)
 from lightning_dp.models.segmentation import SegmentationModule, build_segmentation_model, segmentation_loss
 
 __all__ = [
@@ -9,10 +16,12 @@ __all__ = [
     "ImageClassifier",
     "ModelProblem",
     "SegmentationModule",
+    "TrainableGroup",
     "build_backbone",
     "build_segmentation_model",
     "fix_model",
     "group_norm_for",
+    "is_eval_batch_norm",
     "is_frozen_batch_norm",
     "segmentation_loss",
     "validate_model",

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from collections.abc import Sequence
+from typing import Any, Literal, get_args
 
 import pytorch_lightning as pl
 import torch
@@ -12,7 +13,7 @@ from torch import Tensor, nn
 from lightning_dp.errors import PrivacyConfigError, check_finite_positive
 from lightning_dp.models.fixers import group_norm_for
 
-__all__ = ["Architecture", "ImageClassifier", "Norm", "build_backbone"]
+__all__ = ["Architecture", "ImageClassifier", "Norm", "TrainableGroup", "build_backbone", "trainable_parameter_names"]
 
 Architecture = Literal["resnet18", "resnet34", "mobilenet_v2", "small_cnn"]
 
@@ -37,6 +38,69 @@ class SmallCNN(nn.Module):
 
 Norm = Literal["batch", "group"]
 _HEADS = {"resnet18": "fc", "resnet34": "fc", "mobilenet_v2": "classifier", "small_cnn": "head"}
+
+#: What `ImageClassifier(trainable=[...])` trains: the union of the named groups.
+TrainableGroup = Literal["all", "head", "norm", "bias"]
+#: The normalization layers whose weight and bias the "norm" group trains.
+_NORMS = (nn.modules.batchnorm._BatchNorm, nn.GroupNorm, nn.LayerNorm, nn.modules.instancenorm._InstanceNorm)
+
+
+def trainable_parameter_names(net: nn.Module, head: str, groups: Sequence[TrainableGroup]) -> set[str]:
+    """The qualified names of ``net``'s parameters that the union of ``groups`` selects.
+
+    "all": every parameter; "head": those of the sub-module ``head``; "norm": the weight and bias of
+    every normalization layer (BatchNorm*, GroupNorm, LayerNorm, InstanceNorm); "bias": every bias.
+
+    Example:
+        >>> net = nn.Sequential(nn.Conv2d(3, 4, 3), nn.GroupNorm(2, 4), nn.Flatten(), nn.Linear(4, 2))
+        >>> sorted(trainable_parameter_names(net, "3", ["norm", "head"]))
+        ['1.bias', '1.weight', '3.bias', '3.weight']
+        >>> sorted(trainable_parameter_names(net, "3", ["bias"]))
+        ['0.bias', '1.bias', '3.bias']
+    """
+    names: set[str] = set()
+    for module_name, module in net.named_modules():
+        for param_name, _ in module.named_parameters(recurse=False):
+            full = f"{module_name}.{param_name}" if module_name else param_name
+            if (
+                "all" in groups
+                or ("head" in groups and (module_name == head or module_name.startswith(head + ".")))
+                or ("norm" in groups and isinstance(module, _NORMS))
+                or ("bias" in groups and param_name == "bias")
+            ):
+                names.add(full)
+    return names
+
+
+def _resolve_trainable(trainable: Sequence[TrainableGroup] | None, freeze_backbone: bool) -> tuple[TrainableGroup, ...]:
+    """The validated groups; ``freeze_backbone=True`` is an alias of ``["head"]``."""
+    valid = get_args(TrainableGroup)
+    if trainable is None:
+        return ("head",) if freeze_backbone else ("all",)
+    if isinstance(trainable, str) or not isinstance(trainable, Sequence):
+        raise PrivacyConfigError(
+            f"`ImageClassifier(trainable={trainable!r})`: trainable must be a list of group names, found "
+            f"{type(trainable).__name__}. HINT: e.g. trainable=['norm', 'head'] (in YAML: trainable: [norm, head])."
+        )
+    unknown = [g for g in trainable if g not in valid]
+    if unknown:
+        raise PrivacyConfigError(
+            f"`ImageClassifier(trainable={list(trainable)!r})`: unknown group(s) {unknown}; the valid ones are "
+            f"{list(valid)}. HINT: e.g. trainable=['norm', 'head'] fine-tunes the normalization layers and the head."
+        )
+    if not trainable:
+        raise PrivacyConfigError(
+            "`ImageClassifier(trainable=[])`: the selection trains nothing. HINT: name at least one of "
+            f"{list(valid)}, or leave trainable unset to train everything."
+        )
+    groups = tuple(dict.fromkeys(trainable))  # deduplicated, in the given order
+    if freeze_backbone and set(groups) != {"head"}:
+        raise PrivacyConfigError(
+            f"`ImageClassifier(freeze_backbone=True, trainable={list(trainable)!r})`: freeze_backbone=True means "
+            "trainable=['head'] and contradicts this selection. HINT: give only trainable (freeze_backbone is its "
+            "alias for the head alone)."
+        )
+    return groups
 
 
 def build_backbone(arch: Architecture, num_classes: int, norm: Norm = "batch") -> nn.Module:
@@ -83,14 +147,27 @@ class ImageClassifier(pl.LightningModule):
         weight_decay: L2 weight decay (the P3SGD paper uses 1e-4).
         optimizer: ``"sgd"`` or ``"adam"``.
         norm: ``"batch"`` (BatchNorm) or ``"group"`` (GroupNorm, for per-sample DP-SGD).
-        freeze_backbone: train only the classifier head; the backbone's parameters are frozen and it
-            stays in eval mode (its BatchNorm statistics are not updated). The usual recipe for DP
-            fine-tuning of a network pre-trained on public data.
+        freeze_backbone: train only the classifier head (an alias of ``trainable=["head"]``): the usual
+            recipe for DP fine-tuning of a network pre-trained on public data.
+        trainable: what is trained, the union of named groups: ``"all"`` (everything, the default),
+            ``"head"`` (the classifier head), ``"norm"`` (weight and bias of every normalization layer:
+            BatchNorm, GroupNorm, LayerNorm, InstanceNorm), ``"bias"`` (every bias). Everything else is
+            frozen. Unless ``"all"`` is named, every module but the head stays in eval mode, so BatchNorm
+            normalizes with its running statistics, which are never updated: no statistic of the private
+            data is released, and per-sample DP-SGD can train a BatchNorm's affine (parameter-efficient
+            private fine-tuning, e.g. ``["norm", "head"]``).
+
+    Raises:
+        PrivacyConfigError: an unknown group (the message lists the valid ones), a selection that trains
+            no parameter, or ``freeze_backbone=True`` beside a ``trainable`` other than ``["head"]``.
 
     Example:
         >>> model = ImageClassifier(arch="small_cnn", num_classes=2)
         >>> model(torch.zeros(2, 3, 32, 32)).shape
         torch.Size([2, 2])
+        >>> peft = ImageClassifier(arch="small_cnn", num_classes=2, trainable=["norm", "head"])
+        >>> sum(p.numel() for p in peft.parameters() if p.requires_grad), peft.net.features.training
+        (962, False)
     """
 
     def __init__(
@@ -103,6 +180,7 @@ class ImageClassifier(pl.LightningModule):
         optimizer: Literal["sgd", "adam"] = "sgd",
         norm: Norm = "batch",
         freeze_backbone: bool = False,
+        trainable: list[TrainableGroup] | None = None,
     ) -> None:
         super().__init__()
         check_finite_positive("ImageClassifier", "lr", lr, "e.g. 0.05 for SGD, 1e-3 for Adam.")
@@ -111,12 +189,21 @@ class ImageClassifier(pl.LightningModule):
                 f"`ImageClassifier(num_classes={num_classes!r})`: num_classes must be an integer >= 2, found "
                 f"{num_classes!r}. HINT: binary classification uses num_classes=2."
             )
+        groups = _resolve_trainable(trainable, freeze_backbone)
         self.save_hyperparameters()
         self.net = build_backbone(arch, num_classes, norm)
         self.freeze_backbone = freeze_backbone
-        if freeze_backbone:
+        #: The groups trained (resolved: freeze_backbone=True is ("head",), nothing given is ("all",)).
+        self.trainable: tuple[TrainableGroup, ...] = groups
+        if "all" not in groups:
+            selected = trainable_parameter_names(self.net, _HEADS[arch], groups)
+            if not selected:
+                raise PrivacyConfigError(
+                    f"`ImageClassifier(arch={arch!r}, trainable={list(groups)!r})`: the selection trains no parameter "
+                    f"of this network. HINT: add 'head' (or choose groups that {arch} has)."
+                )
             for name, param in self.net.named_parameters():
-                param.requires_grad_(name.startswith(_HEADS[arch] + "."))
+                param.requires_grad_(name in selected)
             self.train()  # Lightning keeps each module's mode: the backbone must start in eval mode
         task: Literal["binary", "multiclass"] = "multiclass"
         metrics: dict[str, torchmetrics.Metric | torchmetrics.MetricCollection] = {
@@ -131,7 +218,7 @@ class ImageClassifier(pl.LightningModule):
 
     def train(self, mode: bool = True) -> ImageClassifier:
         super().train(mode)
-        if self.freeze_backbone:
+        if "all" not in getattr(self, "trainable", ("all",)):
             head = _HEADS[self.hparams["arch"]]
             for name, child in self.net.named_children():
                 if name != head:

@@ -28,7 +28,15 @@ from torch import nn
 
 from lightning_dp.errors import PrivacyWarning
 
-__all__ = ["ModelProblem", "batch_norm_layers", "fix_model", "group_norm_for", "is_frozen_batch_norm", "validate_model"]
+__all__ = [
+    "ModelProblem",
+    "batch_norm_layers",
+    "fix_model",
+    "group_norm_for",
+    "is_eval_batch_norm",
+    "is_frozen_batch_norm",
+    "validate_model",
+]
 
 _BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
 _INSTANCE_NORMS = (nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)
@@ -48,8 +56,31 @@ class ModelProblem:
         return f"{self.name or '<root>'} ({self.layer}): {self.problem}. FIX: {self.fix}"
 
 
+def is_eval_batch_norm(module: nn.Module) -> bool:
+    """A BatchNorm in eval mode with running statistics: a fixed per-sample affine map that mixes nothing.
+
+    Its statistics never change; its affine weight and bias may be trained (parameter-efficient
+    fine-tuning: `lightning_dp.sanitization.rules.BatchNormRule` computes their per-sample gradients).
+    Without running statistics (``track_running_stats=False``) a BatchNorm uses the batch's statistics
+    in eval mode too, so it is not one.
+
+    Example:
+        >>> bn = nn.BatchNorm2d(4).eval()
+        >>> is_eval_batch_norm(bn), is_eval_batch_norm(nn.BatchNorm2d(4, track_running_stats=False).eval())
+        (True, False)
+        >>> is_eval_batch_norm(bn.train())
+        False
+    """
+    return (
+        isinstance(module, _BATCH_NORMS)
+        and not module.training
+        and module.running_mean is not None
+        and module.running_var is not None
+    )
+
+
 def is_frozen_batch_norm(module: nn.Module) -> bool:
-    """A BatchNorm in eval mode with no trainable parameter: a fixed per-sample affine map that mixes nothing.
+    """A BatchNorm in eval mode with running statistics and no trainable parameter (see `is_eval_batch_norm`).
 
     The frozen backbone of the standard DP transfer recipe keeps its public (pre-trained) statistics
     this way; per-sample DP-SGD can train the layers around it as they are.
@@ -59,19 +90,24 @@ def is_frozen_batch_norm(module: nn.Module) -> bool:
         >>> is_frozen_batch_norm(bn), is_frozen_batch_norm(bn.train())
         (True, False)
     """
-    return (
-        isinstance(module, _BATCH_NORMS)
-        and not module.training
-        and not any(p.requires_grad for p in module.parameters(recurse=False))
-    )
+    return is_eval_batch_norm(module) and not any(p.requires_grad for p in module.parameters(recurse=False))
 
 
-def batch_norm_layers(module: nn.Module, include_frozen: bool = True) -> list[str]:
-    """The qualified names of ``module``'s BatchNorm layers (without the frozen ones if ``include_frozen`` is False)."""
+def batch_norm_layers(module: nn.Module, include_frozen: bool = True, include_eval: bool = True) -> list[str]:
+    """The qualified names of ``module``'s BatchNorm layers.
+
+    Args:
+        module: the model.
+        include_frozen: False leaves out the frozen ones (`is_frozen_batch_norm`).
+        include_eval: False leaves out every one in eval mode with running statistics, frozen or with a
+            trainable affine (`is_eval_batch_norm`): what remains mixes the samples of a batch.
+    """
     return [
         name
         for name, sub in module.named_modules()
-        if isinstance(sub, _BATCH_NORMS) and (include_frozen or not is_frozen_batch_norm(sub))
+        if isinstance(sub, _BATCH_NORMS)
+        and (include_frozen or not is_frozen_batch_norm(sub))
+        and (include_eval or not is_eval_batch_norm(sub))
     ]
 
 
@@ -89,11 +125,11 @@ def group_norm_for(num_channels: int, max_groups: int = 32, **kwargs: Any) -> nn
 def validate_model(module: nn.Module) -> list[ModelProblem]:
     """Lists what stops ``module`` from being trained with per-sample gradients; empty if nothing does.
 
-    Checks: BatchNorm layers (a frozen one — eval mode, no trainable parameter — is fine: it mixes
-    nothing and its statistics do not change); InstanceNorm with running statistics; recurrent layers
-    (use Opacus' ``DPLSTM``/``DPGRU``/``DPRNN``); trainable parameters that do not belong to a layer
-    whose per-sample gradient can be computed (`lightning_dp.sanitization.rules.rule_problem`, the
-    answer `PerSampleClipper` gets too).
+    Checks: BatchNorm layers (one in eval mode with running statistics is fine, frozen or with a
+    trainable affine: it mixes nothing and its statistics do not change); InstanceNorm with running
+    statistics; recurrent layers (use Opacus' ``DPLSTM``/``DPGRU``/``DPRNN``); trainable parameters
+    that do not belong to a layer whose per-sample gradient can be computed
+    (`lightning_dp.sanitization.rules.rule_problem`, the answer `PerSampleClipper` gets too).
 
     Example:
         >>> up = nn.Sequential(nn.ConvTranspose2d(8, 4, 3, stride=2), nn.InstanceNorm2d(4, affine=True), nn.PReLU())
@@ -106,7 +142,7 @@ def validate_model(module: nn.Module) -> list[ModelProblem]:
     problems: list[ModelProblem] = []
     for name, sub in module.named_modules():
         kind = type(sub).__name__
-        if isinstance(sub, _BATCH_NORMS) and not is_frozen_batch_norm(sub):
+        if isinstance(sub, _BATCH_NORMS) and not is_eval_batch_norm(sub):
             problems.append(
                 ModelProblem(
                     name,
@@ -161,7 +197,7 @@ def validate_model(module: nn.Module) -> list[ModelProblem]:
     return problems
 
 
-def fix_model(module: nn.Module, warn: bool = True, keep_frozen: bool = True) -> list[str]:
+def fix_model(module: nn.Module, warn: bool = True, keep_frozen: bool = True, keep_eval: bool = False) -> list[str]:
     """Replaces the BatchNorm layers of ``module`` by GroupNorm, in place, and returns what changed.
 
     The GroupNorm keeps the BatchNorm's affine weight and bias, eps, device and dtype. For
@@ -176,6 +212,9 @@ def fix_model(module: nn.Module, warn: bool = True, keep_frozen: bool = True) ->
         warn: emit a `PrivacyWarning` listing the replacements.
         keep_frozen: keep frozen BatchNorm layers (eval mode, no trainable parameter; `is_frozen_batch_norm`):
             they mix nothing, and replacing them would throw away their pre-trained statistics.
+        keep_eval: also keep the BatchNorm layers in eval mode whose affine is trained (`is_eval_batch_norm`;
+            per-sample DP-SGD trains their weight and bias with `BatchNormRule`). Only if they stay in eval mode:
+            DPSGD checks that at every step.
 
     Returns:
         One line per replaced layer, ``"name: BatchNorm2d(C) -> GroupNorm(G, C)"``.
@@ -184,6 +223,8 @@ def fix_model(module: nn.Module, warn: bool = True, keep_frozen: bool = True) ->
     for parent_name, parent in list(module.named_modules()):
         for child_name, child in list(parent.named_children()):
             if not isinstance(child, _BATCH_NORMS) or (keep_frozen and is_frozen_batch_norm(child)):
+                continue
+            if keep_eval and is_eval_batch_norm(child):
                 continue
             affine = child.affine and child.weight is not None and child.bias is not None
             like = child.weight if affine else next(iter(child.buffers()), None)

@@ -12,15 +12,17 @@ Lookup, for a module of type ``T``:
 
 1. the rule registered for ``T`` or its nearest registered base class (`register_rule`). Built in:
    Linear; Conv1d/2d/3d (any stride, dilation, groups, padding and padding mode);
-   ConvTranspose1d/2d/3d (any stride, padding, output padding, dilation and groups); PReLU.
+   ConvTranspose1d/2d/3d (any stride, padding, output padding, dilation and groups); PReLU;
+   BatchNorm1d/2d/3d and SyncBatchNorm in eval mode with running statistics (their affine weight and
+   bias: parameter-efficient fine-tuning of a network whose statistics stay fixed).
 2. Opacus' grad sampler registered for exactly ``T`` (GroupNorm, LayerNorm, affine InstanceNorm,
    Embedding, EmbeddingBag, RMSNorm, ...; ``opacus.grad_sample.register_grad_sampler`` adds more).
 3. the functorch rule (``torch.func.vmap`` over the layer's forward), for a leaf module without
    buffers.
 
-A module that none of them can handle (trainable parameters next to buffers or sub-modules, such
-as a trainable BatchNorm) has no rule: `rule_for` raises `UnsupportedModelError` naming it and the
-fix.
+A module that none of them can handle (trainable parameters next to buffers or sub-modules, a
+trainable BatchNorm in training mode) has no rule: `rule_for` raises `UnsupportedModelError` naming
+it and the fix.
 
 Linear layers and (transposed) convolutions choose per call between two ways, by cost
 (`ProductRule`): the *ghost norm* ‖Σ_t g_t a_tᵀ‖² = Σ_{t,s} (a_t·a_s)(g_t·g_s) over the layer's T
@@ -37,8 +39,8 @@ guarantee. Test a new rule against a naive loop over samples, as ``tests/unit/sa
 Example:
     >>> type(rule_for(nn.ConvTranspose2d(4, 2, 3, stride=2))).__name__
     'ConvTransposeRule'
-    >>> has_rule(nn.GroupNorm(2, 4)), has_rule(nn.BatchNorm2d(4))
-    (True, False)
+    >>> has_rule(nn.GroupNorm(2, 4)), has_rule(nn.BatchNorm2d(4)), has_rule(nn.BatchNorm2d(4).eval())
+    (True, False, True)
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ from lightning_dp.errors import PrivacyConfigError, UnsupportedModelError
 
 __all__ = [
     "GHOST_CANCELLATION",
+    "BatchNormRule",
     "ClippedSumTerm",
     "ConvRule",
     "ConvTransposeRule",
@@ -426,6 +429,58 @@ class PReLURule(LayerRule):
         return {weight: product.reshape(b, product.shape[1], -1).sum(2)}
 
 
+class BatchNormRule(LayerRule):
+    """BatchNorm in eval mode: y = x̂·w + b per channel with x̂ = (x − μ)/√(var + eps) from the *running* statistics.
+
+    In eval mode a BatchNorm is a fixed per-channel affine map of each sample: it mixes nothing, and
+    its statistics are never updated. So ∂L/∂w = Σ_positions g·x̂ and ∂L/∂b = Σ_positions g, per
+    channel (dimension 1). In training mode it normalizes with the statistics of the batch (every
+    sample's output depends on the others) and updates its running statistics from private data:
+    refused, as is a layer without running statistics (``track_running_stats=False``), which uses the
+    batch's statistics in eval mode too.
+    """
+
+    def problem(self, module: nn.Module) -> str | None:
+        if not any(p.requires_grad for p in module.parameters(recurse=False)):
+            return None
+        return _batch_norm_problem(module)
+
+    def per_sample_grads(self, module: Any, activation: Tensor, backprops: Tensor) -> dict[nn.Parameter, Tensor]:
+        problem = _batch_norm_problem(module)
+        if problem is not None:  # the mode is checked again per call: it may have changed since the engine was built
+            kind = type(module).__name__
+            raise UnsupportedModelError(
+                f"`{kind}` {problem}. HINT: keep it in eval mode (override LightningModule.train, as "
+                "ImageClassifier(trainable=[...]) does), freeze it, or replace it with GroupNorm."
+            )
+        b, c = backprops.shape[0], backprops.shape[1]
+        grads: dict[nn.Parameter, Tensor] = {}
+        weight = module.weight
+        if isinstance(weight, nn.Parameter) and weight.requires_grad:
+            shape = (1, c) + (1,) * (activation.dim() - 2)
+            mean = module.running_mean.to(activation.dtype).view(shape)
+            std = (module.running_var.to(activation.dtype) + module.eps).sqrt().view(shape)
+            grads[weight] = (backprops * ((activation - mean) / std)).reshape(b, c, -1).sum(2)
+        bias = _trained_bias(module)
+        if bias is not None:
+            grads[bias] = backprops.reshape(b, c, -1).sum(2)
+        return grads
+
+
+def _batch_norm_problem(module: Any) -> str | None:
+    if module.training:
+        return (
+            "is a trainable BatchNorm in training mode: it normalizes with the statistics of the batch, mixing its "
+            "samples, and updates its running statistics from private data"
+        )
+    if module.running_mean is None or module.running_var is None:
+        return (
+            "is a trainable BatchNorm without running statistics (track_running_stats=False): it normalizes with the "
+            "statistics of the batch even in eval mode, mixing its samples"
+        )
+    return None
+
+
 class OpacusRule(LayerRule):
     """One of Opacus' registered per-layer grad samplers (GroupNorm, LayerNorm, Embedding, ...).
 
@@ -565,8 +620,10 @@ def rule_problem(module: nn.Module) -> str | None:
     Example:
         >>> rule_problem(nn.PReLU()) is None
         True
-        >>> rule_problem(nn.BatchNorm2d(4))[:94]
-        "has trainable parameters but no per-sample gradient rule, and it holds buffers ['running_mean'"
+        >>> rule_problem(nn.BatchNorm2d(4))[:46]
+        'is a trainable BatchNorm in training mode: it '
+        >>> rule_problem(nn.BatchNorm2d(4).eval()) is None
+        True
     """
     return _candidate(module).problem(module)
 
@@ -617,6 +674,8 @@ for _conv in (nn.Conv1d, nn.Conv2d, nn.Conv3d):
 for _transposed in (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d):
     register_rule(_transposed, ConvTransposeRule())
 register_rule(nn.PReLU, PReLURule())
+for _batch_norm in (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm):
+    register_rule(_batch_norm, BatchNormRule())
 
 
 # ---------------------------------------------------------------------- helpers

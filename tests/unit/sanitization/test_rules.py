@@ -366,3 +366,98 @@ def test_a_subclass_with_its_own_forward_does_not_get_its_base_class_rule(layer:
     model = nn.Sequential(layer()).double()
     assert rules.registered_rule(model[0]) is None
     check_clipped_sum(model, lambda m, x: (m(x) ** 2).flatten(1).sum(1).mean(), torch.randn(4, 2, 2, 2).double())
+
+
+# ---------------------------------------------------------------------- BatchNorm in eval mode (parameter-efficient)
+def _eval_norm(layer: nn.Module, weight: bool = True, bias: bool = True) -> nn.Module:
+    """``layer`` in eval mode with non-trivial running statistics and affine, float64; ``weight``/``bias``: trained."""
+    layer.double()
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, t in layer.named_buffers(recurse=False):
+            if name == "running_mean":
+                t.copy_(torch.randn(t.shape, generator=g, dtype=t.dtype))
+            elif name == "running_var":
+                t.copy_(torch.rand(t.shape, generator=g, dtype=t.dtype) * 2 + 0.5)
+        for t in layer.parameters(recurse=False):
+            t.copy_(torch.randn(t.shape, generator=g, dtype=t.dtype))
+    layer.weight.requires_grad_(weight)
+    layer.bias.requires_grad_(bias)
+    return layer.eval()
+
+
+def _frozen(layer: nn.Module) -> nn.Module:
+    return layer.requires_grad_(False)
+
+
+class _BatchNormResNetBlock(nn.Module):
+    """Frozen conv → eval BatchNorm (affine trained) → in-place ReLU → frozen conv → eval BatchNorm, += identity."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = _frozen(nn.Conv2d(3, 3, 3, padding=1, bias=False))
+        self.bn1 = _eval_norm(nn.BatchNorm2d(3))
+        self.conv2 = _frozen(nn.Conv2d(3, 3, 3, padding=1, bias=False))
+        self.bn2 = _eval_norm(nn.BatchNorm2d(3))
+        self.head = nn.Linear(3, 2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        out = torch.relu_(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        out += x
+        return self.head(torch.relu(out).mean((2, 3)))
+
+
+BATCH_NORM_CASES: dict[str, Callable[[], tuple[nn.Module, Tensor]]] = {
+    "batchnorm1d_features": lambda: (nn.Sequential(nn.Linear(3, 5), _eval_norm(nn.BatchNorm1d(5))), _x(3)),
+    "batchnorm1d_sequence": lambda: (_eval_norm(nn.BatchNorm1d(3)), _x(3, 7)),
+    "batchnorm2d_after_frozen_conv": lambda: (
+        nn.Sequential(_frozen(nn.Conv2d(2, 4, 3)), _eval_norm(nn.BatchNorm2d(4))),
+        _x(2, 6, 6),
+    ),
+    "batchnorm2d_weight_only": lambda: (_eval_norm(nn.BatchNorm2d(3), bias=False), _x(3, 4, 4)),
+    "batchnorm2d_bias_only": lambda: (
+        nn.Sequential(_eval_norm(nn.BatchNorm2d(3), weight=False), nn.Tanh(), nn.Conv2d(3, 2, 1)),
+        _x(3, 4, 4),
+    ),
+    "batchnorm3d": lambda: (_eval_norm(nn.BatchNorm3d(2)), _x(2, 3, 2, 3)),
+    "batchnorm_resnet_block": lambda: (_BatchNormResNetBlock(), _x(3, 5, 5)),
+    "groupnorm_affine_after_frozen_conv": lambda: (
+        nn.Sequential(_frozen(nn.Conv2d(2, 4, 3)), _eval_norm(nn.GroupNorm(2, 4)).train()),
+        _x(2, 5, 5),
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(BATCH_NORM_CASES))
+def test_eval_mode_norm_affine_matches_naive_per_sample_loop(name: str) -> None:
+    model, x = BATCH_NORM_CASES[name]()
+    model = model.double()
+    assert validate_model(model) == []
+    check_clipped_sum(model, _output_loss, x)
+
+
+def test_batchnorm_rule_is_registered_for_every_batchnorm() -> None:
+    for layer in (nn.BatchNorm1d(2), nn.BatchNorm2d(2), nn.BatchNorm3d(2), nn.SyncBatchNorm(2)):
+        assert isinstance(rule_for(layer.eval()), rules.BatchNormRule), type(layer).__name__
+
+
+def test_a_trainable_batchnorm_in_training_mode_or_without_running_statistics_is_refused() -> None:
+    with pytest.raises(UnsupportedModelError, match=r"`1` \(BatchNorm2d\) is a trainable BatchNorm in training mode"):
+        PerSampleClipper(nn.Sequential(nn.Conv2d(2, 2, 1), nn.BatchNorm2d(2)), 1.0)
+    untracked = nn.Sequential(nn.Conv2d(2, 2, 1), nn.BatchNorm2d(2, track_running_stats=False).eval())
+    with pytest.raises(UnsupportedModelError, match=r"without running statistics \(track_running_stats=False\)"):
+        PerSampleClipper(untracked, 1.0)
+    assert [p.layer for p in validate_model(untracked)] == ["BatchNorm2d"]
+    assert not has_rule(nn.BatchNorm2d(2)) and has_rule(nn.BatchNorm2d(2).eval())
+    assert has_rule(nn.BatchNorm2d(2).requires_grad_(False)), "a frozen BatchNorm has nothing to compute"
+
+
+def test_a_batchnorm_switched_to_training_mode_after_the_engine_was_built_is_refused_before_anything_is_added() -> None:
+    model = nn.Sequential(_frozen(nn.Conv2d(2, 3, 1)), nn.BatchNorm2d(3).eval()).double()
+    clipper = PerSampleClipper(model, 1.0)
+    model[1].train()
+    x = _x(2, 3, 3)
+    with pytest.raises(UnsupportedModelError, match="trainable BatchNorm in training mode"):
+        clipper.accumulate(lambda: _output_loss(model, x), BATCH)
+    assert float(clipper.flat_sum.abs().sum()) == 0.0
