@@ -15,9 +15,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(PY) examples/p3sgd_vs_sgd.py --quick
-	$(VENV)/bin/lightning-dp plan --sample-rate 0.1 --noise-multiplier 1.0 --steps 100 --delta 5e-4
-	$(VENV)/bin/lightning-dp plan --sample-rate 0.1 --noise-multiplier 1.0 --delta 5e-4 --target-epsilon 8
+	$(PY) examples/domain_shift.py --quick
 
 test: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider --durations=15

@@ -14,7 +14,7 @@ parameters of the normalization layers and the classifier head, about 1,000 numb
 magnification shift is mostly a change of feature statistics, and the fewer the released
 parameters, the less noise they carry), with the noise calibrated by the library to each target ε
 (`P3SGD(target_epsilon=...)`, rigorous RDP accounting, δ = the library default, far below 1/N). An
-exponential moving average of the released iterates (Lightning's ``EMAWeightAveraging``, pure
+exponential moving average of the released iterates (`ReleasedWeightAveraging`, pure
 post-processing: no privacy cost) smooths the noise out of the final weights.
 
 Every number is measured on *test patients* of the private site (split by patient), mean ± std over
@@ -42,7 +42,7 @@ import pytorch_lightning as pl
 import torch
 from _shared import cpu_trainer, quiet_lightning, synthetic_data
 
-from lightning_dp.callbacks import P3SGD, evaluate_accuracy
+from lightning_dp.callbacks import P3SGD, ReleasedWeightAveraging, evaluate_accuracy
 from lightning_dp.data import SyntheticPathologyDataModule
 from lightning_dp.models import ImageClassifier
 
@@ -104,8 +104,6 @@ def private_fine_tune(
     seed: int,
 ) -> dict[str, Any]:
     """P3SGD fine-tuning of ``--trainable`` calibrated to ``epsilon``: test accuracy and the ledger's ε."""
-    from pytorch_lightning.callbacks import EMAWeightAveraging
-
     pl.seed_everything(seed, verbose=False)
     model = _model(args, weights, args.trainable)
     dp = P3SGD(
@@ -119,7 +117,7 @@ def private_fine_tune(
     )
     callbacks: list[pl.Callback] = [dp]
     if args.ema > 0:
-        callbacks.append(EMAWeightAveraging(decay=args.ema))
+        callbacks.append(ReleasedWeightAveraging(decay=args.ema))
     run_dir = Path(args.out) / "reports" / f"p3sgd_eps{epsilon:g}_seed{seed}"  # the privacy report goes there
     with contextlib.redirect_stdout(io.StringIO()):  # the callback prints its privacy report: it is in run_dir
         cpu_trainer(callbacks, max_steps=args.rounds, default_root_dir=str(run_dir)).fit(model, private)
