@@ -48,6 +48,7 @@ from lightning_dp.sanitization.rules import (
     MaterializedGrads,
     registered_rule,
     rule_for,
+    sum_groups,
     sum_of_squares,
 )
 
@@ -417,9 +418,9 @@ class PerSampleClipper:
             # The rule picks ghost norm or materialized gradients.
             activation, backprops = _inputs(record, state.dtype)
             return layer.rule.norms(layer.module, activation, backprops)
-        # Views: per-row gradients, summed over each sample's rows before the norm is taken.
-        grads = _sum_views(self._per_sample_grads(layer, [record]), state)
-        return sum_of_squares(list(grads.values()), state.batch_size, self.flat_sum.device), MaterializedGrads(grads)
+        # Views: the norm of each sample's gradient summed over its rows (ghost norm or materialized, by cost).
+        activation, backprops = _inputs(record, state.dtype)
+        return layer.rule.grouped_norms(layer.module, activation, backprops, state.group_size)
 
     def _layer_records(self, layer: _Layer, state: _Pass) -> list[_Record]:
         records = [r for r in layer.records if r.reached]
@@ -456,8 +457,7 @@ class PerSampleClipper:
                 for member, member_records in records:
                     for p, g in self._per_sample_grads(member, member_records).items():
                         grads[p] = grads[p] + g if p in grads else g
-                if state.group_size > 1:
-                    grads = _sum_views(grads, state)
+                grads = sum_groups(grads, state.group_size)
                 sq, item = sum_of_squares(list(grads.values()), batch_size, total.device), MaterializedGrads(grads)
             total += sq
             pending.append(item)
@@ -518,11 +518,6 @@ def _tied_groups(layers: list[_Layer]) -> list[list[_Layer]]:
     for i, layer in enumerate(layers):
         groups.setdefault(find(i), []).append(layer)
     return list(groups.values())
-
-
-def _sum_views(grads: dict[nn.Parameter, Tensor], state: _Pass) -> dict[nn.Parameter, Tensor]:
-    """(B·K, *shape) per-row gradients as (B, *shape): each sample's K consecutive rows summed."""
-    return {p: g.reshape(state.batch_size, state.group_size, *g.shape[1:]).sum(1) for p, g in grads.items()}
 
 
 def _check_record(layer: _Layer, record: _Record, state: _Pass) -> None:

@@ -111,12 +111,61 @@ def _residual() -> tuple[nn.Module, Tensor]:
     return _Residual(), torch.randn(SAMPLES * VIEWS, 3, 6, 6)
 
 
+def _wide_linear() -> tuple[nn.Module, Tensor]:
+    return nn.Sequential(nn.Linear(40, 48), nn.Tanh(), nn.Linear(48, 3)), torch.randn(SAMPLES * VIEWS, 40)
+
+
+def _sequence_linear() -> tuple[nn.Module, Tensor]:
+    model = nn.Sequential(nn.Linear(32, 32), nn.Tanh(), nn.Flatten(), nn.Linear(128, 3))
+    return model, torch.randn(SAMPLES * VIEWS, 4, 32)
+
+
+def _deep_conv() -> tuple[nn.Module, Tensor]:
+    model = nn.Sequential(
+        nn.Conv2d(3, 16, 3, padding=1),
+        nn.GroupNorm(4, 16),
+        nn.ReLU(),
+        nn.Conv2d(16, 32, 3, stride=2),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(128, 3),
+    )
+    return model, torch.randn(SAMPLES * VIEWS, 3, 5, 5)
+
+
 MODELS: dict[str, Callable[[], tuple[nn.Module, Tensor]]] = {
     "linear": _linear,
     "conv_groupnorm": _conv_groupnorm,
     "layer_called_twice": _two_calls,
     "resnet_basic_block": _residual,
+    "wide_linear": _wide_linear,
+    "sequence_linear": _sequence_linear,
+    "deep_conv": _deep_conv,
 }
+#: What each Linear/Conv layer of a model takes with K = 3 views: the ghost norm over a sample's K·T positions
+#: when K·T·(d + p) < d·p, else the materialized rows' gradients, summed per sample.
+GROUPED_PATHS = {
+    "linear": ["materialized", "materialized"],
+    "conv_groupnorm": ["materialized", "materialized", "materialized"],
+    "layer_called_twice": ["materialized"],  # the twice-called layer is summed over its calls by the engine
+    "resnet_basic_block": ["materialized"] * 4,
+    "wide_linear": ["ghost", "materialized"],
+    "sequence_linear": ["ghost", "materialized"],
+    "deep_conv": ["materialized", "ghost", "materialized"],
+}
+
+
+def _spy_grouped(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    seen: list[str] = []
+    original = rules.ProductRule.grouped_norms
+
+    def spy(self: rules.ProductRule, *args: Any) -> tuple[Tensor, rules.ClippedSumTerm]:
+        sq, item = original(self, *args)
+        seen.append("ghost" if isinstance(item, rules.RowsTerm) else "materialized")
+        return sq, item
+
+    monkeypatch.setattr(rules.ProductRule, "grouped_norms", spy)
+    return seen
 
 
 def _case(name: str) -> tuple[nn.Module, Tensor, Tensor]:
@@ -140,7 +189,10 @@ def _accumulate(
 # ---------------------------------------------------------------------- the clipped sum equals the reference
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 @pytest.mark.parametrize("name", list(MODELS))
-def test_clipped_sum_of_view_means_matches_the_naive_reference(name: str, reduction: LossReduction) -> None:
+def test_clipped_sum_of_view_means_matches_the_naive_reference(
+    name: str, reduction: LossReduction, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    paths = _spy_grouped(monkeypatch)
     model, x, y = _case(name)
     grads = _naive_sample_grads(model, x, y, VIEWS)
     norms = grads.norm(dim=1)
@@ -151,6 +203,7 @@ def test_clipped_sum_of_view_means_matches_the_naive_reference(name: str, reduct
     assert stats.batch_size == SAMPLES and stats.clipped == 2 and stats.nonfinite == 0
     assert stats.norm_sum == pytest.approx(float(norms.sum()), rel=RTOL)
     assert all(p.grad is None and p.requires_grad for p in model.parameters())
+    assert sorted(paths) == sorted(GROUPED_PATHS[name]), "the premise: both paths are covered by these models"
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
@@ -227,15 +280,16 @@ def test_a_non_finite_view_drops_its_sample_only() -> None:
 
 # ---------------------------------------------------------------------- K = 1 is the plain path
 def test_group_size_one_is_bit_identical_to_the_default(monkeypatch: pytest.MonkeyPatch) -> None:
-    model, x, y = _case("conv_groupnorm")
-    ghost_or_not: list[str] = []
+    model, x, y = _case("deep_conv")
+    single: list[str] = []
     original = rules.ProductRule.norms
 
     def spy(self: rules.ProductRule, module: nn.Module, *args: Any) -> tuple[Tensor, rules.ClippedSumTerm]:
-        ghost_or_not.append(type(module).__name__)
+        single.append(type(module).__name__)
         return original(self, module, *args)
 
     monkeypatch.setattr(rules.ProductRule, "norms", spy)
+    grouped = _spy_grouped(monkeypatch)
     results = []
     for kwargs in ({}, {"group_size": 1}):
         clipper = PerSampleClipper(model, 0.05)
@@ -243,10 +297,26 @@ def test_group_size_one_is_bit_identical_to_the_default(monkeypatch: pytest.Monk
         results.append((clipper.flat_sum.clone(), stats))
         clipper.remove()
     assert torch.equal(results[0][0], results[1][0]) and results[0][1] == results[1][1]
-    assert ghost_or_not == ["Linear", "Conv2d", "Conv2d"] * 2  # K = 1 still lets each layer's rule choose
-    ghost_or_not.clear()
+    assert single == ["Linear", "Conv2d", "Conv2d"] * 2 and grouped == []  # K = 1: the plain path, twice
+    single.clear()
     _accumulate(model, x, y, 0.05, "mean", VIEWS)
-    assert ghost_or_not == []  # views: per-row gradients materialized and summed per sample
+    assert single == [] and len(grouped) == 3  # K > 1: the grouped path only
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_views_whose_gradients_nearly_cancel_add_at_most_clip_norm(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Two views with nearly opposite weight gradients (fp32): the ghost norm over their joint positions is a
+    # small difference of large Gram terms, and the clipped sum a small difference of large fp32 products.
+    # Whatever the round-off, the sample's contribution stays within C.
+    paths = _spy_grouped(monkeypatch)
+    torch.manual_seed(seed)
+    model = nn.Linear(64, 64, bias=False)
+    x = torch.randn(1, 64) * 1e3
+    views = torch.cat([x, -x + 1e-4 * torch.randn(1, 64)])
+    clipper = PerSampleClipper(model, clip_norm=0.5, loss_reduction="sum")
+    clipper.accumulate(lambda: model(views).sum(), 1, group_size=2)
+    assert paths == ["ghost"]
+    assert float(clipper.flat_sum.norm()) <= 0.5 * (1 + 1e-6)
 
 
 # ---------------------------------------------------------------------- errors
