@@ -414,12 +414,11 @@ class PerSampleClipper:
 
     def _call_norms(self, layer: _Layer, record: _Record, state: _Pass) -> tuple[Tensor, ClippedSumTerm]:
         """The squared per-sample norms and clipped-sum term of the only call of a layer that shares nothing."""
+        activation, backprops = _inputs(record, state.dtype)
         if state.group_size == 1:
             # The rule picks ghost norm or materialized gradients.
-            activation, backprops = _inputs(record, state.dtype)
             return layer.rule.norms(layer.module, activation, backprops)
         # Views: the norm of each sample's gradient summed over its rows (ghost norm or materialized, by cost).
-        activation, backprops = _inputs(record, state.dtype)
         return layer.rule.grouped_norms(layer.module, activation, backprops, state.group_size)
 
     def _layer_records(self, layer: _Layer, state: _Pass) -> list[_Record]:

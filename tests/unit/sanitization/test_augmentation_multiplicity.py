@@ -267,8 +267,9 @@ def test_every_samples_contribution_is_bounded_by_clip_norm() -> None:
         assert float(got.norm()) <= clip_norm * (1 + 1e-12)
 
 
-def test_a_non_finite_view_drops_its_sample_only() -> None:
-    model, x, y = _case("linear")
+@pytest.mark.parametrize("name", ["linear", "wide_linear"], ids=["materialized", "ghost"])
+def test_a_non_finite_view_drops_its_sample_only(name: str) -> None:
+    model, x, y = _case(name)
     bad = x.clone()
     bad[VIEWS + 1, 0] = float("nan")  # one view of sample 1
     keep = torch.tensor([True, False, True, True])
