@@ -11,6 +11,10 @@ Each optimizer step becomes one DP-SGD step:
 3. Sum across ranks, add N(0, (zC)²) once, divide by the expected batch size q·N and charge the
    ledger — in one call (`NoisyRelease.release`).
 4. Hand the noisy gradient to the module's optimizer (its state is then post-processing).
+
+With ``augmentation_multiplicity=K`` (De et al. 2022) each sampled index is loaded K times (K views
+from the dataset's random transform); a sample's gradient is the mean of its views' gradients, and
+that mean is clipped to C. The sample, the sensitivity C and so the ε are those of K = 1.
 """
 
 from __future__ import annotations
@@ -60,6 +64,7 @@ from lightning_dp.training.checks import (
     public_subsets,
     take,
     take_range,
+    tensor_leaves,
     to_float64,
     with_targets_rolled,
 )
@@ -91,8 +96,9 @@ class DPSGD(DPCallback):
         batch_size: the expected (logical) batch size; q = batch_size / N for N training samples.
             Give this or ``sample_rate``.
         sample_rate: q directly.
-        max_physical_batch_size: the largest chunk of a logical batch run through the model at once
-            (memory only: results equal one big batch).
+        max_physical_batch_size: the largest chunk of a logical batch run through the model at once, in
+            samples (memory only: results equal one big batch). With augmentation multiplicity K a chunk
+            holds up to K × this many rows.
         loss_reduction: ``"mean"`` if ``training_step`` returns the mean of the per-sample losses
             (PyTorch's default), ``"sum"`` if their sum, ``"none"`` if it returns the (B,) per-sample losses
             (needed for class-weighted or ``ignore_index`` losses, whose batch mean couples the samples).
@@ -114,6 +120,17 @@ class DPSGD(DPCallback):
             keys: a Trainer runs one DP callback.
         flush_denormal: flush denormal floats to zero on CPU while fitting (``torch.set_flush_denormal``;
             on by default: noised weights can make CPU training up to ~10x slower through denormals).
+        acceptance: decides whether each released step is kept (`StepAcceptance`, e.g. SA-DPSGD's annealed
+            acceptance); default: every step is kept.
+        augmentation_multiplicity: K, the number of augmented views of each sampled sample (De et al. 2022,
+            "Unlocking high-accuracy differentially private image classification through scale"). The loader
+            fetches each sampled index K times in a row (``dataset[i]`` K times: the dataset's own random
+            transform makes the views differ; a warning says when two fetches of a sample are identical).
+            ``training_step`` gets the K·s rows of a chunk of s samples, sample-major, and returns their loss
+            as declared by ``loss_reduction`` (the mean, or sum, over the rows, or one loss per row). A sample's
+            gradient is the mean of its K views' gradients, and that mean is clipped to C. **Privacy is
+            unchanged**: every sample still adds one clipped contribution of norm ≤ C at the same Poisson rate,
+            so the accountant charges the same ε as with K = 1 (the views cost compute, not privacy).
 
     Example:
         >>> DPSGD(clip_norm=1.0, noise_multiplier=1.1, batch_size=64)
@@ -141,6 +158,7 @@ class DPSGD(DPCallback):
         name: str | None = None,
         flush_denormal: bool = True,
         acceptance: StepAcceptance | None = None,
+        augmentation_multiplicity: int = 1,
     ) -> None:
         owner = "DPSGD"
         self.clip_norm = check_finite_positive(owner, "clip_norm", clip_norm, "e.g. 1.0.")
@@ -171,6 +189,13 @@ class DPSGD(DPCallback):
             owner, "max_physical_batch_size", max_physical_batch_size, "as many samples as fit in memory.", minimum=1
         )
         self.loss_reduction: LossReduction = check_loss_reduction(owner, loss_reduction)
+        self.augmentation_multiplicity = check_count(
+            owner,
+            "augmentation_multiplicity",
+            augmentation_multiplicity,
+            "the number of augmented views of each sample per step, e.g. 4 (De et al. 2022); 1 for none.",
+            minimum=1,
+        )
         self.steps_per_epoch = (
             None if steps_per_epoch is None else check_count(owner, "steps_per_epoch", steps_per_epoch, "", minimum=1)
         )
@@ -196,8 +221,14 @@ class DPSGD(DPCallback):
             if self.target_epsilon is None
             else f"target_epsilon={self.target_epsilon}"
         )
+        views = (
+            f", augmentation_multiplicity={self.augmentation_multiplicity}"
+            if self.augmentation_multiplicity != 1
+            else ""
+        )
         return (
-            f"DPSGD(clip_norm={self.clip_norm}, {noise}, batch_size={self.batch_size}, sample_rate={self.sample_rate})"
+            f"DPSGD(clip_norm={self.clip_norm}, {noise}, batch_size={self.batch_size}, sample_rate={self.sample_rate}"
+            f"{views})"
         )
 
     # ------------------------------------------------------------------ setup
@@ -327,8 +358,15 @@ class DPSGD(DPCallback):
         self._fp16 = str(trainer.precision) in _FP16
         source = self._source_loader
         self._batches = PoissonBatches(
-            self._dataset, self.sampler, steps_per_epoch, self.max_physical_batch_size, source.collate_fn
+            self._dataset,
+            self.sampler,
+            steps_per_epoch,
+            self.max_physical_batch_size,
+            source.collate_fn,
+            augmentation_multiplicity=self.augmentation_multiplicity,
         )
+        if self.augmentation_multiplicity > 1:
+            self._warn_if_views_are_identical()
         workers: dict[str, Any] = {}
         if source.num_workers > 0:
             workers = {
@@ -341,6 +379,19 @@ class DPSGD(DPCallback):
         return DataLoader(
             self._batches, batch_size=None, collate_fn=identity_collate, pin_memory=source.pin_memory, **workers
         )
+
+    def _warn_if_views_are_identical(self) -> None:
+        """Warns if two fetches of training sample 0 are equal (no random transform: K identical views)."""
+        first, second = tensor_leaves(self._dataset[0]), tensor_leaves(self._dataset[0])
+        if first and len(first) == len(second) and all(torch.equal(a, b) for a, b in zip(first, second)):
+            views = self.augmentation_multiplicity
+            rank_zero_warn(
+                f"`DPSGD(augmentation_multiplicity={views})`: two fetches of training sample 0 are identical, so the "
+                f"training dataset seems to apply no random transform: the {views} views of every sample are the "
+                f"same, which gives the result of augmentation_multiplicity=1 at {views}x the compute. HINT: apply "
+                "a random augmentation in the dataset's __getitem__ (random crop, flip), or use "
+                "augmentation_multiplicity=1."
+            )
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         super().teardown(trainer, pl_module, stage)
@@ -538,7 +589,8 @@ class DPSGD(DPCallback):
         if not self._budget_allows(trainer, self.steps):
             return
         if batch.chunks:
-            self._check_first_chunk(pl_module, batch.chunks[0], min(self.max_physical_batch_size, batch.size))
+            rows = min(self.max_physical_batch_size, batch.size) * self.augmentation_multiplicity
+            self._check_first_chunk(pl_module, batch.chunks[0], rows)
         thawed = [m for m in self._eval_batch_norms if not is_eval_batch_norm(m)]
         if thawed:
             raise UnsupportedModelError(
@@ -604,18 +656,24 @@ class DPSGD(DPCallback):
 
     @torch.no_grad()
     def _sample_losses(self, pl_module: pl.LightningModule, batch: LogicalBatch) -> torch.Tensor:
-        """The per-sample losses of this rank's samples of the step, at the current weights (eval mode)."""
+        """The per-sample losses of this rank's samples of the step, at the current weights (eval mode).
+
+        With augmentation multiplicity K a sample's loss is the mean of its K views' losses (one per sample).
+        """
         assert self._original_training_step is not None
         step = self._original_training_step
+        views = self.augmentation_multiplicity
         losses = []
         with eval_mode(pl_module):
             for k, chunk in enumerate(batch.chunks):
                 size = min(self.max_physical_batch_size, batch.size - k * self.max_physical_batch_size)
+                rows = size * views
                 if self.loss_reduction == "none":
-                    losses.append(self._loss(step(chunk, k)).reshape(-1).double().cpu())
+                    row_losses = self._loss(step(chunk, k)).reshape(-1).double().cpu()
                 else:
-                    singles = [self._loss(step(take(chunk, i, size), k)) for i in range(size)]
-                    losses.append(torch.stack([s.reshape(()) for s in singles]).double().cpu())
+                    singles = [self._loss(step(take(chunk, i, rows), k)) for i in range(rows)]
+                    row_losses = torch.stack([s.reshape(()) for s in singles]).double().cpu()
+                losses.append(row_losses if views == 1 else row_losses.reshape(size, views).mean(1))
         return torch.cat(losses) if losses else torch.zeros(0, dtype=torch.float64)
 
     @staticmethod
@@ -640,6 +698,7 @@ class DPSGD(DPCallback):
                     size,
                     loss_scale=scale[0],
                     raise_on_nonfinite=scale[0] > 1.0,
+                    group_size=self.augmentation_multiplicity,
                 )
             except NonFiniteGradientsError:
                 scale[0] /= 2.0  # nothing was added; recompute the chunk
@@ -672,6 +731,9 @@ class DPSGD(DPCallback):
             extra["calibrated_for"] = {"target_epsilon": self.target_epsilon, "planned_steps": self.planned_steps}
         if self.converted_layers:
             extra["batchnorm_converted_to_groupnorm"] = len(self.converted_layers)
+        if self.augmentation_multiplicity != 1:
+            # Not a privacy parameter (ε is that of one view per sample), reported so that a run can be reproduced.
+            extra["augmentation_multiplicity"] = self.augmentation_multiplicity
         return extra
 
     def _extra_state(self) -> dict[str, Any]:

@@ -82,7 +82,11 @@ class PoissonSampleSampler:
 
 
 class LogicalBatch(NamedTuple):
-    """One DP step's data on this rank: the step number and its physical chunks (collated batches)."""
+    """One DP step's data on this rank: the step number, its number of samples and its physical chunks (collated).
+
+    With augmentation multiplicity K a chunk of s samples holds s·K rows (each sample's K views, consecutive);
+    ``size`` counts samples.
+    """
 
     step: int
     size: int
@@ -97,12 +101,27 @@ class PoissonBatches(IterableDataset[LogicalBatch]):
     w, w + W, ... of the epoch; the DataLoader hands them out in order. An IterableDataset, so
     Lightning injects no ``DistributedSampler``.
 
+    With ``augmentation_multiplicity`` K > 1 every sampled index is fetched K times in a row
+    (``dataset[i]`` K times: a dataset with a random transform gives K augmented views), so a chunk of
+    s samples holds s·K rows, sample-major, and a sample's views are never split across chunks. The
+    sample itself, and so the privacy accounting, is the same as with K = 1.
+
     Args:
         dataset: the map-style training dataset.
         sampler: which samples each step holds.
         steps: steps per epoch.
-        max_physical_batch_size: the largest chunk run through the model at once.
+        max_physical_batch_size: the largest chunk run through the model at once, in samples (a chunk
+            holds ``max_physical_batch_size`` × K rows at most).
         collate_fn: the training DataLoader's collate function.
+        augmentation_multiplicity: K, the number of fetches (views) of each sampled index.
+
+    Example:
+        >>> data = [(torch.tensor(float(i)),) for i in range(6)]
+        >>> sampler = PoissonSampleSampler(num_samples=6, sample_rate=1.0, seed=0)
+        >>> batches = PoissonBatches(data, sampler, 1, 4, lambda items: [int(x) for x, in items], 2)
+        >>> batch = batches.batch(0)
+        >>> batch.size, batch.chunks
+        (6, [[0, 0, 1, 1, 2, 2, 3, 3], [4, 4, 5, 5]])
     """
 
     def __init__(
@@ -112,6 +131,7 @@ class PoissonBatches(IterableDataset[LogicalBatch]):
         steps: int,
         max_physical_batch_size: int,
         collate_fn: Callable[[list[Any]], Any],
+        augmentation_multiplicity: int = 1,
     ) -> None:
         self.dataset = dataset
         self.sampler = sampler
@@ -120,6 +140,13 @@ class PoissonBatches(IterableDataset[LogicalBatch]):
             "PoissonBatches", "max_physical_batch_size", max_physical_batch_size, "e.g. 64.", minimum=1
         )
         self.collate_fn = collate_fn
+        self.augmentation_multiplicity = check_count(
+            "PoissonBatches",
+            "augmentation_multiplicity",
+            augmentation_multiplicity,
+            "the number of augmented views of each sample, 1 for none.",
+            minimum=1,
+        )
         self.first_step = 0
 
     def __len__(self) -> int:
@@ -128,9 +155,9 @@ class PoissonBatches(IterableDataset[LogicalBatch]):
     def batch(self, step: int) -> LogicalBatch:
         """The logical batch of ``step`` on this rank."""
         indices: Sequence[int] = self.sampler.local_indices(step).tolist()
-        size = self.max_physical_batch_size
+        size, views = self.max_physical_batch_size, self.augmentation_multiplicity
         chunks = [
-            self.collate_fn([self.dataset[i] for i in indices[start : start + size]])
+            self.collate_fn([self.dataset[i] for i in indices[start : start + size] for _ in range(views)])
             for start in range(0, len(indices), size)
         ]
         return LogicalBatch(step, len(indices), chunks)

@@ -24,6 +24,11 @@ DP-SGD needs Σ_i clip_C(g_i), the sum of per-sample gradients each scaled to L2
 
 A sample whose gradient norm is not finite gets c_i = 0: its contribution is dropped (and counted),
 never propagated.
+
+*Augmentation multiplicity* (De et al. 2022, ``group_size=K`` in `PerSampleClipper.accumulate`): each
+sample arrives as K rows (K augmented views, sample-major), its gradient g_i is the *mean* of its views'
+gradients, and that mean is what is clipped to C. Each sample still adds one contribution of norm ≤ C
+to the sum, so the sensitivity, and with it the privacy accounting, is that of K = 1.
 """
 
 from __future__ import annotations
@@ -36,13 +41,14 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
-from lightning_dp.errors import PrivacyConfigError, UnsupportedModelError, check_finite_positive
+from lightning_dp.errors import PrivacyConfigError, UnsupportedModelError, check_count, check_finite_positive
 from lightning_dp.sanitization.rules import (
     ClippedSumTerm,
     LayerRule,
     MaterializedGrads,
     registered_rule,
     rule_for,
+    sum_groups,
     sum_of_squares,
 )
 
@@ -138,10 +144,19 @@ class _Record:
 
 @dataclass(frozen=True)
 class _Pass:
-    """What the backward pass of one `PerSampleClipper.accumulate` needs to evaluate layers as it reaches them."""
+    """What the backward pass of one `PerSampleClipper.accumulate` needs to evaluate layers as it reaches them.
+
+    ``batch_size`` counts samples; each sample has ``group_size`` consecutive rows in the batch.
+    """
 
     batch_size: int
     dtype: torch.dtype
+    group_size: int = 1
+
+    @property
+    def rows(self) -> int:
+        """The batch dimension of every layer's input and output gradient."""
+        return self.batch_size * self.group_size
 
 
 @dataclass
@@ -155,7 +170,10 @@ class _Layer:
 
 @dataclass(frozen=True)
 class ClipStats:
-    """What clipping saw in one batch. Computed from private data: not sanitized, not for logging by default."""
+    """What clipping saw in one batch. Computed from private data: not sanitized, not for logging by default.
+
+    Counts samples (not the rows of their augmented views), norms are those of the clipped per-sample gradients.
+    """
 
     batch_size: int
     clipped: int
@@ -295,32 +313,55 @@ class PerSampleClipper:
         batch_size: int,
         loss_scale: float = 1.0,
         raise_on_nonfinite: bool = False,
+        group_size: int = 1,
     ) -> ClipStats:
         """Runs ``compute_loss`` (the forward pass) and backward, and adds the batch's clipped gradients.
 
+        With ``group_size=K`` > 1 (augmentation multiplicity, De et al. 2022) the batch holds
+        ``batch_size`` samples as K rows each, sample-major: rows i·K … i·K + K − 1 are sample i's K
+        views. Sample i's loss is the mean of its views' losses, so its gradient is the mean of their
+        gradients, g_i = (1/K)·Σ_k ∇ℓ(view_ik), and g_i is what is clipped to C. The returned loss is
+        over the rows: their mean (``"mean"``, i.e. Σ_rows/(B·K)), their sum (``"sum"``) or the (B·K,)
+        row losses (``"none"``). Privacy is unchanged: each sample still adds exactly one clipped
+        contribution of norm ≤ C, however many views it has. With K = 1 this is the plain path.
+
         Args:
             compute_loss: returns the batch's loss: a scalar (the sum or mean of the per-sample
-                losses) or, with ``loss_reduction="none"``, the (B,) per-sample losses.
-            batch_size: the number of samples in the batch (> 0).
+                losses) or, with ``loss_reduction="none"``, the (B,) per-sample losses ((B·K,) per-row
+                losses with ``group_size=K``).
+            batch_size: the number of samples in the batch (> 0), not counting their views.
             loss_scale: the loss is multiplied by it before backward and the gradients divided by it
                 (fp16 loss scaling); clipping always sees the true gradients.
             raise_on_nonfinite: raise `NonFiniteGradientsError` *before adding anything* if a
                 per-sample gradient is not finite (fp16: retry with a smaller loss scale) instead of
                 dropping that sample.
+            group_size: K, the number of consecutive rows (augmented views) of each sample (≥ 1).
 
         Returns:
-            What clipping saw (private: not to be logged unless the user opts in).
+            What clipping saw, per sample (private: not to be logged unless the user opts in).
+
+        Raises:
+            PrivacyConfigError: ``group_size`` is not an integer ≥ 1, or the loss has the wrong shape.
         """
         check_finite_positive("PerSampleClipper.accumulate", "loss_scale", loss_scale, "1.0, or the fp16 loss scale.")
+        check_count(
+            "PerSampleClipper.accumulate",
+            "group_size",
+            group_size,
+            "the number of augmented views of each sample (augmentation multiplicity), 1 for none.",
+            minimum=1,
+        )
+        rows = batch_size * group_size
         try:
             with self._record():
                 loss = compute_loss()
-            expected = batch_size if self.loss_reduction == "none" else 1
+            expected = rows if self.loss_reduction == "none" else 1
             if not isinstance(loss, Tensor) or loss.numel() != expected:
                 shape = tuple(loss.shape) if isinstance(loss, Tensor) else type(loss).__name__
+                views = f" ({batch_size} samples x {group_size} views)" if group_size > 1 else ""
                 raise PrivacyConfigError(
                     f"`PerSampleClipper(loss_reduction={self.loss_reduction!r})`: the training step must return "
-                    f"{'one loss per sample' if expected > 1 else 'a scalar loss'} for a batch of {batch_size}, "
+                    f"{'one loss per sample' if expected > 1 else 'a scalar loss'} for a batch of {rows}{views}, "
                     f"found {shape}. HINT: with loss_reduction='none' return the (B,) per-sample losses, otherwise "
                     "the batch loss (or {'loss': loss})."
                 )
@@ -329,7 +370,8 @@ class PerSampleClipper:
                     "`PerSampleClipper`: the loss does not depend on any trainable layer. HINT: check that "
                     "training_step uses the model's output and that its layers are trainable."
                 )
-            self._pass = _Pass(batch_size, self.flat_sum.dtype)
+            state = _Pass(batch_size, self.flat_sum.dtype, group_size)
+            self._pass = state
             (loss.sum() * loss_scale).backward()
             self._pass = None
             if not any(r.reached for layer in self.layers for r in layer.records):
@@ -340,10 +382,12 @@ class PerSampleClipper:
             # The rules work on the raw output gradients: per-sample gradients are linear in them, so the factor that
             # turns them into the gradients of the per-sample losses (the batch size for a mean, 1/loss_scale) is
             # applied once, to the norms and to the clip factors, instead of to a copy of every layer's gradient.
-            scale = (batch_size if self.loss_reduction == "mean" else 1.0) / loss_scale
+            # With K views a sample's raw gradient is the sum over its rows; its loss is the mean of its views'
+            # losses: the factor is n for a mean over the n·K rows (Σ_rows/(nK)), 1/K for a sum or per-row losses.
+            scale = (batch_size if self.loss_reduction == "mean" else 1.0 / group_size) / loss_scale
             # The clipping arithmetic runs in fp32 (or fp64) whatever autocast the caller's step uses.
             with torch.no_grad(), torch.autocast(self.params[0].device.type, enabled=False):
-                sq_norms, pending = self._squared_norms(batch_size)
+                sq_norms, pending = self._squared_norms(state)
                 norms = sq_norms.sqrt() * scale
                 finite = torch.isfinite(norms)
                 if raise_on_nonfinite and not bool(finite.all()):
@@ -363,40 +407,48 @@ class PerSampleClipper:
 
     def _evaluate(self, layer: _Layer, record: _Record, state: _Pass) -> None:
         """Computes a layer call's norms and clipped-sum term during the backward pass, and releases its tensors."""
-        _check_record(layer, record, state.batch_size)
+        _check_record(layer, record, state)
         with torch.no_grad(), torch.autocast(self.params[0].device.type, enabled=False):
-            activation, backprops = _inputs(record, state.dtype)
-            record.done = layer.rule.norms(layer.module, activation, backprops)
+            record.done = self._call_norms(layer, record, state)
         record.activation = record.backprops = None
 
-    def _layer_records(self, layer: _Layer, batch_size: int) -> list[_Record]:
+    def _call_norms(self, layer: _Layer, record: _Record, state: _Pass) -> tuple[Tensor, ClippedSumTerm]:
+        """The squared per-sample norms and clipped-sum term of the only call of a layer that shares nothing."""
+        activation, backprops = _inputs(record, state.dtype)
+        if state.group_size == 1:
+            # The rule picks ghost norm or materialized gradients.
+            return layer.rule.norms(layer.module, activation, backprops)
+        # Views: the norm of each sample's gradient summed over its rows (ghost norm or materialized, by cost).
+        return layer.rule.grouped_norms(layer.module, activation, backprops, state.group_size)
+
+    def _layer_records(self, layer: _Layer, state: _Pass) -> list[_Record]:
         records = [r for r in layer.records if r.reached]
         for r in records:
             if r.done is None:
-                _check_record(layer, r, batch_size)
+                _check_record(layer, r, state)
         return records
 
-    def _squared_norms(self, batch_size: int) -> tuple[Tensor, list[ClippedSumTerm]]:
+    def _squared_norms(self, state: _Pass) -> tuple[Tensor, list[ClippedSumTerm]]:
         """Σ over layers of each sample's squared gradient norm, and what each layer keeps for the clipped sum.
 
         Layers that share a parameter (tied weights) form one group: their per-sample gradients are
-        summed before the norm is taken, since the norm of a sum is not the sum of the norms.
+        summed before the norm is taken, since the norm of a sum is not the sum of the norms. So are the
+        rows of a sample's views (``state.group_size`` > 1).
         """
-        dtype = self.flat_sum.dtype
+        batch_size = state.batch_size
         total = torch.zeros(batch_size, dtype=torch.float64, device=self.flat_sum.device)
         pending: list[ClippedSumTerm] = []
         for group in self._groups:
-            records = [(layer, self._layer_records(layer, batch_size)) for layer in group]
+            records = [(layer, self._layer_records(layer, state)) for layer in group]
             records = [(layer, rs) for layer, rs in records if rs]
             if not records:
                 continue
             (layer, layer_records), *others = records
             if not others and len(layer_records) == 1:
-                # One call of a layer that shares nothing: its rule picks ghost norm or materialized gradients.
+                # One call of a layer that shares nothing.
                 record = layer_records[0]
                 if record.done is None:
-                    activation, backprops = _inputs(record, dtype)
-                    record.done = layer.rule.norms(layer.module, activation, backprops)
+                    record.done = self._call_norms(layer, record, state)
                 sq, item = record.done
             else:
                 # Several calls of a layer, or tied parameters: per-sample gradients, summed before the norm.
@@ -404,6 +456,7 @@ class PerSampleClipper:
                 for member, member_records in records:
                     for p, g in self._per_sample_grads(member, member_records).items():
                         grads[p] = grads[p] + g if p in grads else g
+                grads = sum_groups(grads, state.group_size)
                 sq, item = sum_of_squares(list(grads.values()), batch_size, total.device), MaterializedGrads(grads)
             total += sq
             pending.append(item)
@@ -466,7 +519,7 @@ def _tied_groups(layers: list[_Layer]) -> list[list[_Layer]]:
     return list(groups.values())
 
 
-def _check_record(layer: _Layer, record: _Record, batch_size: int) -> None:
+def _check_record(layer: _Layer, record: _Record, state: _Pass) -> None:
     """Raises `UnsupportedModelError` if a call's input changed in place since, or its batch dimension is not first."""
     assert record.activation is not None and record.backprops is not None
     if record.activation._version != record.version:
@@ -475,10 +528,12 @@ def _check_record(layer: _Layer, record: _Record, batch_size: int) -> None:
             "used it, so its per-sample gradients would be wrong. HINT: lightning_dp.models.fix_model(model) "
             "turns off inplace activations; otherwise avoid in-place ops on that tensor."
         )
-    if record.activation.shape[0] != batch_size or record.backprops.shape[0] != batch_size:
+    rows = state.rows
+    if record.activation.shape[0] != rows or record.backprops.shape[0] != rows:
+        held = f"{rows} rows ({state.batch_size} samples x {state.group_size} views)" if state.group_size > 1 else ""
         raise UnsupportedModelError(
             f"`{layer.name}` ({type(layer.module).__name__}) got a tensor whose first dimension is "
-            f"{record.activation.shape[0]}, but the batch holds {batch_size} samples. Per-sample gradients need "
+            f"{record.activation.shape[0]}, but the batch holds {held or f'{rows} samples'}. Per-sample gradients need "
             "the batch dimension first in every trainable layer. HINT: keep batch-first layouts, or freeze "
             "this layer."
         )

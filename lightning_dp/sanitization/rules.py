@@ -33,6 +33,12 @@ low-resolution ones use the ghost norm (Li et al. 2022; Bu et al. 2023, "mixed g
 After a ghost norm the layer's clipped sum is one ordinary weight gradient computed from the
 c-weighted output gradients (Bu et al. 2023, "book-keeping").
 
+With augmentation multiplicity (``PerSampleClipper.accumulate(group_size=K)``) a sample has K
+consecutive rows (views) and its gradient is the sum over them (the engine applies the 1/K):
+`LayerRule.grouped_norms` materializes the rows' gradients and sums each sample's K; a `ProductRule`
+takes the ghost norm over the K·T positions of a sample's views when that is cheaper, and adds the
+clipped sum with each sample's clip factor applied to all of its rows.
+
 A rule decides how much of a sample's gradient clipping sees: a wrong rule breaks the privacy
 guarantee. Test a new rule against a naive loop over samples, as ``tests/unit/sanitization`` does.
 
@@ -70,6 +76,7 @@ __all__ = [
     "OpacusRule",
     "PReLURule",
     "ProductRule",
+    "RowsTerm",
     "has_rule",
     "register_rule",
     "rule_for",
@@ -117,6 +124,18 @@ class MaterializedGrads(ClippedSumTerm):
             if keep is not None:
                 g = torch.where(_expand(keep, g), g, 0.0)
             sums[p].add_(torch.tensordot(coeff, g, dims=1))
+
+
+@dataclass
+class RowsTerm(ClippedSumTerm):
+    """A term over B·K rows (K consecutive rows per sample) that takes per-sample clip factors."""
+
+    term: ClippedSumTerm
+    group_size: int
+
+    def add_clipped(self, coeff: Tensor, keep: Tensor | None, sums: Sums) -> None:
+        k = self.group_size
+        self.term.add_clipped(coeff.repeat_interleave(k), None if keep is None else keep.repeat_interleave(k), sums)
 
 
 @dataclass
@@ -195,13 +214,27 @@ class LayerRule(ABC):
         grads = self.trained_grads(module, activation, backprops)
         return sum_of_squares(list(grads.values()), backprops.shape[0], backprops.device), MaterializedGrads(grads)
 
+    def grouped_norms(
+        self, module: nn.Module, activation: Tensor, backprops: Tensor, group_size: int
+    ) -> tuple[Tensor, ClippedSumTerm]:
+        """Like `norms` for B samples of ``group_size`` consecutive rows each (B·K rows, sample-major).
+
+        Returns each sample's squared norm of its rows' gradients *summed*, (B,) in float64, and a term
+        that takes (B,) per-sample clip factors. By default the rows' gradients are materialized and
+        each sample's K are summed.
+        """
+        grads = sum_groups(self.trained_grads(module, activation, backprops), group_size)
+        samples = backprops.shape[0] // group_size
+        return sum_of_squares(list(grads.values()), samples, backprops.device), MaterializedGrads(grads)
+
 
 class ProductRule(LayerRule):
     """A layer whose per-sample weight gradient is a sum of outer products Σ_t g_t a_tᵀ over T positions.
 
     `norms` takes the ghost norm when T·(d + p) < d·p (d = fan-in, p = fan-out, read from the weight
     as ``weight[0].numel()`` and ``weight.shape[0]``), the layer has one group and its weight is
-    trained; it materializes the per-sample gradients otherwise.
+    trained; it materializes the per-sample gradients otherwise. `grouped_norms` decides the same way
+    for a sample's K·T positions over its K views.
     """
 
     @abstractmethod
@@ -220,12 +253,12 @@ class ProductRule(LayerRule):
         """(B, C_out): each sample's bias gradient, its output gradient summed over the output positions."""
         return backprops.reshape(backprops.shape[0], backprops.shape[1], -1).sum(2)
 
-    def use_ghost(self, module: Any, activation: Tensor, backprops: Tensor) -> bool:
-        """Whether the ghost norm is cheaper than materializing, for this call."""
+    def use_ghost(self, module: Any, activation: Tensor, backprops: Tensor, group_size: int = 1) -> bool:
+        """Whether the ghost norm is cheaper than materializing, for this call (K = ``group_size`` rows a sample)."""
         weight = module.weight
         if getattr(module, "groups", 1) != 1 or not weight.requires_grad:
             return False
-        t = self.positions(module, activation, backprops)
+        t = self.positions(module, activation, backprops) * group_size
         p, d = weight.shape[0], weight[0].numel()
         return t * (d + p) < d * p
 
@@ -240,6 +273,22 @@ class ProductRule(LayerRule):
         bias_grads = {} if bias is None else {bias: self.bias_grads(module, backprops)}
         sq = sq + sum_of_squares(list(bias_grads.values()), backprops.shape[0], backprops.device)
         return sq, GhostTerm(self, module, activation, backprops, MaterializedGrads(bias_grads))
+
+    def grouped_norms(
+        self, module: nn.Module, activation: Tensor, backprops: Tensor, group_size: int
+    ) -> tuple[Tensor, ClippedSumTerm]:
+        if not self.use_ghost(module, activation, backprops, group_size):
+            return super().grouped_norms(module, activation, backprops, group_size)
+        # A sample's weight gradient Σ_k Σ_t g_kt a_ktᵀ is one product over the K·T positions of its views.
+        at, gt = self.ghost_views(module, activation, backprops)
+        sq = _ghost_norms(_join_groups(at, group_size), _join_groups(gt, group_size))
+        bias = _trained_bias(module)
+        bias_grads = {} if bias is None else {bias: self.bias_grads(module, backprops)}
+        samples = backprops.shape[0] // group_size
+        sq = sq + sum_of_squares(list(sum_groups(bias_grads, group_size).values()), samples, backprops.device)
+        # The clipped sum Σ_i c_i Σ_k g_ik is the rows' sum with each row weighted by its sample's factor.
+        term = GhostTerm(self, module, activation, backprops, MaterializedGrads(bias_grads))
+        return sq, RowsTerm(term, group_size)
 
 
 class LinearRule(ProductRule):
@@ -687,6 +736,21 @@ def sum_of_squares(tensors: Sequence[Tensor], batch_size: int, device: torch.dev
     if not bool(torch.isfinite(sq).all()):
         sq = torch.stack([t.reshape(batch_size, -1).double().pow(2).sum(1) for t in tensors]).sum(0)
     return sq
+
+
+def sum_groups(grads: Mapping[nn.Parameter, Tensor], group_size: int) -> dict[nn.Parameter, Tensor]:
+    """(B·K, *shape) per-row gradients as (B, *shape): each sample's K consecutive rows summed."""
+    if group_size == 1:
+        return dict(grads)
+    return {p: g.reshape(-1, group_size, *g.shape[1:]).sum(1) for p, g in grads.items()}
+
+
+def _join_groups(t: Tensor, group_size: int) -> Tensor:
+    """(B·K, d, T) as (B, d, K·T): a sample's K rows' positions side by side."""
+    rows, d, positions = t.shape
+    return (
+        t.reshape(rows // group_size, group_size, d, positions).transpose(1, 2).reshape(-1, d, group_size * positions)
+    )
 
 
 def _expand(mask: Tensor, like: Tensor) -> Tensor:

@@ -146,6 +146,30 @@ def test_logical_batches_hold_the_sampled_items_in_order(rank: int, world_size: 
     assert any(b.size > 4 for b in out), "the test must exercise multi-chunk steps"
 
 
+@pytest.mark.parametrize(("rank", "world_size"), [(0, 1), (1, 2)])
+def test_augmentation_multiplicity_fetches_each_sample_k_times_in_a_row_within_one_chunk(
+    rank: int, world_size: int
+) -> None:
+    # Under DDP each rank gets whole samples of the global Poisson sample, and then their K views.
+    sampler = PoissonSampleSampler(N, 0.5, seed=11, rank=rank, world_size=world_size)
+    plain = list(_batches(sampler, steps=4, max_physical_batch_size=4))
+    grouped = list(PoissonBatches(_dataset(), sampler, 4, 4, default_collate, augmentation_multiplicity=3))
+    for one, three in zip(plain, grouped, strict=True):
+        assert (three.step, three.size, len(three.chunks)) == (one.step, one.size, len(one.chunks))
+        for chunk_1, chunk_3 in zip(one.chunks, three.chunks, strict=True):
+            assert len(chunk_3[1]) == 3 * len(chunk_1[1]) <= 12  # max_physical_batch_size counts samples
+            assert torch.equal(chunk_3[1], chunk_1[1].repeat_interleave(3))
+            assert torch.equal(chunk_3[0], chunk_1[0].repeat_interleave(3, dim=0))
+    assert any(b.size > 4 for b in grouped), "the test must exercise multi-chunk steps"
+
+
+@pytest.mark.parametrize("bad", [0, -2, 1.5, True])
+def test_augmentation_multiplicity_must_be_a_positive_integer(bad: Any) -> None:
+    sampler = PoissonSampleSampler(N, 0.5, seed=0)
+    with pytest.raises(PrivacyConfigError, match=rf"augmentation_multiplicity must be an integer >= 1, found {bad!r}"):
+        PoissonBatches(_dataset(), sampler, 1, 4, default_collate, augmentation_multiplicity=bad)
+
+
 def test_len_is_the_number_of_steps() -> None:
     assert len(_batches(PoissonSampleSampler(N, 0.5, seed=0), steps=9)) == 9
 
