@@ -163,7 +163,7 @@ def plot(path: Path, rows: dict[str, Any], epsilons: list[float]) -> None:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="the demo: 120 private patients, ε ∈ {1, 4}, 1 seed")
+    parser.add_argument("--quick", action="store_true", help="the demo: 200 private patients, ε ∈ {1, 4}, 1 seed")
     parser.add_argument("--private-patients", type=int, default=300, help="private site (70 %% train, 30 %% test)")
     parser.add_argument("--patches", type=int, default=10, help="patches per private patient")
     parser.add_argument("--public-patients", type=int, default=200)
@@ -185,8 +185,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--out", default="runs/domain_shift")
     args = parser.parse_args(argv)
     if args.quick:
-        args.private_patients, args.epsilons, args.seeds, args.public_patients = 120, [1.0, 4.0], [0], 150
-        args.pretrain_epochs, args.sgd_epochs, args.rounds = 6, 6, 40
+        args.private_patients, args.epsilons, args.seeds, args.public_patients = 200, [1.0, 4.0], [0], 150
+        args.pretrain_epochs, args.sgd_epochs, args.rounds = 6, 5, 30
     quiet_lightning()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
