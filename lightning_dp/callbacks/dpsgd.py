@@ -274,6 +274,16 @@ class DPSGD(DPCallback):
         # affine alone is fine-tuned) mixes nothing and keeps its public statistics; it is kept, and checked to stay
         # in eval mode at every step.
         self._eval_batch_norms = [m for m in pl_module.modules() if is_eval_batch_norm(m)]
+        if self._eval_batch_norms and getattr(trainer.strategy, "_layer_sync", None) is not None:
+            # Trainer(sync_batchnorm=True) replaces every BatchNorm by a new SyncBatchNorm module after this hook: the
+            # per-sample engine would watch the old modules, and their affine parameters would receive noise only.
+            raise PrivacyConfigError(
+                f"`DPSGD`: Trainer(sync_batchnorm=True) with {len(self._eval_batch_norms)} BatchNorm layer(s) kept in "
+                "eval mode: SyncBatchNorm would replace them after DPSGD has hooked them, and their trainable affine "
+                "parameters would get noise without their gradient. Synchronizing batch statistics is also "
+                "pointless in eval mode. HINT: leave sync_batchnorm off (eval-mode BatchNorm uses its fixed running "
+                "statistics on every rank)."
+            )
         batch_norms = batch_norm_layers(pl_module, include_eval=False)
         if batch_norms:
             if not self.convert_batchnorm:

@@ -58,3 +58,16 @@ def test_p3sgd_trains_only_the_norm_layers_and_the_head(tmp_path: Path, arch: st
     trainer(tmp_path, [cb], max_steps=2).fit(model, data)
     assert cb.ledger is not None and cb.ledger.steps == 2
     _check_only_the_selection_changed(model, before)
+
+
+def test_dpsgd_refuses_sync_batchnorm_with_kept_eval_mode_batchnorm(tmp_path: Path) -> None:
+    """Review finding: SyncBatchNorm would replace the BatchNorm layers DPSGD hooked, after setup, and their
+    trainable affine parameters would then receive noise without their gradient (silently)."""
+    from lightning_dp.errors import PrivacyConfigError
+
+    data = SampleDataModule(num_samples=24)
+    data.train_dataset.x = torch.rand(24, 3, 16, 16)
+    cb = DPSGD(clip_norm=1.0, noise_multiplier=1.0, batch_size=6, seed=7)
+    run = trainer(tmp_path, [cb], max_steps=1, strategy="ddp", sync_batchnorm=True)
+    with pytest.raises(PrivacyConfigError, match=r"sync_batchnorm=True.*20 BatchNorm.*HINT: leave sync_batchnorm off"):
+        run.fit(_model("resnet18"), data)
