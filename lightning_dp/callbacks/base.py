@@ -18,7 +18,7 @@ from typing import Any, ClassVar, Literal, get_args
 
 import pytorch_lightning as pl
 import torch
-from pytorch_lightning.callbacks import BatchSizeFinder, LearningRateFinder, StochasticWeightAveraging
+from pytorch_lightning.callbacks import BatchSizeFinder, LearningRateFinder, StochasticWeightAveraging, WeightAveraging
 from pytorch_lightning.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader
 
@@ -620,6 +620,18 @@ class DPCallback(pl.Callback):
                 "states), so resuming would restart the privacy accounting from zero. HINT: resume from a checkpoint "
                 f"written by a run that used {self.mechanism} with the same `name`, or start a new run without "
                 "ckpt_path."
+            )
+        averaging = any(  # ours, or Lightning's WeightAveraging (which writes the same two states)
+            type(cb).__name__ == "ReleasedWeightAveraging" or isinstance(cb, WeightAveraging)
+            for cb in trainer.callbacks  # type: ignore[attr-defined]
+        )
+        if "current_model_state" in checkpoint and not averaging:
+            rank_zero_warn(
+                f"`{self.state_key}`: this checkpoint was written with weight averaging: its state_dict holds the "
+                "averaged weights and 'current_model_state' the last released ones. Without the averaging callback "
+                "training resumes from the average (still private: post-processing), not from where it stopped. "
+                "HINT: add the same averaging callback to resume exactly.",
+                category=UserWarning,
             )
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

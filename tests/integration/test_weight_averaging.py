@@ -272,3 +272,13 @@ def test_validation_during_training_runs_on_the_average_and_training_continues_f
         assert torch.allclose(weights, _ema(probe.released[:k], DECAY), rtol=0, atol=1e-6)
     plain, _ = run(tmp_path / "plain", validate=False)
     assert all(torch.equal(a, b) for a, b in zip(probe.released, plain.released))
+
+
+@pytest.mark.parametrize("engine", ["p3sgd", "dpsgd"])
+def test_resuming_an_averaged_checkpoint_without_the_averaging_callback_warns(tmp_path: Path, engine: Engine) -> None:
+    """Review finding: the checkpoint's state_dict is the average; without the callback, training would silently
+    resume from it instead of from the last released model."""
+    ck = ModelCheckpoint(dirpath=tmp_path / "ck", every_n_train_steps=1, save_top_k=-1, filename="{step}")
+    _fit(tmp_path / "full", engine, [ReleasedWeightAveraging(decay=DECAY), ck])
+    with pytest.warns(UserWarning, match=r"written with weight averaging.*HINT: add the same averaging callback"):
+        _fit(tmp_path / "resumed", engine, [], tmp_path / "ck" / "step=2.ckpt")
