@@ -73,6 +73,8 @@ class ReleasedWeightAveraging(pl.Callback):
         self._released_steps = 0  # the DP callback's ledger steps when the average was last considered
         self._average: dict[str, Tensor] | None = None
         self._loaded_average: dict[str, Tensor] | None = None
+        self._held: dict[str, Tensor] | None = None  # the model's tensors while it holds the average (validation)
+        self._upcast: set[str] = set()  # half-precision tensors, averaged in float32
         self._dp: DPCallback | None = None
 
     def __repr__(self) -> str:
@@ -109,6 +111,7 @@ class ReleasedWeightAveraging(pl.Callback):
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         current = _float_tensors(pl_module)
+        self._upcast = {k for k, t in current.items() if t.dtype in (torch.float16, torch.bfloat16)}
         if (
             self._average is None
         ):  # nothing averaged yet: the average starts as the model (replaced by the first update)
@@ -149,21 +152,29 @@ class ReleasedWeightAveraging(pl.Callback):
         self.updates += 1
 
     @torch.no_grad()
-    def _swap(self, pl_module: pl.LightningModule) -> None:
+    def _swap_in(self, pl_module: pl.LightningModule) -> None:
+        """Puts the average in the model, keeping the model's own tensors aside (the average is never rounded)."""
         assert self._average is not None
+        tensors = _float_tensors(pl_module)
+        self._held = {key: tensor.detach().clone() for key, tensor in tensors.items()}
+        for key, tensor in tensors.items():
+            tensor.data.copy_(self._average[key])
+
+    @torch.no_grad()
+    def _swap_out(self, pl_module: pl.LightningModule) -> None:
+        if self._held is None:
+            return
         for key, tensor in _float_tensors(pl_module).items():
-            average = self._average[key]
-            held = tensor.detach().clone()
-            tensor.data.copy_(average)
-            average.copy_(held)
+            tensor.data.copy_(self._held[key])
+        self._held = None
 
     def on_validation_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.updates and self._average is not None and trainer.state.fn == "fit":
-            self._swap(pl_module)
+            self._swap_in(pl_module)
 
     def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self.updates and self._average is not None and trainer.state.fn == "fit":
-            self._swap(pl_module)
+        if trainer.state.fn == "fit":
+            self._swap_out(pl_module)
 
     @torch.no_grad()
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -218,6 +229,9 @@ class ReleasedWeightAveraging(pl.Callback):
             "start_step": self.start_step,
             "updates": self.updates,
             "released_steps": self._released_steps,
+            # The state_dict holds the average in the model's dtype; a half-precision model's average is kept in
+            # float32 here, so that a resumed run continues the same average.
+            "float32_average": {k: self._average[k].detach().cpu().clone() for k in sorted(self._upcast)},
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -237,6 +251,10 @@ class ReleasedWeightAveraging(pl.Callback):
                 "callback, unmodified."
             )
         self.updates, self._released_steps = updates, released
+        if average is not None:
+            for k, t in state_dict.get("float32_average", {}).items():
+                if k in average:
+                    average[k] = t.to(average[k].device)
         self._average = average if updates else None
         self._loaded_average = None
 

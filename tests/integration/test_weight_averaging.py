@@ -282,3 +282,33 @@ def test_resuming_an_averaged_checkpoint_without_the_averaging_callback_warns(tm
     _fit(tmp_path / "full", engine, [ReleasedWeightAveraging(decay=DECAY), ck])
     with pytest.warns(UserWarning, match=r"written with weight averaging.*HINT: add the same averaging callback"):
         _fit(tmp_path / "resumed", engine, [], tmp_path / "ck" / "step=2.ckpt")
+
+
+def test_validation_and_checkpoints_keep_a_half_precision_models_average_in_float32() -> None:
+    """Review finding: swapping the average in for validation wrote the bf16 model back into the float32
+    average (rounding it), and the checkpoint kept only the bf16 copy."""
+    import types
+
+    model = torch.nn.Linear(4, 4).to(torch.bfloat16)
+    averaging = ReleasedWeightAveraging(decay=0.9)
+    ledger = types.SimpleNamespace(steps=0)
+    averaging._dp = types.SimpleNamespace(ledger=ledger)  # type: ignore[assignment]
+    fit = types.SimpleNamespace(state=types.SimpleNamespace(fn="fit"))
+    averaging.on_train_start(fit, model)  # type: ignore[arg-type]
+    torch.manual_seed(0)
+    for _ in range(5):
+        with torch.no_grad():
+            model.weight.add_(torch.randn_like(model.weight) * 0.01)
+        ledger.steps += 1
+        averaging.on_train_batch_end(fit, model)  # type: ignore[arg-type]
+    assert averaging.average is not None
+    before = {k: v.clone() for k, v in averaging.average.items()}
+    released = model.weight.detach().clone()
+    averaging.on_validation_epoch_start(fit, model)  # type: ignore[arg-type]
+    assert torch.equal(model.weight, before["weight"].to(torch.bfloat16))  # validation sees the average
+    averaging.on_validation_epoch_end(fit, model)  # type: ignore[arg-type]
+    assert torch.equal(model.weight, released)  # training continues from the released model
+    assert all(torch.equal(before[k], averaging.average[k]) for k in before)  # the float32 average is untouched
+    assert before["weight"].dtype == torch.float32
+    state = averaging.state_dict()
+    assert torch.equal(state["float32_average"]["weight"], before["weight"])
