@@ -51,10 +51,10 @@ def synthetic_data(
     return data
 
 
-def cpu_trainer(callbacks: list[pl.Callback], **kwargs: Any) -> pl.Trainer:
-    """A one-device CPU Trainer without logger, progress bar, checkpoints or validation."""
+def cpu_trainer(callbacks: list[pl.Callback], accelerator: str = "cpu", **kwargs: Any) -> pl.Trainer:
+    """A one-device Trainer (CPU unless told) without logger, progress bar, checkpoints or validation."""
     return pl.Trainer(
-        accelerator="cpu",
+        accelerator=accelerator,
         devices=1,
         callbacks=callbacks,
         logger=False,

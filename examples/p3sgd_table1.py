@@ -31,7 +31,7 @@ from typing import Any
 
 import pytorch_lightning as pl
 import torch
-from _shared import quiet_lightning, synthetic_data
+from _shared import cpu_trainer, quiet_lightning, synthetic_data
 
 from lightning_dp.accounting import PrivacyLedger, get_accountant
 from lightning_dp.callbacks import P3SGD, evaluate_accuracy
@@ -56,19 +56,7 @@ def say(message: str) -> None:
 
 
 def trainer(args: argparse.Namespace, callbacks: list[pl.Callback], **kwargs: Any) -> pl.Trainer:
-    return pl.Trainer(
-        accelerator=args.accelerator,
-        devices=1,
-        precision=args.precision,
-        callbacks=callbacks,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-        limit_val_batches=0,
-        num_sanity_val_steps=0,
-        **kwargs,
-    )
+    return cpu_trainer(callbacks, accelerator=args.accelerator, precision=args.precision, **kwargs)
 
 
 def accuracies(model: torch.nn.Module, data: SyntheticPathologyDataModule) -> tuple[float, float]:
