@@ -282,12 +282,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     line(f"non-private fine-tuning, {'+'.join(args.trainable)}", "∞", rows["nonprivate_same_params"])
     line("non-private fine-tuning, all layers", "∞", rows["nonprivate"])
     delta = rows["runs"][0]["delta"]
+    last = rows["runs"][-1]
     print(
         f"\nε: rigorous RDP accounting of every round at δ = {delta:.1e} (for {n_train} patients; 1/N = "
-        f"{1 / n_train:.1e}). Privacy reports: {out / 'reports'}"
+        f"{1 / n_train:.1e}), the noise calibrated by P3SGD(target_epsilon=...)."
     )
+    print(f"Privacy report of the last run (ε = {last['epsilon']:.2f}): {last['report']}")
     print(f"Plot: {figure}")
     print(f"({time.time() - _START:.0f} s)")
+    return rows
 
 
 if __name__ == "__main__":
