@@ -147,15 +147,20 @@ def plot(path: Path, rows: dict[str, Any], epsilons: list[float]) -> None:
     means = [_mean_std(rows["p3sgd"][str(e)])[0] for e in epsilons]
     stds = [_mean_std(rows["p3sgd"][str(e)])[1] for e in epsilons]
     ax.errorbar(epsilons, means, yerr=stds, marker="o", capsize=3, label="P3SGD (patient-level DP)")
-    styles = {"public only (ε = 0)": ("public", "k", ":"), "non-private fine-tuning (ε = ∞)": ("nonprivate", "g", "--")}
-    for label, (key, colour, line) in styles.items():
+    trained = "+".join(rows["args"]["trainable"]) if "args" in rows else "same parameters"
+    lines = [
+        ("non-private fine-tuning, all layers (ε = ∞)", "nonprivate", "g", "--"),
+        (f"non-private fine-tuning, {trained} (ε = ∞)", "nonprivate_same_params", "tab:olive", "-."),
+        ("public model only (ε = 0)", "public", "k", ":"),
+    ]
+    for label, key, colour, line in lines:
         ax.axhline(_mean_std(rows[key])[0], color=colour, linestyle=line, label=label)
     ax.set_xscale("log", base=2)
     ax.set_xticks(epsilons, [f"{e:g}" for e in epsilons])
     ax.set_xlabel("patient-level ε (δ = library default)")
     ax.set_ylabel("test accuracy on the private site's patients (%)")
     ax.set_title("Fine-tuning a public model on another hospital's patients")
-    ax.legend(loc="lower right", fontsize=8)
+    ax.legend(loc="center right", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -260,8 +265,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     say("[5/5] results")
     figure = out / "accuracy_vs_epsilon.png"
-    plot(figure, rows, args.epsilons)
     rows["args"] = vars(args)
+    plot(figure, rows, args.epsilons)
     rows["seconds"] = time.time() - _START
     (out / "results.json").write_text(json.dumps(rows, indent=2))
     seeds = f"mean ± std over {len(args.seeds)} seed(s)" if len(args.seeds) > 1 else "one seed"
