@@ -337,25 +337,11 @@ class ConvRule(ProductRule):
         return unfolded, backprops.reshape(backprops.shape[0], backprops.shape[1], -1)
 
     def per_sample_grads(self, module: Any, activation: Tensor, backprops: Tensor) -> dict[nn.Parameter, Tensor]:
-        b = activation.shape[0]
         grads: dict[nn.Parameter, Tensor] = {}
         weight = module.weight
         if weight.requires_grad:
             x, padding = _conv_geometry(module, activation)
-            _, folded, _ = torch.ops.aten.convolution_backward(
-                _fold_batch(backprops),
-                _fold_batch(x),
-                torch.empty((b * weight.shape[0], *weight.shape[1:]), dtype=x.dtype, device=x.device),  # shape only
-                None,
-                list(module.stride),
-                list(padding),
-                list(module.dilation),
-                False,
-                [0] * (x.dim() - 2),
-                b * module.groups,
-                [False, True, False],
-            )
-            grads[weight] = folded.reshape(b, *weight.shape)
+            grads[weight] = _conv_weight_grad(module, x, backprops, padding, None, per_sample=True)
         bias = _trained_bias(module)
         if bias is not None:
             grads[bias] = self.bias_grads(module, backprops)
@@ -364,20 +350,7 @@ class ConvRule(ProductRule):
     def weighted_sum(self, module: Any, activation: Tensor, weighted: Tensor, sums: Sums) -> None:
         if module.weight in sums:
             x, padding = _conv_geometry(module, activation)
-            _, weight_grad, _ = torch.ops.aten.convolution_backward(
-                weighted,
-                x,
-                module.weight.to(x.dtype),
-                None,
-                list(module.stride),
-                list(padding),
-                list(module.dilation),
-                False,
-                [0] * (x.dim() - 2),
-                module.groups,
-                [False, True, False],
-            )
-            sums[module.weight].add_(weight_grad)
+            sums[module.weight].add_(_conv_weight_grad(module, x, weighted, padding, None, per_sample=False))
 
 
 class ConvTransposeRule(ProductRule):
@@ -419,24 +392,13 @@ class ConvTransposeRule(ProductRule):
         return unfolded, x.reshape(b, x.shape[1], -1)
 
     def per_sample_grads(self, module: Any, activation: Tensor, backprops: Tensor) -> dict[nn.Parameter, Tensor]:
-        b = activation.shape[0]
         grads: dict[nn.Parameter, Tensor] = {}
         weight = module.weight
         if weight.requires_grad:
-            _, folded, _ = torch.ops.aten.convolution_backward(
-                _fold_batch(backprops),
-                _fold_batch(activation),
-                torch.empty((b * weight.shape[0], *weight.shape[1:]), dtype=activation.dtype, device=activation.device),
-                None,
-                list(module.stride),
-                list(module.padding),
-                list(module.dilation),
-                True,
-                _output_padding(module, activation, backprops),
-                b * module.groups,
-                [False, True, False],
+            output_padding = _output_padding(module, activation, backprops)
+            grads[weight] = _conv_weight_grad(
+                module, activation, backprops, module.padding, output_padding, per_sample=True
             )
-            grads[weight] = folded.reshape(b, *weight.shape)
         bias = _trained_bias(module)
         if bias is not None:
             grads[bias] = self.bias_grads(module, backprops)
@@ -444,18 +406,9 @@ class ConvTransposeRule(ProductRule):
 
     def weighted_sum(self, module: Any, activation: Tensor, weighted: Tensor, sums: Sums) -> None:
         if module.weight in sums:
-            _, weight_grad, _ = torch.ops.aten.convolution_backward(
-                weighted,
-                activation,
-                module.weight.to(activation.dtype),
-                None,
-                list(module.stride),
-                list(module.padding),
-                list(module.dilation),
-                True,
-                _output_padding(module, activation, weighted),
-                module.groups,
-                [False, True, False],
+            output_padding = _output_padding(module, activation, weighted)
+            weight_grad = _conv_weight_grad(
+                module, activation, weighted, module.padding, output_padding, per_sample=False
             )
             sums[module.weight].add_(weight_grad)
 
@@ -760,6 +713,42 @@ def _expand(mask: Tensor, like: Tensor) -> Tensor:
 def _trained_bias(module: nn.Module) -> nn.Parameter | None:
     bias = getattr(module, "bias", None)
     return bias if isinstance(bias, nn.Parameter) and bias.requires_grad else None
+
+
+def _conv_weight_grad(
+    module: Any,
+    x: Tensor,
+    grad: Tensor,
+    padding: Sequence[int],
+    output_padding: list[int] | None,
+    per_sample: bool,
+) -> Tensor:
+    """A convolution's weight gradient from its input ``x`` and output gradient ``grad``.
+
+    Transposed if ``output_padding`` is given. ``per_sample``: shape (B, *weight.shape), the batch folded
+    into the groups (B·groups groups); otherwise summed over the batch.
+    """
+    b, weight = x.shape[0], module.weight
+    transposed = output_padding is not None
+    if per_sample:
+        x, grad, groups = _fold_batch(x), _fold_batch(grad), b * module.groups
+        shape = (b * weight.shape[0], *weight.shape[1:])
+    else:
+        groups, shape = module.groups, tuple(weight.shape)
+    _, weight_grad, _ = torch.ops.aten.convolution_backward(
+        grad,
+        x,
+        torch.empty(shape, dtype=x.dtype, device=x.device),  # its shape only: the weight gradient ignores its values
+        None,
+        list(module.stride),
+        list(padding),
+        list(module.dilation),
+        transposed,
+        output_padding if transposed else [0] * (x.dim() - 2),
+        groups,
+        [False, True, False],
+    )
+    return weight_grad.reshape(b, *weight.shape) if per_sample else weight_grad
 
 
 def _fold_batch(t: Tensor) -> Tensor:
