@@ -18,7 +18,7 @@ from typing import Any, ClassVar, Literal, get_args
 
 import pytorch_lightning as pl
 import torch
-from pytorch_lightning.callbacks import BatchSizeFinder, LearningRateFinder, StochasticWeightAveraging, WeightAveraging
+from pytorch_lightning.callbacks import BatchSizeFinder, LearningRateFinder, StochasticWeightAveraging
 from pytorch_lightning.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader
 
@@ -621,8 +621,10 @@ class DPCallback(pl.Callback):
                 f"written by a run that used {self.mechanism} with the same `name`, or start a new run without "
                 "ckpt_path."
             )
+        from lightning_dp.callbacks.averaging import ReleasedWeightAveraging, is_lightning_weight_averaging
+
         averaging = any(  # ours, or Lightning's WeightAveraging (which writes the same two states)
-            type(cb).__name__ == "ReleasedWeightAveraging" or isinstance(cb, WeightAveraging)
+            isinstance(cb, ReleasedWeightAveraging) or is_lightning_weight_averaging(cb)
             for cb in trainer.callbacks  # type: ignore[attr-defined]
         )
         if "current_model_state" in checkpoint and not averaging:

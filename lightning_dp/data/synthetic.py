@@ -310,7 +310,7 @@ def render_synthetic_patient(
     style = site_style(site)
     n, size = num_patches, image_size
     unit = size / 64.0 * style.magnification  # lengths below are in pixels of a 64×64 patch at the reference
-    area = (size / 64.0 / style.magnification) ** 2 if style.magnification != 1.0 else unit**2  # tissue per patch
+    area = (size / 64.0 / style.magnification) ** 2  # tissue per patch (x / 1.0 is exact: the reference is unchanged)
     shape = (n, size, size)
     f32 = np.float32
 
@@ -321,9 +321,7 @@ def render_synthetic_patient(
     h_strength = rng.uniform(0.6, 0.95) * style.hematoxylin_strength
     e_strength = rng.uniform(0.25, 0.5) * style.eosin_strength
     illumination = np.clip(rng.uniform(0.86, 1.0) * (1.0 + rng.normal(0.0, 0.03, 3)), 0.05, 1.0)
-    if not style.is_reference:
-        balance = np.asarray(style.white_balance) * style.brightness
-        illumination = np.clip(illumination * balance, 0.05, 1.0)
+    illumination = np.clip(illumination * np.asarray(style.white_balance) * style.brightness, 0.05, 1.0)
     stroma = rng.uniform(0.25, 0.75)  # eosin density of the background tissue
     coarse_amp = rng.uniform(0.1, 0.45)
     coarse_sigma = rng.uniform(4.0, 10.0) * unit
@@ -332,9 +330,7 @@ def render_synthetic_patient(
     bg_nuclei = rng.uniform(6.0, 28.0) * area  # scattered nuclei per patch
     nucleus_sigma = rng.uniform(0.85, 1.35) * unit
     noise_std = rng.uniform(0.004, 0.05) + style.noise
-    blur = rng.uniform(0.0, 1.0) * unit
-    if style.blur > 0.0:
-        blur = float(np.hypot(blur, style.blur * size / 64.0))
+    blur = float(np.hypot(rng.uniform(0.0, 1.0) * unit, style.blur * size / 64.0))  # hypot(b, 0) == b exactly
     tuft_density = rng.uniform(0.045, 0.09) / unit**2  # nuclei per pixel inside a glomerular tuft
     clarity = rng.uniform(0.75, 1.0)  # how visible the capsule and Bowman's space are
     if 0.0 < positive_fraction < 1.0:
@@ -371,7 +367,7 @@ def render_synthetic_patient(
 
     # ---- tubules: rings of epithelial nuclei around a pale lumen, pink cytoplasm -------------------------
     max_tubules = 5
-    more = 1.0 if style.magnification == 1.0 else 1.0 / style.magnification**2  # more tissue, more tubules
+    more = 1.0 / style.magnification**2  # more tissue per patch, more tubules
     tubules = np.minimum(rng.poisson(np.where(shows, 1.3, 2.8) * more), max_tubules)
     t_cy = rng.uniform(-0.1, 1.1, (n, max_tubules)) * size
     t_cx = rng.uniform(-0.1, 1.1, (n, max_tubules)) * size
