@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -13,6 +14,8 @@ from lightning_dp.data import render_synthetic_patient as render
 from lightning_dp.errors import PrivacyConfigError
 
 SMALL = {"num_patients": 3, "patches_per_patient": 4, "image_size": 32}
+# sha256 of render_synthetic_patient(default_rng([0, 1]), 6, 32, 0.5) by the generator of commit 9bdff5a (no sites).
+PRE_SITE_DIGEST = "8aed355d6e40584e01cdac235b720a1e23ffdb07c95f699ed7a8d64969bb72d3"
 
 
 def test_the_reference_site_renders_the_same_bytes_as_no_site(tmp_path: Path) -> None:
@@ -20,6 +23,9 @@ def test_the_reference_site_renders_the_same_bytes_as_no_site(tmp_path: Path) ->
         images, labels = render(np.random.default_rng([0, 1]), 6, 32, 0.5, site)
         base_images, base_labels = render(np.random.default_rng([0, 1]), 6, 32, 0.5)
         assert np.array_equal(images, base_images) and np.array_equal(labels, base_labels)
+    # ... and the same bytes as the generator had before sites existed (digest computed with that version).
+    images, labels = render(np.random.default_rng([0, 1]), 6, 32, 0.5, "reference")
+    assert hashlib.sha256(images.tobytes() + labels.tobytes()).hexdigest() == PRE_SITE_DIGEST
     # The cached data set of a reference site keeps the parameters it had before sites existed.
     generate_synthetic_pathology(tmp_path, site="reference", **SMALL)
     assert "site" not in json.loads((tmp_path / "synthetic.json").read_text())
