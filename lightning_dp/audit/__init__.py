@@ -1,7 +1,11 @@
 """Empirical privacy audits: lower bounds on ε that a correct implementation must not exceed.
 
 * `bounds`: ε lower bounds from attack scores (Clopper–Pearson, Gaussian-DP reading, one-run).
-* `StepAudit`: the white-box step audit — a canary of known direction, every release observed.
+* `CallbackAudit`: the white-box audit of the code that trains — the user's own `DPSGD` or `P3SGD` callback fits
+  a real model with and without a canary unit, every released update observed (`scenarios` has ready set-ups;
+  `mutants` the planted bugs it is checked against).
+* `StepAudit`: the simulated white-box step audit — the library's sampler, clip functions and release on toy
+  contributions, for many runs at once (covers subsampling, q < 1, and DDP ranks).
 * `MembershipAudit`: black-box membership inference on final models trained through the private step.
 """
 
@@ -17,9 +21,12 @@ from lightning_dp.audit.bounds import (
     one_run_ceiling,
     one_run_p_value,
 )
+from lightning_dp.audit.engine import CallbackAudit, CallbackAuditResult
 from lightning_dp.audit.whitebox import StepAudit, StepAuditResult
 
 __all__ = [
+    "CallbackAudit",
+    "CallbackAuditResult",
     "MembershipAudit",
     "MembershipAuditResult",
     "StepAudit",

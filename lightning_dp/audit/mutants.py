@@ -1,0 +1,168 @@
+"""Planted privacy bugs ("mutants"): does the audit catch a wrong clip, noise, rate or accountant in the code that trains?
+
+Each `Mutant` patches one place of the library for the duration of a ``with`` block and restores it on
+exit. They are what the audit's mutation table (README, "Auditing") is measured with, and what the test
+suite runs the `CallbackAudit` against: every mutant in `MUTANTS` must be caught, the correct code must
+pass. A mutant is a bug that leaks more than the ledger says; a bug that only adds noise or scales the
+whole release (post-processing) is not one.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from lightning_dp.accounting import accountants
+from lightning_dp.callbacks.dpsgd import DPSGD
+from lightning_dp.callbacks.p3sgd import P3SGD
+from lightning_dp.sanitization import per_sample, release, rules, updates
+
+__all__ = ["MUTANTS", "Mutant"]
+
+
+@contextmanager
+def _replaced(owner: Any, name: str, make: Callable[[Any], Any]) -> Iterator[None]:
+    original = getattr(owner, name)
+    setattr(owner, name, make(original))
+    try:
+        yield
+    finally:
+        setattr(owner, name, original)
+
+
+@dataclass(frozen=True)
+class Mutant:
+    """One planted bug: ``name``, ``where`` (file: function), ``what`` it does, the mechanisms it reaches."""
+
+    name: str
+    where: str
+    what: str
+    mechanisms: tuple[str, ...]
+    patch: Callable[[], Any]
+
+    @contextmanager
+    def applied(self) -> Iterator[None]:
+        with self.patch():
+            yield
+
+
+def _clip_10x() -> Any:
+    return _replaced(per_sample, "clip_coefficients", lambda f: lambda norms, c: f(norms, 10 * c))
+
+
+def _ghost_norms() -> Any:
+    return _replaced(rules, "_ghost_norms", lambda f: lambda at, gt: f(at, gt) * 1e-4)
+
+
+def _materialized_norms() -> Any:
+    return _replaced(rules, "sum_of_squares", lambda f: lambda tensors, n, device: f(tensors, n, device) * 1e-4)
+
+
+def _patient_clip_10x() -> Any:
+    return _replaced(updates, "clip_factor", lambda f: lambda norm, c: f(norm, 10 * c))
+
+
+def _noise_sqrt2() -> Any:
+    return _replaced(release.Release, "_gaussian", lambda f: lambda self, like, std: f(self, like, std / math.sqrt(2)))
+
+
+@contextmanager
+def _noise_normalized_twice() -> Iterator[None]:
+    def make(f: Any) -> Any:
+        def mutated(self: Any, step: int, clipped_sum: Any, normalizer: float, **kwargs: Any) -> Any:
+            gaussian = self._gaussian
+            self._gaussian = lambda like, std: gaussian(like, std / normalizer)
+            try:
+                return f(self, step, clipped_sum, normalizer, **kwargs)
+            finally:
+                del self._gaussian
+
+        return mutated
+
+    with _replaced(release.Release, "release", make), _replaced(release.SelectedRelease, "release", make):
+        yield
+
+
+def _ledger_rate_halved() -> Any:
+    def make(f: Any) -> Any:
+        def mutated(self: Any, *args: Any, **kwargs: Any) -> Any:
+            out = f(self, *args, **kwargs)
+            out.sample_rate = out.sample_rate / 2
+            return out
+
+        return mutated
+
+    return _replaced(DPSGD, "_new_release", make)
+
+
+def _release_clip_halved() -> Any:
+    def make(f: Any) -> Any:
+        def mutated(self: Any, *args: Any, **kwargs: Any) -> Any:
+            out = f(self, *args, **kwargs)
+            out.clip_norm = out.clip_norm / 2
+            return out
+
+        return mutated
+
+    return _replaced(P3SGD, "_new_release", make)
+
+
+@contextmanager
+def _accountant_halved() -> Iterator[None]:
+    with (
+        _replaced(accountants, "_CURVES", lambda _: {}),
+        _replaced(accountants, "rdp_subsampled_gaussian", lambda f: lambda *a, **k: np.asarray(f(*a, **k)) * 0.5),
+    ):
+        yield
+
+
+def _no_rollback_between_patients() -> Any:
+    def make(f: Any) -> Any:
+        def mutated(self: Any, patient: int, pl_module: Any, generator: Any) -> None:
+            previous = getattr(self, "_mutant_previous", None)
+            if previous is not None and previous[0] == self.rounds:
+                self._state.load(previous[1])  # the last patient's local model was not rolled back to θ_t
+            f(self, patient, pl_module, generator)
+            self._mutant_previous = (self.rounds, self._state.vector())
+
+        return mutated
+
+    return _replaced(P3SGD, "_local_update", make)
+
+
+def _selection_charged_at_largest() -> Any:
+    return _replaced(release.SelectedRelease, "noise_multiplier", lambda f: lambda self, step: self.multipliers(step)[-1])
+
+
+#: The mutants the test suite's audit must catch (README: "The audit's mutation table").
+MUTANTS: tuple[Mutant, ...] = (
+    Mutant("clip at 10·C", "sanitization/per_sample.py: clip_coefficients", "per-sample clip bound 10× too large",
+           ("DPSGD",), _clip_10x),
+    Mutant("ghost norms 100× small", "sanitization/rules.py: _ghost_norms", "ghost-norm layers' squared norms ×1e-4",
+           ("DPSGD",), _ghost_norms),
+    Mutant("materialized norms 100× small", "sanitization/rules.py: sum_of_squares",
+           "materialized layers' squared norms ×1e-4", ("DPSGD",), _materialized_norms),
+    Mutant("patient clip at 10·C_u", "sanitization/updates.py: clip_factor", "per-patient clip bound 10× too large",
+           ("P3SGD",), _patient_clip_10x),
+    Mutant("noise std / √2", "sanitization/release.py: Release._gaussian", "every noise draw √2 too small",
+           ("DPSGD", "P3SGD"), _noise_sqrt2),
+    Mutant("noise normalized twice", "sanitization/release.py: Release.release", "noise std z·C/n² instead of z·C/n",
+           ("DPSGD", "P3SGD"), _noise_normalized_twice),
+    Mutant("ledger charged at q/2", "callbacks/dpsgd.py: DPSGD._new_release", "the release charges half the sample rate",
+           ("DPSGD",), _ledger_rate_halved),
+    Mutant("release clip C_u/2", "callbacks/p3sgd.py: P3SGD._new_release",
+           "noise scaled to C_u/2 while updates are clipped to C_u", ("P3SGD",), _release_clip_halved),
+    Mutant("RDP halved", "accounting/accountants.py: rdp_subsampled_gaussian", "the Gaussian's RDP curve ×0.5",
+           ("DPSGD", "P3SGD"), _accountant_halved),
+    Mutant("no rollback between patients", "callbacks/p3sgd.py: P3SGD._local_update",
+           "a patient's local training starts from the previous patient's local model", ("P3SGD",),
+           _no_rollback_between_patients),
+    Mutant("selection charged at largest z", "sanitization/release.py: SelectedRelease.noise_multiplier",
+           "the round is charged at the largest noise scale, drawn at the smallest", ("P3SGD-selection",),
+           _selection_charged_at_largest),
+)

@@ -1,0 +1,138 @@
+"""Small, fast `CallbackAudit` set-ups that cover every layer-rule family and both engines.
+
+Each function returns a ready `CallbackAudit` on synthetic 8×8 one-channel images: a population of
+ordinary units, and a canary whose inputs are scaled up so its gradient (or local update) is far above
+the clip norm. They are what the test suite and ``examples/audit_mutation_table.py`` audit, and a
+template for auditing a configuration of one's own.
+
+* ``dpsgd_audit("conv")``: Conv2d (materialized per-sample gradients at 8×8), GroupNorm (Opacus' grad
+  sampler), Conv2d at 2×2 (ghost norm), Linear (ghost norm).
+* ``dpsgd_audit("transpose")``: Conv2d, ConvTranspose2d, an eval-mode BatchNorm with a trainable affine
+  (the library's eval-BatchNorm rule), Linear.
+* ``p3sgd_audit(...)``: an MLP over patients of 3 images, one or several local steps, one or several noise
+  scales (the exponential-mechanism selection).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Literal
+
+import torch
+from torch import nn
+
+from lightning_dp.audit.engine import CallbackAudit
+from lightning_dp.callbacks.dpsgd import DPSGD
+from lightning_dp.callbacks.p3sgd import P3SGD
+
+__all__ = ["dpsgd_audit", "p3sgd_audit"]
+
+#: The canary's images are this many times larger than a population image: its gradient is far above C.
+CANARY_GAIN = 30.0
+
+
+def _conv_net() -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(1, 4, 3, padding=1),
+        nn.GroupNorm(2, 4),
+        nn.ReLU(),
+        nn.AvgPool2d(4),
+        nn.Conv2d(4, 8, 3, padding=1),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(8 * 2 * 2, 2),
+    )
+
+
+def _transpose_net() -> nn.Module:
+    norm = nn.BatchNorm2d(4)
+    with torch.no_grad():  # public running statistics, frozen: the eval-mode BatchNorm rule
+        norm.running_mean.uniform_(-0.1, 0.1)
+        norm.running_var.uniform_(0.5, 1.5)
+    norm.eval()
+    return nn.Sequential(
+        nn.Conv2d(1, 4, 3, stride=2, padding=1),
+        nn.ReLU(),
+        nn.ConvTranspose2d(4, 4, 2, stride=2),
+        norm,
+        nn.ReLU(),
+        nn.AvgPool2d(4),
+        nn.Flatten(),
+        nn.Linear(4 * 2 * 2, 2),
+    )
+
+
+def _mlp() -> nn.Module:
+    return nn.Sequential(nn.Flatten(), nn.Linear(64, 16), nn.ReLU(), nn.Linear(16, 2))
+
+
+def _images(count: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(count, 1, 8, 8, generator=g), torch.randint(0, 2, (count,), generator=g)
+
+
+def dpsgd_audit(
+    model: Literal["conv", "transpose"] = "conv",
+    *,
+    steps: int = 200,
+    noise_multiplier: float = 1.0,
+    clip_norm: float = 1.0,
+    population: int = 12,
+    accountant: Literal["rdp", "prv"] = "rdp",
+    seed: int = 0,
+) -> CallbackAudit:
+    """A full-batch `DPSGD` audit of one of the two models (see the module docstring)."""
+    x, y = _images(population + 1, seed)
+    factory = _conv_net if model == "conv" else _transpose_net
+    return CallbackAudit(
+        lambda s: DPSGD(
+            sample_rate=1.0,
+            noise_multiplier=noise_multiplier,
+            clip_norm=clip_norm,
+            delta=1e-5,
+            accountant=accountant,
+            seed=s,
+        ),
+        model=factory,
+        population=(x[1:], y[1:]),
+        canary=(x[:1] * CANARY_GAIN, 1 - y[:1]),
+        steps=steps,
+        lr=0.05,
+        seed=seed,
+    )
+
+
+def p3sgd_audit(
+    *,
+    noise_scales: Sequence[float] = (1.0,),
+    local_steps: int = 1,
+    steps: int = 200,
+    clip_norm: float = 0.1,
+    patients: int = 10,
+    images_per_patient: int = 3,
+    seed: int = 0,
+) -> CallbackAudit:
+    """A full-batch `P3SGD` audit: patients of ``images_per_patient`` images, ``local_steps`` local SGD steps."""
+    x, y = _images((patients + 1) * images_per_patient, seed)
+    ids = torch.arange(patients).repeat_interleave(images_per_patient)
+    k = images_per_patient
+    selection = {"selection_epsilon": 0.5, "loss_bound": 3.0} if len(noise_scales) > 1 else {}
+    return CallbackAudit(
+        lambda s: P3SGD(
+            sample_rate=1.0,
+            clip_norm=clip_norm,
+            noise_scales=tuple(noise_scales),
+            local_lr=0.1,
+            local_batch_size=k,
+            local_epochs=local_steps,
+            server_lr=0.1,
+            delta=1e-5,
+            seed=s,
+            **selection,  # type: ignore[arg-type]
+        ),
+        model=_mlp,
+        population=(x[k:], y[k:], ids),
+        canary=(x[:k] * CANARY_GAIN, 1 - y[:k]),
+        steps=steps,
+        seed=seed,
+    )

@@ -1,0 +1,89 @@
+"""The white-box audit of the callbacks' own step: correct code passes and sees the canary; every mutant is caught.
+
+Tolerance: ε_lower is a lower confidence bound at 95 % (a normal bound on the canary's pass-through factor
+β and a χ² bound on the noise sd, each at 97.5 %). The seeds are fixed, so every assertion is
+deterministic; the correct runs estimate β within ±0.5 of 1 (about 2.5 standard errors at T = 50) and
+the noise sd within 10 % of z (it is measured on hundreds of directions per step).
+"""
+
+import pytest
+import torch
+
+from lightning_dp.audit import CallbackAudit
+from lightning_dp.audit.mutants import MUTANTS
+from lightning_dp.audit.scenarios import dpsgd_audit, p3sgd_audit
+from lightning_dp.callbacks import DPSGD, P3SGD
+from lightning_dp.errors import PrivacyConfigError
+
+pytestmark = pytest.mark.statistical
+
+STEPS = 50
+SCENARIOS = {
+    "DPSGD": lambda steps: dpsgd_audit("conv", steps=steps),
+    "DPSGD-transpose": lambda steps: dpsgd_audit("transpose", steps=steps),
+    "P3SGD": lambda steps: p3sgd_audit(steps=steps),
+    "P3SGD-selection": lambda steps: p3sgd_audit(noise_scales=(1.0, 2.0), local_steps=3, steps=steps),
+}
+#: The subtle mutant needs more steps to be told from the correct code (β̂ and s are bounded jointly).
+MUTANT_STEPS = {"noise std / √2": 200}
+
+
+def margin(result):
+    return result.summary() + f" β̂ {result.beta:.3f}, μ̂ {result.mu:.2f}, μ_lower {result.mu_lower:.2f}"
+
+
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+def test_correct_callbacks_pass_and_see_the_canary(scenario):
+    result = SCENARIOS[scenario](STEPS).run()
+    assert result.passed, margin(result)
+    assert abs(result.beta - 1.0) < 0.5, margin(result)  # the canary is seen, at its clipped size
+    assert result.epsilon_lower > 0.1 * result.epsilon_upper, margin(result)
+    if scenario != "P3SGD-selection":  # one noise scale: the measured noise is z·C on every direction
+        assert result.noise_sd == pytest.approx(1.0, rel=0.1), margin(result)
+    assert result.canary_norm > 0.9, margin(result)  # the clip is active: the canary is far above C
+
+
+def _cases():
+    for mutant in MUTANTS:
+        for mechanism in mutant.mechanisms:
+            name = {"P3SGD-selection": "P3SGD-selection", "P3SGD": "P3SGD", "DPSGD": "DPSGD"}[mechanism]
+            yield pytest.param(mutant, name, id=f"{mutant.name}-{name}")
+
+
+@pytest.mark.parametrize(("mutant", "scenario"), list(_cases()))
+def test_every_mutant_is_caught(mutant, scenario):
+    with mutant.applied():
+        result = SCENARIOS[scenario](MUTANT_STEPS.get(mutant.name, STEPS)).run()
+    assert not result.passed, f"{mutant.name} ({mutant.where}) not caught: " + margin(result)
+
+
+def test_mutants_restore_the_library():
+    before = dpsgd_audit("conv", steps=2)
+    for mutant in MUTANTS:
+        with mutant.applied():
+            pass
+    from lightning_dp.sanitization import per_sample, release, rules, updates
+
+    assert per_sample.clip_coefficients.__module__ == "lightning_dp.sanitization.per_sample"
+    assert rules._ghost_norms.__module__ == rules.sum_of_squares.__module__ == "lightning_dp.sanitization.rules"
+    assert updates.clip_factor.__module__ == "lightning_dp.sanitization.updates"
+    assert release.Release._gaussian.__qualname__ == "Release._gaussian"
+    assert before.steps == 2
+
+
+def test_subsampled_runs_and_unfollowable_local_batches_are_refused_with_a_hint():
+    x, y = torch.randn(6, 1, 8, 8), torch.randint(0, 2, (6,))
+    with pytest.raises(PrivacyConfigError, match="full batch.*StepAudit"):
+        CallbackAudit(
+            lambda s: DPSGD(sample_rate=0.5, noise_multiplier=1.0, clip_norm=1.0, delta=1e-5, seed=s),
+            model=lambda: torch.nn.Linear(64, 2),
+            population=(x, y),
+            canary=(x[:1], y[:1]),
+        )
+    with pytest.raises(PrivacyConfigError, match="local_batch_size >= images per patient"):
+        CallbackAudit(
+            lambda s: P3SGD(sample_rate=1.0, clip_norm=1.0, local_batch_size=2, delta=1e-5, seed=s),
+            model=lambda: torch.nn.Linear(64, 2),
+            population=(x, y, torch.tensor([0, 0, 0, 1, 1, 1])),
+            canary=(x[:3], y[:3]),
+        )
