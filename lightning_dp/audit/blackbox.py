@@ -1,11 +1,24 @@
 """Black-box membership inference on final models trained through the private step.
 
 Many small models are trained without a Trainer, each through the same `PrivateStep` as the
-callbacks (the library's `PoissonSampleSampler`, `clip_coefficients` and `GaussianRelease`; the
-per-sample gradients of the tiny MLP come from ``torch.func``, which is fast at this size), on a
-fixed dataset plus canaries — mislabeled outliers, each included with probability ½. The attacker
-sees only the final model and scores each canary by its negative loss (a loss-threshold attack).
-Two lower bounds on ε:
+callbacks, on a fixed dataset plus canaries — mislabeled outliers, each included with probability ½.
+The attacker sees only the final model and scores each canary by its negative loss (a loss-threshold
+attack). Two privacy units (``level``):
+
+* ``"sample"`` (DPSGD): a canary is one image. Training is DP-SGD: the library's
+  `PoissonSampleSampler`, per-sample gradients of the tiny MLP from ``torch.func`` (fast at this
+  size), `clip_coefficients`, the sum, `GaussianRelease` (ledger unit ``"sample"``).
+* ``"patient"`` (P3SGD): a canary is a patient of ``images_per_patient`` images near one point, all
+  with one wrong label, and it is scored by the mean negative loss over its images. Training is a
+  P3SGD round: `PoissonPatientSampler`, each sampled patient's local SGD from θ_t over its own images
+  (``local_steps`` full-batch steps; vectorized over patients with ``torch.func``), `ModelState`'s
+  per-patient clipping (`clip_factor`, as `P3SGD` clips), the sum, `GaussianRelease` with the
+  normalizer q·N_p (ledger unit ``"patient"``) and `ModelStateTarget`, θ_{t+1} = θ_t + Δ̃.
+  ``training="sample"`` trains the same patients' images by *sample-level* DP-SGD instead and still
+  attacks patients: its ε_upper is then the sample-level ε, which does not cover a patient (the
+  point of patient-level DP: a patient's k images leak up to about k times more).
+
+Two lower bounds on ε, for the canary's unit:
 
 * **many runs** (Jagielski et al. 2020): one target canary per run (canary 0), its score in the runs
   that included it against the runs that did not; Clopper–Pearson at a threshold chosen on half of
@@ -15,7 +28,7 @@ Two lower bounds on ε:
   ln(r / ln(1/α)) for r guesses beside it.
 
 ``private=False`` trains the same models without clipping or noise: the attack must then find a
-large ε_lower (it has teeth). Sample-level only.
+large ε_lower (it has teeth). A passing audit is a lower bound from one attack, not a proof.
 """
 
 from __future__ import annotations
@@ -23,7 +36,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -34,24 +47,37 @@ from torch import Tensor, nn
 from lightning_dp.accounting import AccountantName, PrivacyLedger, get_accountant
 from lightning_dp.audit.bounds import best_threshold, epsilon_one_run, epsilon_threshold, one_run_ceiling
 from lightning_dp.errors import PrivacyConfigError, check_count, check_finite_positive, check_sample_rate
-from lightning_dp.sampling.patients import secure_seed
+from lightning_dp.sampling.patients import PoissonPatientSampler, secure_seed
 from lightning_dp.sampling.samples import PoissonSampleSampler
 from lightning_dp.sanitization.per_sample import clip_coefficients
 from lightning_dp.sanitization.release import GaussianRelease
+from lightning_dp.sanitization.updates import ModelState
 from lightning_dp.schedules import NoiseSchedule, as_schedule
-from lightning_dp.training.step import OptimizerTarget, PrivateStep
+from lightning_dp.training.step import ModelStateTarget, OptimizerTarget, PrivateStep
 
 __all__ = ["MembershipAudit", "MembershipAuditResult"]
 
 #: Classes of the toy task: a canary's random label is then wrong for a model that never saw it 9 times in 10.
 CLASSES = 10
+#: Spread of a canary patient's images around its point (the point itself has std 3 per feature).
+CANARY_SPREAD = 0.5
+
+AuditLevel = Literal["sample", "patient"]
 
 
 @dataclass
 class MembershipAuditResult:
-    """The two black-box lower bounds beside the accountant's ε (``inf`` for a non-private run)."""
+    """The two black-box lower bounds beside the accountant's ε (``inf`` for a non-private run).
+
+    ``level`` is the unit of the canaries and of ε_lower; ``training`` the unit of the private step and of
+    ε_upper. When they differ (patient canaries, sample-level DP-SGD), ``passed`` compares a patient-level
+    lower bound with a sample-level guarantee: failing then shows what the sample-level ε does not cover.
+    """
 
     private: bool
+    level: str
+    training: str
+    images_per_patient: int
     epsilon_upper: float
     epsilon_many_runs: float
     epsilon_one_run: float
@@ -82,26 +108,44 @@ class MembershipAudit:
     """Trains ``runs`` small models with ``canaries`` canaries each (in with probability ½) and attacks them.
 
     Args:
-        private: train through the private step (else plain SGD on the same batches, no clipping or noise).
+        private: train through the private step (else the same batches or rounds, no clipping or noise).
+        level: the privacy unit audited: ``"sample"`` (a canary is one image, DPSGD) or ``"patient"`` (a
+            canary is a patient with ``images_per_patient`` images, P3SGD rounds).
+        training: the unit of the private step; default ``level``. ``level="patient", training="sample"``
+            trains the patients' images by per-sample DP-SGD (ε_upper per sample) and attacks patients.
+        images_per_patient: k, images of every patient (ordinary and canary); patient level only.
+        local_steps: full-batch local SGD steps of a sampled patient per round (``training="patient"``).
         noise_multiplier: z, or a `NoiseSchedule`.
-        sample_rate: q.
-        steps: steps per model.
-        clip_norm: C.
-        lr: SGD learning rate.
+        sample_rate: q (of samples, or of patients for patient-level training).
+        steps: steps (rounds) per model.
+        clip_norm: C (per-sample gradient, or per-patient update Δ_i).
+        lr: SGD learning rate; for patient-level training the local learning rate γ (server rate 1).
         runs: models trained.
         canaries: canaries per model (canary 0 is the many-runs target).
-        population: ordinary training samples per model (a fixed dataset shared by every run).
+        population: ordinary training units per model (samples, or patients of k images; a fixed dataset
+            shared by every run).
         features: input dimension of the toy task.
         hidden: width of the MLP's hidden layer.
         delta, accountant, significance: as for `StepAudit`.
         seed: public seed of the data, the coins, the samplers and the noise (``None``: from the OS).
         progress: called with (run, runs) after each model.
+
+    Example:
+        >>> audit = MembershipAudit(level="patient", images_per_patient=4, runs=4, canaries=4, population=8,
+        ...                         features=4, hidden=8, steps=2, seed=0)
+        >>> result = audit.run()
+        >>> result.level, result.training, result.in_scores.size + result.out_scores.size  # runs × canaries
+        ('patient', 'patient', 16)
     """
 
     def __init__(
         self,
         *,
         private: bool = True,
+        level: AuditLevel = "sample",
+        training: AuditLevel | None = None,
+        images_per_patient: int = 8,
+        local_steps: int = 1,
         noise_multiplier: float | NoiseSchedule = 1.0,
         sample_rate: float = 0.1,
         steps: int = 100,
@@ -120,6 +164,21 @@ class MembershipAudit:
     ) -> None:
         owner = "MembershipAudit"
         self.private = bool(private)
+        if level not in ("sample", "patient"):
+            raise PrivacyConfigError(
+                f"`{owner}(level={level!r})`: level must be 'sample' or 'patient', found {level!r}. "
+                "HINT: 'patient' audits what P3SGD promises."
+            )
+        training = level if training is None else training
+        if training not in ("sample", "patient") or (level == "sample" and training == "patient"):
+            raise PrivacyConfigError(
+                f"`{owner}(level={level!r}, training={training!r})`: training must be 'sample' or 'patient', and "
+                "'patient' needs level='patient'. HINT: leave training unset to train at the audited level."
+            )
+        self.level: AuditLevel = level
+        self.training: AuditLevel = training
+        self.images_per_patient = check_count(owner, "images_per_patient", images_per_patient, "e.g. 8.", minimum=1)
+        self.local_steps = check_count(owner, "local_steps", local_steps, "e.g. 1.", minimum=1)
         self.schedule = as_schedule(owner, noise_multiplier)
         self.sample_rate = check_sample_rate(owner, sample_rate)
         self.steps = check_count(owner, "steps", steps, "e.g. 100.", minimum=1)
@@ -140,14 +199,28 @@ class MembershipAudit:
 
     # ------------------------------------------------------------------ data
     def dataset(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """(x, y) of the population, then (x, y) of the canaries of every run, shaped (runs, canaries, ...)."""
+        """(x, y) of the population, then (x, y) of the canaries of every run, shaped (runs, canaries, ...).
+
+        At patient level every unit has a leading axis of ``images_per_patient`` images: x of the
+        population is (population, k, features), of the canaries (runs, canaries, k, features).
+        """
         g = torch.Generator().manual_seed(self.seed)
-        y = torch.randint(CLASSES, (self.population,), generator=g)
+        if self.level == "sample":
+            y = torch.randint(CLASSES, (self.population,), generator=g)
+            centers = torch.randn(CLASSES, self.features, generator=g)
+            x = centers[y] + 0.7 * torch.randn(self.population, self.features, generator=g)
+            # Canaries: far-out points with random labels, unlike the task: only memorization fits them.
+            cx = 3.0 * torch.randn(self.runs, self.canaries, self.features, generator=g)
+            cy = torch.randint(CLASSES, (self.runs, self.canaries), generator=g)
+            return x, y, cx, cy
+        k = self.images_per_patient
+        y = torch.randint(CLASSES, (self.population, k), generator=g)
         centers = torch.randn(CLASSES, self.features, generator=g)
-        x = centers[y] + 0.7 * torch.randn(self.population, self.features, generator=g)
-        # Canaries: far-out points with random labels, unlike the task: only memorization fits them.
-        cx = 3.0 * torch.randn(self.runs, self.canaries, self.features, generator=g)
-        cy = torch.randint(CLASSES, (self.runs, self.canaries), generator=g)
+        x = centers[y] + 0.7 * torch.randn(self.population, k, self.features, generator=g)
+        # A canary patient: k images near one far-out point, all with one random label.
+        points = 3.0 * torch.randn(self.runs, self.canaries, 1, self.features, generator=g)
+        cx = points + CANARY_SPREAD * torch.randn(self.runs, self.canaries, k, self.features, generator=g)
+        cy = torch.randint(CLASSES, (self.runs, self.canaries, 1), generator=g).expand(-1, -1, k)
         return x, y, cx, cy
 
     def coins(self) -> Tensor:
@@ -161,7 +234,16 @@ class MembershipAudit:
         return nn.Sequential(nn.Linear(self.features, self.hidden), nn.Tanh(), nn.Linear(self.hidden, CLASSES))
 
     def train(self, run: int, x: Tensor, y: Tensor) -> tuple[nn.Module, PrivacyLedger]:
-        """One model on (x, y); the ledger of what it was charged (empty when not private)."""
+        """One model on (x, y); the ledger of what it was charged (empty when not private).
+
+        At patient level x is (patients, k, features): trained by P3SGD rounds, or, with
+        ``training="sample"``, its images by DP-SGD.
+        """
+        if self.level == "patient" and self.training == "patient":
+            return self._train_patients(run, x, y)
+        return self._train_samples(run, x.reshape(-1, self.features), y.reshape(-1))
+
+    def _train_samples(self, run: int, x: Tensor, y: Tensor) -> tuple[nn.Module, PrivacyLedger]:
         model = self._model(run)
         ledger = PrivacyLedger("sample", self.delta)
         sampler = PoissonSampleSampler(len(x), self.sample_rate, seed=self.seed + 31 * (run + 1))
@@ -201,6 +283,56 @@ class MembershipAudit:
                 optimizer.step()
         return model, ledger
 
+    def _train_patients(self, run: int, x: Tensor, y: Tensor) -> tuple[nn.Module, PrivacyLedger]:
+        """P3SGD rounds (one noise scale, server rate 1) over patients x: (patients, k, features)."""
+        model = self._model(run)
+        ledger = PrivacyLedger("patient", self.delta)
+        sampler = PoissonPatientSampler(len(x), self.sample_rate, seed=self.seed + 31 * (run + 1))
+        normalizer = sampler.expected_count  # q·N_p, as P3SGD: never the private count of the round
+        state = ModelState(model)
+        names = [name for name, p in model.named_parameters() if p.requires_grad]
+        step = None
+        if self.private:
+            release = GaussianRelease(
+                ledger,
+                clip_norm=self.clip_norm,
+                sample_rate=self.sample_rate,
+                schedule=self.schedule,
+                seed=self.seed + 37 * (run + 1),
+            )
+            step = PrivateStep(release)
+
+        def patient_loss(p: dict[str, Tensor], xs: Tensor, ys: Tensor) -> Tensor:
+            return F.cross_entropy(torch.func.functional_call(model, p, (xs,)), ys)
+
+        def local_update(p: dict[str, Tensor], xs: Tensor, ys: Tensor) -> dict[str, Tensor]:
+            for _ in range(self.local_steps):  # local SGD from θ_t over this patient's images only
+                grads = torch.func.grad(patient_loss)(p, xs, ys)
+                p = {name: p[name] - self.lr * grads[name] for name in p}
+            return p
+
+        local = torch.func.vmap(local_update, in_dims=(None, 0, 0))
+        for t in range(self.steps):
+            idx = sampler.sample()
+            theta, other = state.vector(), state.snapshot_other_buffers()
+            total = torch.zeros_like(theta)
+            if len(idx):
+                start = {name: p.detach() for name, p in model.named_parameters() if p.requires_grad}
+                ends = local(start, x[idx], y[idx])
+                flat = torch.cat([ends[name].reshape(len(idx), -1) for name in names], dim=1)
+                if self.private:
+                    for row in flat:  # P3SGD's own clipping: clip_C(θ_local − θ_t), added to the sum
+                        state.load(row)
+                        state.add_clipped_change(theta, total, self.clip_norm)
+                    state.load(theta, other)
+                else:
+                    total = (flat - theta).sum(dim=0)
+            if step is not None:
+                step(t, total, normalizer, ModelStateTarget(state, theta, other, server_lr=1.0))
+            else:
+                state.load(theta + total / normalizer, other)
+        return model, ledger
+
     # ------------------------------------------------------------------ the audit
     def run(self) -> MembershipAuditResult:
         x, y, cx, cy = self.dataset()
@@ -211,8 +343,10 @@ class MembershipAudit:
             keep = coins[run]
             model, ledger = self.train(run, torch.cat([x, cx[run][keep]]), torch.cat([y, cy[run][keep]]))
             with torch.no_grad():
-                losses = F.cross_entropy(model(cx[run]), cy[run], reduction="none")
-            scores[run] = -losses.double().numpy()
+                logits = model(cx[run])  # (canaries, [k,] classes)
+                losses = F.cross_entropy(logits.reshape(-1, CLASSES), cy[run].reshape(-1), reduction="none")
+            # A patient's score: the mean negative loss over its images.
+            scores[run] = -losses.double().reshape(self.canaries, -1).mean(dim=1).numpy()
             if self.progress is not None:
                 self.progress(run + 1, self.runs)
         assert ledger is not None
@@ -232,6 +366,9 @@ class MembershipAudit:
         upper = get_accountant(self.accountant).epsilon(ledger, self.delta) if self.private else math.inf
         return MembershipAuditResult(
             private=self.private,
+            level=self.level,
+            training=self.training,
+            images_per_patient=self.images_per_patient if self.level == "patient" else 1,
             epsilon_upper=float(upper),
             epsilon_many_runs=float(many),
             epsilon_one_run=float(one),

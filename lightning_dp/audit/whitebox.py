@@ -15,9 +15,11 @@ and turns the scores into an ε lower bound (Clopper–Pearson at a threshold ch
 split), beside the ε upper bound the accountant reports for the same ledger.
 
 What it tests: that the noise drawn, the sampling rate, the clipping, the normalization and the DDP
-reduction are what the accountant assumed — a bug in any of them that leaks more makes ε_lower exceed
-ε_upper. What it does not: the accept/reject decisions and the noisy-update selection (P3SGD with
-several noise scales) are not audited; a passing audit is a lower bound from one attack, not a proof.
+reduction are what the accountant assumed. A bug in any of them that leaks more *can* make ε_lower
+exceed ε_upper, but need not: ε_lower is a lower bound from one attack and finitely many runs, so a
+leak that this attack does not score, or that is below its statistical resolution, passes. What it
+does not test: the accept/reject decisions and the noisy-update selection (P3SGD with several noise
+scales). A passing audit is not a proof of privacy.
 """
 
 from __future__ import annotations
