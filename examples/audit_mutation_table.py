@@ -24,14 +24,14 @@ from lightning_dp.audit.mutants import MUTANTS, Mutant
 from lightning_dp.audit.scenarios import dpsgd_audit, p3sgd_audit
 
 #: Steps observed per world: enough for the subtle mutants (noise std / √2), few for the gross ones.
-STEPS = {"noise std / √2": 200}
+STEPS = {"noise std / √2": 100, "ledger charged at q/2": 100, "RDP halved": 100}
 DEFAULT_STEPS = 50
 
 SCENARIOS: dict[str, Callable[[int], CallbackAudit]] = {
     "DPSGD": lambda steps: dpsgd_audit("conv", steps=steps),
     "DPSGD (ConvTranspose, eval BatchNorm)": lambda steps: dpsgd_audit("transpose", steps=steps),
     "P3SGD": lambda steps: p3sgd_audit(steps=steps),
-    "P3SGD-selection": lambda steps: p3sgd_audit(noise_scales=(1.0, 2.0), local_steps=3, steps=steps),
+    "P3SGD-selection": lambda steps: p3sgd_audit(noise_scales=(0.5, 1.0), local_steps=3, steps=steps),
 }
 
 
@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     rows = []
     start = time.perf_counter()
     for scenario in SCENARIOS:
-        result = audit(scenario, None, args.steps or STEPS.get("correct", 100))
+        result = audit(scenario, None, args.steps or STEPS.get("correct", 50))
         rows.append(row("(correct code)", "—", scenario, result, expect_caught=False))
     for mutant in MUTANTS:
         for scenario in scenario_for(mutant):

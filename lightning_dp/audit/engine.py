@@ -21,10 +21,14 @@ present, 0 if not.
 trade-off curve is Gaussian): y_t ~ N(b·β·m_t, s²), with m_t the canary's clipped norm by the auditor's
 reference (units of C; 1 while the clip is active) and β the factor by which the step really lets the
 canary through (1 for correct code). β is estimated by least squares in each world and bounded from
-below, s bounded from above (`gdp_mu_lower`), with joint confidence 1 − significance; the T steps
-compose to μ = β·√(Σ m_t²)/s, so ε_lower = ε_GDP(μ_lower, δ). The audit *passes* when ε_lower ≤
-ε_upper, the ε the callback's own accountant reports for the run's ledger. With several noise scales
-(P3SGD's selection) the pooled s of a mixture of scales makes the reading conservative.
+below; s, the noise sd, is measured on the d − 1 directions orthogonal to the canary (where, once the
+population is subtracted, only the noise is left) and bounded from above (`gdp_mu_lower`), jointly with
+confidence 1 − significance. The T steps compose to μ = β·√(Σ m_t²)/s, so ε_lower = ε_GDP(μ_lower, δ).
+The audit *passes* when ε_lower ≤ ε_upper, the ε the callback's own accountant reports for the run's
+ledger. With several noise scales (P3SGD's selection) s is the root mean square of the scales used,
+which makes the reading conservative. The canary's loss is weighted (``canary_weight``) so that its
+gradient is far above C, and C is set above the population's gradients: a wrong clip then moves the
+canary alone.
 
 What it does not see: subsampling (q < 1 is refused here: the simulated `StepAudit` covers the sampler
 with Clopper–Pearson bounds), an accountant that is wrong only for q < 1, and anything that leaks without
@@ -71,7 +75,9 @@ class CallbackAuditResult:
     ``mean_in``/``mean_out`` are the canary projection's means in units of C (1 and 0 for a correct step),
     ``sd_in``/``sd_out`` its spread (the noise multiplier z for a correct step), ``noise_sd`` the noise
     std measured on the directions orthogonal to the canary (also ≈ z), ``canary_norm`` the canary's
-    clipped contribution norm by the auditor's reference, in units of C (1: the clip is active).
+    clipped contribution norm by the auditor's reference, in units of C (1: the clip is active),
+    ``population_clipped`` the fraction of the population's contributions the clip changed (0 is best: a bug in
+    the clip then moves only the canary, not the population the auditor subtracts).
     """
 
     mechanism: str
@@ -89,6 +95,7 @@ class CallbackAuditResult:
     noise_sd: float
     noise_multiplier: float
     canary_norm: float
+    population_clipped: float
     delta: float
     significance: float
     accountant: str
@@ -118,8 +125,8 @@ class CallbackAuditResult:
 class _Units(Dataset):  # type: ignore[type-arg]
     """(x, y) pairs; with patients, the P3SGD interface (``patient_to_indices``, ``num_patients``)."""
 
-    def __init__(self, x: Tensor, y: Tensor, patients: Tensor | None) -> None:
-        self.x, self.y = x, y
+    def __init__(self, x: Tensor, y: Tensor, w: Tensor, patients: Tensor | None) -> None:
+        self.x, self.y, self.w = x, y, w
         if patients is not None:
             ids = sorted(set(patients.tolist()))
             self.patient_to_indices = {k: torch.nonzero(patients == p).flatten().tolist() for k, p in enumerate(ids)}
@@ -128,8 +135,8 @@ class _Units(Dataset):  # type: ignore[type-arg]
     def __len__(self) -> int:
         return len(self.y)
 
-    def __getitem__(self, i: int) -> tuple[Tensor, Tensor]:
-        return self.x[i], self.y[i]
+    def __getitem__(self, i: int) -> tuple[Tensor, Tensor, Tensor]:
+        return self.x[i], self.y[i], self.w[i]
 
 
 class _Data(pl.LightningDataModule):
@@ -161,8 +168,8 @@ class _Module(pl.LightningModule):
         return self
 
     def training_step(self, batch: Any, batch_idx: int) -> Tensor:
-        x, y = batch
-        return F.cross_entropy(self.model(x), y)
+        x, y, w = batch
+        return _weighted_loss(self.model(x), y, w)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD([p for p in self.model.parameters() if p.requires_grad], lr=self.lr)
@@ -183,6 +190,11 @@ class _Observer(pl.Callback):
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         assert isinstance(pl_module, _Module)
         self.thetas.append(_flat(pl_module.model))
+
+
+def _weighted_loss(logits: Tensor, y: Tensor, w: Tensor) -> Tensor:
+    """Mean over the batch of each image's cross-entropy times its unit's weight (the canary's is large)."""
+    return (F.cross_entropy(logits, y, reduction="none") * w.to(logits.dtype)).mean()
 
 
 def _trainable(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
@@ -207,6 +219,8 @@ class CallbackAudit:
             Its gradient (or local update) must be much larger than the clip norm, so the clip is active.
         steps: T, the number of steps observed.
         lr: the learning rate of DPSGD's SGD (P3SGD uses its own local and server learning rates).
+        canary_weight: the canary's loss is multiplied by this (a "gradient canary": its gradient, or local
+            update, is then far above the clip norm whatever the architecture does to the input's scale).
         significance: the bound holds with probability ≥ 1 − significance.
         seed: seeds the model's initialization and the callbacks (public; never derived from data).
         trainer_kwargs: more arguments for the Trainer (e.g. ``precision``).
@@ -231,6 +245,7 @@ class CallbackAudit:
         canary: Sequence[Tensor],
         steps: int = 200,
         lr: float = 0.05,
+        canary_weight: float = 1.0,
         significance: float = 0.05,
         seed: int = 0,
         trainer_kwargs: dict[str, Any] | None = None,
@@ -257,6 +272,9 @@ class CallbackAudit:
         self.canary = tuple(canary)
         self.steps = check_count(owner, "steps", steps, "e.g. 200.", minimum=2)
         self.lr = float(lr)
+        self.canary_weight = float(canary_weight)
+        self._population_clipped: list[float] = []
+        self._dimension = 0
         if not 0.0 < significance < 1.0:
             raise PrivacyConfigError(f"`{owner}(significance={significance})`: must be in (0, 1), e.g. 0.05.")
         self.significance = float(significance)
@@ -278,13 +296,15 @@ class CallbackAudit:
     # ------------------------------------------------------------------ the two worlds
     def _dataset(self, with_canary: bool) -> _Units:
         x, y = self.population[0], self.population[1]
+        w = torch.ones(len(y))
         patients = self.population[2] if self.level == "patient" else None
         if with_canary:
             cx, cy = self.canary
             x, y = torch.cat([x, cx]), torch.cat([y, cy])
+            w = torch.cat([w, torch.full((len(cy),), self.canary_weight)])
             if patients is not None:  # the canary is the first patient of every round (its id sorts first)
                 patients = torch.cat([patients, torch.full((len(cy),), int(patients.min()) - 1)])
-        return _Units(x, y, patients)
+        return _Units(x, y, w, patients)
 
     def fit(self, with_canary: bool) -> tuple[Any, _Observer, _Units]:
         """One world's run: (the callback after fitting, the observer with every θ_t, the training data)."""
@@ -336,31 +356,39 @@ class CallbackAudit:
         fixed = {k: v for k, v in reference.named_parameters() if k not in params}
         fixed.update(dict(reference.named_buffers()))
 
-        def loss(p: dict[str, Tensor], x: Tensor, y: Tensor) -> Tensor:
-            return F.cross_entropy(torch.func.functional_call(reference, {**p, **fixed}, (x,)), y)
+        def loss(p: dict[str, Tensor], x: Tensor, y: Tensor, w: Tensor) -> Tensor:
+            return _weighted_loss(torch.func.functional_call(reference, {**p, **fixed}, (x,)), y, w)
 
+        weight = torch.tensor(self.canary_weight, dtype=torch.float64)
         if self.level == "sample":
             x = torch.cat([self.population[0], self.canary[0]]).double()
             y = torch.cat([self.population[1], self.canary[1]])
-            grads = torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0, 0))(params, x.unsqueeze(1), y.unsqueeze(1))
+            w = torch.cat([torch.ones(len(self.population[1]), dtype=torch.float64), weight.expand(len(self.canary[1]))])
+            grads = torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0, 0, 0))(
+                params, x.unsqueeze(1), y.unsqueeze(1), w.unsqueeze(1)
+            )
             flat = torch.cat([grads[name].reshape(len(y), -1) for name in params], dim=1)
         else:
             x, y, patients = self.population
-            units = [(x[patients == p].double(), y[patients == p]) for p in torch.unique(patients)]
-            units.append((self.canary[0].double(), self.canary[1]))
-            flat = torch.stack([self._local_change(loss, params, ux, uy, callback) for ux, uy in units])
-        clipped = flat * torch.clamp(float(callback.clip_norm) / flat.norm(dim=1, keepdim=True), max=1.0)
+            units = [(x[patients == p].double(), y[patients == p], 1.0) for p in torch.unique(patients)]
+            units.append((self.canary[0].double(), self.canary[1], self.canary_weight))
+            flat = torch.stack(
+                [self._local_change(loss, params, ux, uy, torch.full((len(uy),), uw), callback) for ux, uy, uw in units]
+            )
+        norms = flat.norm(dim=1, keepdim=True)
+        self._population_clipped.append(float((norms[:-1] > float(callback.clip_norm)).double().mean()))
+        clipped = flat * torch.clamp(float(callback.clip_norm) / norms, max=1.0)
         return clipped[:-1].sum(0), clipped[-1]
 
     @staticmethod
     def _local_change(
-        loss: Callable[..., Tensor], params: dict[str, Tensor], x: Tensor, y: Tensor, callback: Any
+        loss: Callable[..., Tensor], params: dict[str, Tensor], x: Tensor, y: Tensor, w: Tensor, callback: Any
     ) -> Tensor:
         """A patient's local update by plain torch SGD semantics (momentum, weight decay), full-patient batches."""
         current = {k: v.clone() for k, v in params.items()}
         velocity: dict[str, Tensor] = {}
         for step in range(int(callback.local_epochs)):
-            grads = torch.func.grad(loss)(current, x, y)
+            grads = torch.func.grad(loss)(current, x, y, w.double())
             for k in current:
                 d = grads[k] + callback.local_weight_decay * current[k]
                 if callback.local_momentum:
@@ -370,7 +398,8 @@ class CallbackAudit:
         return torch.cat([(current[k] - params[k]).reshape(-1) for k in params])
 
     def _projections(self, callback: Any, observer: _Observer, data: _Units) -> tuple[Tensor, Tensor, Tensor]:
-        """Per step: the canary projection y_t, the noise sd on the orthogonal directions, the canary norm (units of C)."""
+        """Per step (units of C): the canary projection y_t, the squared noise on the d − 1 orthogonal directions, and
+        the canary's clipped norm m_t by the reference."""
         assert observer.model is not None
         clip = float(callback.clip_norm)
         units = data.num_patients if self.level == "patient" else len(data)
@@ -382,11 +411,11 @@ class CallbackAudit:
             released = (after - theta) * (n / scale)
             others, canary = self._contributions(observer.model, theta, callback)
             residual = released - others
+            self._dimension = residual.numel()
             direction = canary / canary.norm()
             along = float(residual @ direction)
-            orthogonal = float((residual - along * direction).norm()) / math.sqrt(residual.numel() - 1)
             ys.append(along / clip)
-            sds.append(orthogonal / clip)
+            sds.append(float((residual - along * direction).norm() / clip) ** 2)  # Σ of d − 1 squared noise draws
             norms.append(float(canary.norm()) / clip)
         return torch.tensor(ys), torch.tensor(sds), torch.tensor(norms)
 
@@ -400,7 +429,9 @@ class CallbackAudit:
         callback = results[True][0]
         y_in, y_out = results[True][1].double().numpy(), results[False][1].double().numpy()
         m_in, m_out = results[True][3].double().numpy(), results[False][3].double().numpy()
-        mu_lower, mu, beta = gdp_mu_lower(y_in, m_in, y_out, m_out, self.significance)
+        noise_ss = float(torch.cat([results[True][2], results[False][2]]).sum())
+        noise_dof = 2 * self.steps * (self._dimension - 1)
+        mu_lower, mu, beta = gdp_mu_lower(y_in, m_in, y_out, m_out, noise_ss, noise_dof, self.significance)
         delta = float(callback.ledger.delta)
         return CallbackAuditResult(
             mechanism=self.mechanism,
@@ -415,7 +446,8 @@ class CallbackAudit:
             mean_out=float(y_out.mean()),
             sd_in=float(y_in.std(ddof=1)),
             sd_out=float(y_out.std(ddof=1)),
-            noise_sd=float(torch.cat([results[True][2], results[False][2]]).mean()),
+            noise_sd=math.sqrt(noise_ss / noise_dof),
+            population_clipped=float(np.mean(self._population_clipped)),
             noise_multiplier=float(callback.release.noise_multiplier(0)),
             canary_norm=float(results[True][3].mean()),
             delta=delta,
@@ -431,32 +463,33 @@ def gdp_mu_lower(
     m_in: NDArray[np.float64],
     y_out: NDArray[np.float64],
     m_out: NDArray[np.float64],
+    noise_ss: float,
+    noise_dof: int,
     significance: float,
 ) -> tuple[float, float, float]:
     """(μ_lower, μ̂, β̂): a lower confidence bound on the run's Gaussian-DP μ, its point estimate, and β̂.
 
     Step t's projection is y_t ~ N(b·β·m_t, s²): b = 1 in the "in" world, m_t the canary's clipped norm
     the auditor expects (units of C), β the factor by which the step lets the canary through (1 when
-    correct). β is estimated by least squares in each world (β̂ = β̂_in − β̂_out), s from the pooled
-    residuals; the steps compose to μ = β·√(Σ m_t²)/s (in-world m_t). β is bounded from below by a
-    normal bound and s from above by a χ² bound, each at half the significance, so the pair holds jointly
-    with probability ≥ 1 − significance.
+    correct). β is estimated by least squares in each world (β̂ = β̂_in − β̂_out) and bounded from below by
+    a normal bound; s² is measured on the directions orthogonal to the canary (``noise_ss`` over
+    ``noise_dof`` squared draws, where only the noise is left once the population is subtracted) and
+    bounded from above by a χ² bound; each at half the significance, so the pair holds jointly with
+    probability ≥ 1 − significance. The steps compose to μ = β·√(Σ m_t²)/s (in-world m_t).
 
     Example:
         >>> rng = np.random.default_rng(0)
-        >>> ones = np.ones(4000)
-        >>> low, mu, beta = gdp_mu_lower(rng.normal(1, 1, 4000), ones, rng.normal(0, 1, 4000), ones, 0.05)
+        >>> ones, noise = np.ones(4000), rng.normal(0, 1, 100_000)
+        >>> low, mu, beta = gdp_mu_lower(rng.normal(1, 1, 4000), ones, rng.normal(0, 1, 4000), ones,
+        ...                              float(noise @ noise), len(noise), 0.05)
         >>> 0.9 * 4000**0.5 < low < mu < 1.1 * 4000**0.5, 0.9 < beta < 1.1
         (True, True)
     """
-    a, b = len(y_in), len(y_out)
     ss_in, ss_out = float(m_in @ m_in), float(m_out @ m_out)
-    beta_in, beta_out = float(m_in @ y_in) / ss_in, float(m_out @ y_out) / ss_out
-    residuals = np.concatenate([y_in - beta_in * m_in, y_out - beta_out * m_out])
-    pooled = float(residuals @ residuals) / (a + b - 2)
+    beta = float(m_in @ y_in) / ss_in - float(m_out @ y_out) / ss_out
+    variance = noise_ss / noise_dof
     half = significance / 2
-    beta = beta_in - beta_out
-    beta_lower = beta - float(stats.norm.isf(half)) * math.sqrt(pooled / ss_in + pooled / ss_out)
-    sd_upper = math.sqrt(pooled * (a + b - 2) / float(stats.chi2.ppf(half, a + b - 2)))
+    beta_lower = beta - float(stats.norm.isf(half)) * math.sqrt(variance / ss_in + variance / ss_out)
+    sd_upper = math.sqrt(noise_ss / float(stats.chi2.ppf(half, noise_dof)))
     scale = math.sqrt(ss_in)
-    return max(0.0, beta_lower * scale / sd_upper), beta * scale / math.sqrt(pooled), beta
+    return max(0.0, beta_lower * scale / sd_upper), beta * scale / math.sqrt(variance), beta

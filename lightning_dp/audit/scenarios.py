@@ -1,8 +1,8 @@
 """Small, fast `CallbackAudit` set-ups that cover every layer-rule family and both engines.
 
 Each function returns a ready `CallbackAudit` on synthetic 8×8 one-channel images: a population of
-ordinary units, and a canary whose inputs are scaled up so its gradient (or local update) is far above
-the clip norm. They are what the test suite and ``examples/audit_mutation_table.py`` audit, and a
+ordinary units whose gradients stay below the clip norm, and a canary whose loss is weighted so that its
+gradient (or local update) is far above it. They are what the test suite and ``examples/audit_mutation_table.py`` audit, and a
 template for auditing a configuration of one's own.
 
 * ``dpsgd_audit("conv")``: Conv2d (materialized per-sample gradients at 8×8), GroupNorm (Opacus' grad
@@ -27,8 +27,9 @@ from lightning_dp.callbacks.p3sgd import P3SGD
 
 __all__ = ["dpsgd_audit", "p3sgd_audit"]
 
-#: The canary's images are this many times larger than a population image: its gradient is far above C.
-CANARY_GAIN = 30.0
+#: The canary's loss is weighted by this much: its gradient (or local update) is far above C whatever the
+#: model does to its input's scale, while the population's stay below C.
+CANARY_WEIGHT = 50.0
 
 
 def _conv_net() -> nn.Module:
@@ -75,8 +76,8 @@ def dpsgd_audit(
     model: Literal["conv", "transpose"] = "conv",
     *,
     steps: int = 200,
-    noise_multiplier: float = 1.0,
-    clip_norm: float = 1.0,
+    noise_multiplier: float = 0.5,
+    clip_norm: float = 3.0,
     population: int = 12,
     accountant: Literal["rdp", "prv"] = "rdp",
     seed: int = 0,
@@ -95,7 +96,8 @@ def dpsgd_audit(
         ),
         model=factory,
         population=(x[1:], y[1:]),
-        canary=(x[:1] * CANARY_GAIN, 1 - y[:1]),
+        canary=(x[:1], 1 - y[:1]),
+        canary_weight=CANARY_WEIGHT,
         steps=steps,
         lr=0.05,
         seed=seed,
@@ -104,10 +106,10 @@ def dpsgd_audit(
 
 def p3sgd_audit(
     *,
-    noise_scales: Sequence[float] = (1.0,),
+    noise_scales: Sequence[float] = (0.5,),
     local_steps: int = 1,
     steps: int = 200,
-    clip_norm: float = 0.1,
+    clip_norm: float = 0.5,
     patients: int = 10,
     images_per_patient: int = 3,
     seed: int = 0,
@@ -132,7 +134,8 @@ def p3sgd_audit(
         ),
         model=_mlp,
         population=(x[k:], y[k:], ids),
-        canary=(x[:k] * CANARY_GAIN, 1 - y[:k]),
+        canary=(x[:k], 1 - y[:k]),
+        canary_weight=CANARY_WEIGHT / 2,
         steps=steps,
         seed=seed,
     )

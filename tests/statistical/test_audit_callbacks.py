@@ -22,10 +22,10 @@ SCENARIOS = {
     "DPSGD": lambda steps: dpsgd_audit("conv", steps=steps),
     "DPSGD-transpose": lambda steps: dpsgd_audit("transpose", steps=steps),
     "P3SGD": lambda steps: p3sgd_audit(steps=steps),
-    "P3SGD-selection": lambda steps: p3sgd_audit(noise_scales=(1.0, 2.0), local_steps=3, steps=steps),
+    "P3SGD-selection": lambda steps: p3sgd_audit(noise_scales=(0.5, 1.0), local_steps=3, steps=steps),
 }
 #: The subtle mutant needs more steps to be told from the correct code (β̂ and s are bounded jointly).
-MUTANT_STEPS = {"noise std / √2": 200}
+MUTANT_STEPS = {"noise std / √2": 100, "ledger charged at q/2": 100, "RDP halved": 100}
 
 
 def margin(result):
