@@ -477,6 +477,14 @@ class P3SGD(DPCallback):
         public = {"privacy/rounds": float(self.rounds), "privacy/accepted": float(result.accepted)}
         self._log_step(pl_module, result, public, stats, names)
 
+    def _nonfinite_loss_causes(self) -> str:
+        return (
+            "released normalization statistics that no longer match the noised weights (a running variance near "
+            f"0 divides by √eps; variance_floor={self.variance_floor} floors them), or a clip_norm (C_u = "
+            f"{self.clip_norm}) or local_lr ({self.local_lr}) so large that the noise per weight, "
+            "z·C_u/(q·N), dwarfs the weights and activations overflow layer after layer"
+        )
+
     # ------------------------------------------------------------------ report and checkpoints
     def _accounting_mode(self) -> str:
         return self.accounting

@@ -174,8 +174,9 @@ class ModelState:
             for b, saved in zip(self.other_buffers, other_buffers):
                 b.copy_(saved)
         # Noise can push a running variance to zero or below; flooring it is post-processing (costs no privacy).
+        # A NaN variance (only a NaN in the model itself can put one there) becomes the floor as well.
         for var, floor in self.variance_floors:
-            torch.maximum(var, floor, out=var)
+            torch.where(var >= floor, var, floor, out=var)
 
 
 @dataclass(frozen=True)
