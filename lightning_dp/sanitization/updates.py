@@ -64,7 +64,13 @@ class ModelState:
 
     def __init__(self, module: nn.Module, release_buffers: Sequence[str] = (), variance_floor: float = 0.0) -> None:
         variance_floor = check_in_interval(
-            "ModelState", "variance_floor", variance_floor, 0.0, 1.0, low_closed=True, high_closed=True,
+            "ModelState",
+            "variance_floor",
+            variance_floor,
+            0.0,
+            1.0,
+            low_closed=True,
+            high_closed=True,
             hint="0.1 floors every released running variance at 10 % of its initial value.",
         )
         self.module = module

@@ -32,7 +32,7 @@ def test_a_noised_variance_never_reaches_evaluation_below_the_floor() -> None:
     loaded = state.vector()
     variance = torch.zeros_like(theta, dtype=torch.bool)
     offset = sum(p.numel() for p in net.parameters())
-    for m in (net[1], net[4]):  # buffers in order: running_mean, running_var of each BatchNorm
+    for _ in range(2):  # the buffers, in order: running_mean, running_var of each BatchNorm
         variance[offset + 6 : offset + 12] = True
         offset += 12
     assert torch.equal(loaded[~variance], noised[~variance])
