@@ -158,6 +158,8 @@ class DPCallback(pl.Callback):
         self._trained_ledgers: tuple[PrivacyLedger | None, PrivacyLedger | None] = (None, None)
         #: From setup until a checkpoint reaches on_load_checkpoint (an error reading the file comes in between).
         self._reading = False
+        #: A non-finite validation or test loss was warned about in this fit (or test run): warned once.
+        self._warned_nonfinite_loss = False
 
     @property
     def state_key(self) -> str:
@@ -245,6 +247,7 @@ class DPCallback(pl.Callback):
 
     # ------------------------------------------------------------------ setup and teardown
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._warned_nonfinite_loss = False
         if stage != "fit":
             return
         others = [cb for cb in trainer.callbacks if isinstance(cb, DPCallback) and cb is not self]  # type: ignore[attr-defined]
@@ -452,6 +455,50 @@ class DPCallback(pl.Callback):
                 "so the batches would not be what the accountant assumes. HINT: do not pass train_dataloaders to "
                 "trainer.fit; pass a datamodule, or define train_dataloader() in the LightningModule."
             )
+
+    # ------------------------------------------------------------------ evaluation
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not trainer.sanity_checking:  # the sanity check runs the model as the user built it, before any step
+            self._warn_nonfinite_loss(trainer, "validation")
+
+    def on_test_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._warn_nonfinite_loss(trainer, "test")
+
+    def _nonfinite_loss_causes(self) -> str:
+        """The likely causes of a non-finite evaluation loss under this callback, for the warning."""
+        return (
+            "the clip norm or the learning rate is too large for the noise (each step moves the weights by up to "
+            "lr·(clip_norm + noise)), or the model has a layer that overflows once its weights are noised"
+        )
+
+    def _warn_nonfinite_loss(self, trainer: pl.Trainer, stage: str) -> None:
+        """Warns (once per fit) when a logged validation or test loss is NaN or infinite.
+
+        What is reported is public: the metric's name, that its value is not finite, and the step count. The
+        evaluation data is held out, not the private training data.
+        """
+        if self._warned_nonfinite_loss:
+            return
+        bad = sorted(
+            name
+            for name, value in trainer.callback_metrics.items()
+            if "loss" in name.lower()
+            and not name.startswith(("privacy/", "private_diagnostics/"))
+            and isinstance(value, torch.Tensor)
+            and value.numel() == 1
+            and not bool(torch.isfinite(value))
+        )
+        if not bad:
+            return
+        self._warned_nonfinite_loss = True
+        steps = self.ledger.steps if self.ledger is not None else 0
+        rank_zero_warn(
+            f"{self.state_key}: the {stage} loss {bad} is NaN or infinite after {steps} private steps: the model's "
+            f"outputs overflow, and accuracy-type metrics of such a model are meaningless. Likely cause: "
+            f"{self._nonfinite_loss_causes()}. HINT: lower clip_norm or the learning rate, or raise the number of "
+            f"{self.unit}s per step (less noise per weight). Warned once per run.",
+            category=PrivacyWarning,
+        )
 
     # ------------------------------------------------------------------ logging
     def _install_log_filter(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -102,6 +102,13 @@ class P3SGD(DPCallback):
             normalization layers in training mode always are; every other buffer (an input
             normalization constant, a pruning mask, a spectral-norm vector) is restored after each
             patient's update and never changes.
+        variance_floor: f in [0, 1]: every released running variance of a normalization layer is floored at
+            f times the variance the layer had when fit started (1 for a fresh BatchNorm; the pre-trained
+            value otherwise). The noised variance can come out at or below 0; a variance of 0 makes
+            evaluation divide by √eps (×316 per BatchNorm layer) and a ResNet's outputs overflow to NaN. The
+            floor is post-processing of the noised release: the clipped update, the noise and ε are unchanged.
+            Its cost: a channel whose true variance is below the floor is under-scaled at evaluation (by at
+            most √(true variance / floor)). 0 gives the old behaviour (variances only clamped at 0).
         delta: δ of the ledger. Default: the PrivacyBudget's δ if there is one, else min(1e-5, 1/(10N))
             for N training patients; in ``accounting="paper"`` mode 1/N^1.1, the paper's choice (δ·N ≈ 0.5:
             weak). A δ with δ·N > 0.1 is warned about.
@@ -144,6 +151,7 @@ class P3SGD(DPCallback):
         server_lr: float = 1.0,
         rounds_per_epoch: int | None = None,
         release_buffers: Sequence[str] = (),
+        variance_floor: float = 0.1,
         delta: float | None = None,
         accounting: Literal["rigorous", "paper"] = "rigorous",
         accountant: Literal["rdp", "prv"] = "rdp",
@@ -210,6 +218,9 @@ class P3SGD(DPCallback):
             )
         self.accounting: Literal["rigorous", "paper"] = accounting
         self.release_buffers = tuple(release_buffers)
+        self.variance_floor = check_in_interval(
+            owner, "variance_floor", variance_floor, 0.0, 1.0, low_closed=True, high_closed=True, hint="e.g. 0.1."
+        )
         if accounting == "paper" and acceptance is not None:
             raise PrivacyConfigError(
                 "`P3SGD(accounting='paper', acceptance=...)`: the paper's accounting has no accept/reject decisions. "
@@ -289,7 +300,7 @@ class P3SGD(DPCallback):
         elif trainer.max_steps is not None and trainer.max_steps > 0:
             self.noise_schedule.multipliers(trainer.max_steps)  # a bad multiplier anywhere in the run: an error now
         self.release = self._new_release(self.ledger, seeds[1])
-        self._state = ModelState(pl_module, self.release_buffers)
+        self._state = ModelState(pl_module, self.release_buffers, self.variance_floor)
         if self.accounting == "paper":
             rank_zero_warn(
                 "P3SGD(accounting='paper') reproduces the paper's ε, which is NOT a differential-privacy guarantee.",
@@ -465,6 +476,14 @@ class P3SGD(DPCallback):
         names = ("patients_in_round", "clipped_fraction", "mean_update_norm", "nonfinite_updates")
         public = {"privacy/rounds": float(self.rounds), "privacy/accepted": float(result.accepted)}
         self._log_step(pl_module, result, public, stats, names)
+
+    def _nonfinite_loss_causes(self) -> str:
+        return (
+            "released normalization statistics that no longer match the noised weights (a running variance near "
+            f"0 divides by √eps; variance_floor={self.variance_floor} floors them), or a clip_norm (C_u = "
+            f"{self.clip_norm}) or local_lr ({self.local_lr}) so large that the noise per weight, "
+            "z·C_u/(q·N), dwarfs the weights and activations overflow layer after layer"
+        )
 
     # ------------------------------------------------------------------ report and checkpoints
     def _accounting_mode(self) -> str:

@@ -7,6 +7,11 @@ through the same clipping and noise. Every other buffer — integer buffers (``n
 the buffers of modules in eval mode (a frozen backbone), and constants such as an input-normalization
 mean, a pruning mask or a spectral-norm vector — is restored after each unit's local update: no
 statistic of private data leaves un-sanitized, and no constant drifts with the noise.
+
+A released running variance is noised like everything else, so it can come out near zero or negative. What
+is loaded into the buffer is floored at a public ``variance_floor`` (a fraction of the variance the module had
+when `ModelState` was built: 1 for a fresh BatchNorm, the pre-trained value otherwise). The floor is
+post-processing of the noised release: the clipped update, the noise drawn and ε are unchanged.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _NormBase
 
-from lightning_dp.errors import PrivacyConfigError
+from lightning_dp.errors import PrivacyConfigError, check_in_interval
 
 __all__ = ["ClipResult", "ModelState", "clip_factor", "clip_update"]
 
@@ -35,6 +40,14 @@ class ModelState:
         module: the model.
         release_buffers: qualified names of further float buffers that training updates and that are
             to be released (clipped and noised) with the parameters; every other buffer is restored.
+        variance_floor: f in [0, 1]. Every running variance loaded by `load` is at least f·v₀, per channel, with
+            v₀ the running variance of that normalization layer when this `ModelState` is built (a public value:
+            the initial or pre-trained model; a channel whose v₀ is not a finite number > 0 uses v₀ = 1). The
+            floor is post-processing of the noised release: it changes neither the clipped update nor the
+            noise nor ε, only what the buffer holds afterwards (and therefore θ of the next round). Without it
+            (f = 0, variances only clamped at 0) a noised variance near 0 makes evaluation divide by √eps
+            (×316 per BatchNorm layer) and a deep network's outputs overflow to inf and NaN. The cost: a channel
+            whose true variance is below f·v₀ is under-scaled at evaluation by at most √(true / (f·v₀)).
 
     Example:
         >>> net = nn.BatchNorm1d(2)
@@ -43,9 +56,23 @@ class ModelState:
         8
         >>> state.refresh() or ModelState(net.eval()).numel  # in eval mode its statistics are not trained
         4
+        >>> state = ModelState(net.train(), variance_floor=0.1)
+        >>> state.load(torch.tensor([1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.5, -3.0]))  # noise drove a variance below zero
+        >>> net.running_var.tolist()
+        [0.5, 0.10000000149011612]
     """
 
-    def __init__(self, module: nn.Module, release_buffers: Sequence[str] = ()) -> None:
+    def __init__(self, module: nn.Module, release_buffers: Sequence[str] = (), variance_floor: float = 0.0) -> None:
+        variance_floor = check_in_interval(
+            "ModelState",
+            "variance_floor",
+            variance_floor,
+            0.0,
+            1.0,
+            low_closed=True,
+            high_closed=True,
+            hint="0.1 floors every released running variance at 10 % of its initial value.",
+        )
         self.module = module
         named = dict(module.named_buffers())
         for name in release_buffers:
@@ -57,13 +84,37 @@ class ModelState:
                     f"module.named_buffers(), e.g. {list(named)[:3]}."
                 )
         self.release_buffers = tuple(release_buffers)
+        self.variance_floor = variance_floor
+        # Public floors, per normalization layer (by qualified name: moving a module to a device replaces its
+        # buffers), computed once from the variances the module starts with.
+        self._floors: dict[str, Tensor] = {}
+        for name, m in module.named_modules():
+            if isinstance(m, _NormBase) and m.running_var is not None:
+                v0 = m.running_var.detach().double().cpu()
+                v0 = torch.where(torch.isfinite(v0) & (v0 > 0), v0, torch.ones_like(v0))
+                self._floors[name] = (self.variance_floor * v0).float()
         self.refresh()
 
     def refresh(self) -> None:
         """Re-reads which tensors are released (requires_grad and train/eval modes can change)."""
         module = self.module
-        norms = [m for m in module.modules() if isinstance(m, _NormBase) and m.training and m.track_running_stats]
+        named_norms = [
+            (name, m)
+            for name, m in module.named_modules()
+            if isinstance(m, _NormBase) and m.training and m.track_running_stats
+        ]
+        norms = [m for _, m in named_norms]
         self.variances = [m.running_var for m in norms if m.running_var is not None]
+        #: (running variance, its floor) for every released variance; the floor lives on the buffer's device.
+        self.variance_floors: list[tuple[Tensor, Tensor]] = []
+        for name, m in named_norms:
+            var = m.running_var
+            if var is None:
+                continue
+            floor = self._floors.get(name)
+            if floor is None or floor.shape != var.shape:  # a layer added or resized after construction
+                floor = torch.zeros(var.shape)
+            self.variance_floors.append((var, floor.to(device=var.device, dtype=var.dtype)))
         self.params = [p for p in module.parameters() if p.requires_grad]
         statistics = {id(t) for m in norms for t in (m.running_mean, m.running_var) if t is not None}
         named = dict(module.named_buffers())
@@ -128,9 +179,10 @@ class ModelState:
         if other_buffers is not None:
             for b, saved in zip(self.other_buffers, other_buffers):
                 b.copy_(saved)
-        # Noise can push a running variance below zero; clamping is post-processing (costs no privacy).
-        for var in self.variances:
-            var.clamp_(min=0.0)
+        # Noise can push a running variance to zero or below; flooring it is post-processing (costs no privacy).
+        # A NaN variance (only a NaN in the model itself can put one there) becomes the floor as well.
+        for var, floor in self.variance_floors:
+            torch.where(var >= floor, var, floor, out=var)
 
 
 @dataclass(frozen=True)
