@@ -24,7 +24,7 @@ from lightning_dp.audit.mutants import MUTANTS, Mutant
 from lightning_dp.audit.scenarios import dpsgd_audit, p3sgd_audit
 
 #: Steps observed per world: enough for the subtle mutants (noise std / √2), few for the gross ones.
-STEPS = {"noise std / √2": 100, "ledger charged at q/2": 100, "RDP halved": 100}
+STEPS = {"noise std / √2": 100, "ledger charged at q/2": 100, "RDP halved": 100, "selection charged at largest z": 100}
 DEFAULT_STEPS = 50
 
 SCENARIOS: dict[str, Callable[[int], CallbackAudit]] = {
