@@ -27,6 +27,7 @@ from lightning_dp.accounting import (
     PrivacyUnit,
     calibrate_factor,
     get_accountant,
+    tcdp_mismatch,
     tcdp_plan_unchecked,
 )
 from lightning_dp.callbacks.budget import PrivacyBudget
@@ -582,6 +583,17 @@ class DPCallback(pl.Callback):
         if not isinstance(schedule, ExponentialDecay) or schedule.every != 1 or schedule.decay >= 1 or not rate:
             return out
         if steps < 1:
+            return out
+        # The formula describes a run only if every step is that one subsampled Gaussian: an acceptance energy or a
+        # selection on the step's sample costs more than it counts (0.020 "valid" was printed for a true ε ≥ 5.5).
+        mismatch = tcdp_mismatch(self.ledger.entries, rate, [self.release.noise_multiplier(t) for t in range(steps)])
+        if mismatch is not None:
+            out["tcdp_closed_form"] = {
+                "epsilon": None,
+                "valid": False,
+                "not_shown": "the closed form models each step as one Poisson-subsampled Gaussian at the decaying "
+                f"multiplier, and this run's ledger does not: {mismatch}. Its ε would not bound this run.",
+            }
             return out
         plan = tcdp_plan_unchecked(rate, self.release.noise_multiplier(0), schedule.decay, steps, self.ledger.delta)
         out["tcdp_closed_form"] = {

@@ -63,8 +63,11 @@ def _text(report: dict[str, Any]) -> str:
             lines.append(f"  {key}: {report[key]}")
     if "tcdp_closed_form" in report:
         tcdp = report["tcdp_closed_form"]
-        verdict = "valid" if tcdp["valid"] else "NOT a valid bound here: " + "; ".join(tcdp["failed_conditions"])
-        lines.append(f"  tCDP closed form (Zhang et al.): {tcdp['epsilon']:.4f} — {verdict}")
+        if tcdp.get("epsilon") is None:
+            lines.append(f"  tCDP closed form (Zhang et al.): not shown — {tcdp.get('not_shown', 'not computed')}")
+        else:
+            verdict = "valid" if tcdp["valid"] else "NOT a valid bound here: " + "; ".join(tcdp["failed_conditions"])
+            lines.append(f"  tCDP closed form (Zhang et al.): {tcdp['epsilon']:.4f} — {verdict}")
     if "claims_not_guarantees" in report:
         claim = report["claims_not_guarantees"]["epsilon_accepted_steps_only"]
         lines.append(f"  accepted steps only (the papers' count, NOT a guarantee): {claim:.4f}")
