@@ -28,7 +28,7 @@ from lightning_dp.accounting.events import (
     event_from_dict,
 )
 from lightning_dp.accounting.ledger import PrivacyLedger, PrivacyUnit
-from lightning_dp.accounting.tcdp import TCDPConditionError, TCDPPlan, plan_tcdp, tcdp_plan_unchecked
+from lightning_dp.accounting.tcdp import TCDPConditionError, TCDPPlan, plan_tcdp, tcdp_mismatch, tcdp_plan_unchecked
 
 __all__ = [
     "Accountant",
@@ -57,5 +57,6 @@ __all__ = [
     "gaussian_epsilon",
     "get_accountant",
     "plan_tcdp",
+    "tcdp_mismatch",
     "tcdp_plan_unchecked",
 ]

@@ -15,11 +15,21 @@ RDP/PRV composition of the actual multipliers.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from lightning_dp.accounting.events import (
+    ComposedEvent,
+    ExponentialMechanismEvent,
+    GaussianEvent,
+    PoissonSampledEvent,
+    PrivacyEvent,
+    SelfComposedEvent,
+    ZCDPEvent,
+)
 from lightning_dp.errors import PrivacyConfigError, check_count, check_finite_positive, check_in_interval
 
-__all__ = ["TCDPCondition", "TCDPPlan", "TCDPConditionError", "plan_tcdp", "tcdp_plan_unchecked"]
+__all__ = ["TCDPCondition", "TCDPPlan", "TCDPConditionError", "plan_tcdp", "tcdp_mismatch", "tcdp_plan_unchecked"]
 
 
 class TCDPConditionError(PrivacyConfigError):
@@ -125,3 +135,67 @@ def plan_tcdp(
             "HINT: use the RDP or PRV ε of the same schedule (lightning-dp plan --decay), which is always valid."
         )
     return plan
+
+
+def _not_plain(event: PrivacyEvent, sample_rate: float) -> str | None:
+    """Why ``event`` is not one Poisson-subsampled Gaussian at ``sample_rate``; None if it is."""
+    if isinstance(event, PoissonSampledEvent):
+        inner = event.event
+        if isinstance(inner, GaussianEvent):
+            if not math.isclose(event.sample_rate, sample_rate, rel_tol=1e-12):
+                return f"a Gaussian sampled at rate {event.sample_rate:.6g}, not the run's {sample_rate:.6g}"
+            return None
+        parts = inner.events if isinstance(inner, ComposedEvent) else (inner,)
+        what = []
+        if sum(isinstance(e, GaussianEvent) for e in parts) > 1:
+            what.append("a second Gaussian release on the step's sample (a private acceptance energy)")
+        if any(isinstance(e, ExponentialMechanismEvent) for e in parts):
+            what.append("a noisy-update selection (exponential mechanism) on the step's sample")
+        return " and ".join(what) or f"a subsampled {type(inner).__name__}"
+    if isinstance(event, ComposedEvent):
+        if any(isinstance(e, ZCDPEvent) for e in event.events):
+            return "a selection charged as zCDP beside the Gaussian (accounting='paper')"
+        return "several mechanisms composed in one step"
+    if isinstance(event, SelfComposedEvent):
+        return f"a mechanism repeated {event.count} times in one step"
+    return f"a {type(event).__name__} (not subsampled)"
+
+
+def tcdp_mismatch(
+    entries: Iterable[tuple[PrivacyEvent, int]], sample_rate: float, multipliers: Sequence[float]
+) -> str | None:
+    """Why the closed form does not describe a run's ledger; None when it does.
+
+    The closed form models one thing only: step t is the Poisson-subsampled Gaussian at rate q with multiplier
+    z_t of the decaying schedule. A step that also releases an acceptance energy or selects among noisy
+    candidates, or any other event, costs more than the formula counts, so its ε would not be a bound.
+
+    Args:
+        entries: the ledger's ``(event, count)`` pairs.
+        sample_rate: q of the run.
+        multipliers: the schedule's z_t for t = 0..T−1 (T = the ledger's steps).
+
+    Example:
+        >>> from lightning_dp.accounting.events import ComposedEvent, GaussianEvent, PoissonSampledEvent
+        >>> plain = PoissonSampledEvent(0.01, GaussianEvent(2.0))
+        >>> tcdp_mismatch([(plain, 2)], 0.01, [2.0, 2.0]) is None
+        True
+        >>> energy = PoissonSampledEvent(0.01, ComposedEvent((GaussianEvent(2.0), GaussianEvent(0.5))))
+        >>> tcdp_mismatch([(plain, 1), (energy, 1)], 0.01, [2.0, 2.0])
+        "step 1 records a second Gaussian release on the step's sample (a private acceptance energy)"
+    """
+    step = 0
+    for event, count in entries:
+        reason = _not_plain(event, sample_rate)
+        if reason is not None:
+            return f"step {step} records {reason}"
+        assert isinstance(event, PoissonSampledEvent) and isinstance(event.event, GaussianEvent)
+        z = event.event.noise_multiplier
+        for t in range(step, step + count):
+            if t >= len(multipliers) or not math.isclose(z, multipliers[t], rel_tol=1e-9):
+                expected = f"{multipliers[t]:.6g}" if t < len(multipliers) else "none (past the schedule)"
+                return f"step {t} used noise multiplier {z:.6g}, the decaying schedule's is {expected}"
+        step += count
+    if step != len(multipliers):
+        return f"the ledger holds {step} steps, not {len(multipliers)}"
+    return None

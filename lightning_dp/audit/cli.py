@@ -1,8 +1,11 @@
 """``lightning-dp audit``: the white-box step audit (and optionally the black-box one) of a configuration.
 
 The mechanism's parameters come from a training config's DP callback (``--config``: clip_norm, the
-noise multiplier or schedule, sample_rate, the Trainer's max_steps, δ and the accountant) or from
-flags, which override the config. Prints ε_lower beside ε_upper; writes ``audit.json`` and
+noise multiplier or schedule — for P3SGD its noise scale times its noise_schedule —, sample_rate, the
+Trainer's max_steps, δ and the accountant) or from flags, which override the config. What the audit cannot
+cover (a noisy-update selection, a private acceptance energy, the paper's accounting) is refused with
+the reason; what leaves the release unchanged (a public acceptance energy, augmentation multiplicity)
+is named in the output. Prints ε_lower beside ε_upper; writes ``audit.json`` and
 ``audit.png`` (the attack's ROC against the region (ε_upper, δ)-DP allows) to ``--out``.
 """
 
@@ -64,8 +67,46 @@ def _instantiate(spec: Any) -> Any:
     return spec
 
 
+def _refuse(path: Path, what: str, hint: str) -> NoReturn:
+    raise PrivacyConfigError(f"`lightning-dp audit --config {path}`: {what} HINT: {hint}")
+
+
+def _acceptance_notes(path: Path, name: str, spec: Any) -> list[str]:
+    """What the audit says about a config's acceptance rule; refused when the rule releases a private energy."""
+    if spec is None:
+        return []
+    try:
+        rule = _instantiate(spec)
+    except Exception as err:  # noqa: BLE001 - any failure to build the rule is a config error here
+        _refuse(path, f"{name}'s acceptance={spec!r} could not be built ({err}).", "fix the acceptance rule.")
+    energy = getattr(rule, "energy", "none")
+    if energy == "private":
+        noise = getattr(rule, "energy_noise", None)
+        z_e = getattr(noise, "noise_multiplier", "?")
+        _refuse(
+            path,
+            f"{name}(acceptance={rule!r}) releases a private energy with every step (energy='private', "
+            f"energy_noise_multiplier={z_e}), charged jointly with the step; the white-box audit covers the step's "
+            "Gaussian release only, so it would audit a cheaper mechanism than the one trained.",
+            "audit a copy of the config without `acceptance` to test the update's release alone (its ε_upper is "
+            "then that release's, not the run's), or use energy='public' (a held-out loss: post-processing).",
+        )
+    if energy in ("none", "public"):
+        return [
+            f"acceptance {rule!r}: decisions on a {'public ' if energy == 'public' else ''}energy are "
+            "post-processing of each audited release (the decisions themselves are not audited)"
+        ]
+    _refuse(path, f"{name}(acceptance={rule!r}) has an unknown energy {energy!r}.", "energy='none' or 'public'.")
+
+
 def from_config(path: Path) -> dict[str, Any]:
-    """The audited mechanism's parameters read from a training config's DP callback."""
+    """The audited mechanism's parameters read from a training config's DP callback.
+
+    Everything in the callback that changes the released mechanism is read or refused: P3SGD's noise is
+    its one noise scale times its ``noise_schedule``; several scales (a selection), ``accounting: paper`` and a
+    private acceptance energy are refused; a public or no-energy acceptance rule and DPSGD's
+    ``augmentation_multiplicity`` leave the release unchanged and are named in ``notes``.
+    """
     import yaml  # type: ignore[import-untyped]
 
     if not path.is_file():
@@ -77,6 +118,7 @@ def from_config(path: Path) -> dict[str, Any]:
         name = str(callback.get("class_path", "")).rpartition(".")[2]
         args = callback.get("init_args") or {}
         if name in ("DPSGD", "P3SGD"):
+            notes: list[str] = []
             scales = args.get("noise_scales")
             if scales is not None and len(scales) > 1:
                 raise PrivacyConfigError(
@@ -84,12 +126,39 @@ def from_config(path: Path) -> dict[str, Any]:
                     "audit covers one Gaussian release, not the selection. HINT: audit a config with one noise scale, "
                     "or pass --noise-multiplier to audit the release at one scale."
                 )
+            if args.get("accounting", "rigorous") != "rigorous":
+                _refuse(
+                    path,
+                    f"{name}(accounting={args['accounting']!r}) reports the paper's ε, which is not a guarantee to "
+                    "audit against.",
+                    "accounting: rigorous (the default).",
+                )
             found["level"] = "sample" if name == "DPSGD" else "patient"
             found["clip_norm"] = args.get("clip_norm")
-            noise = args.get("noise_multiplier", args.get("noise_schedule"))
-            if noise is None and scales:
-                noise = scales[0]
-            found["noise_multiplier"] = _instantiate(noise)
+            if name == "DPSGD":
+                found["noise_multiplier"] = _instantiate(args.get("noise_multiplier"))
+                views = args.get("augmentation_multiplicity", 1)
+                if views != 1:
+                    notes.append(
+                        f"augmentation_multiplicity={views}: a sample's {views} views are averaged before clipping "
+                        "to C, so it adds one contribution of norm ≤ C: the audited release is the trained one"
+                    )
+            else:
+                # P3SGD's noise is z_t = scale · schedule(t): the scale (default 1.0) multiplies the schedule.
+                scale = float(scales[0]) if scales else 1.0
+                schedule = _instantiate(args.get("noise_schedule"))
+                if schedule is None:
+                    found["noise_multiplier"] = scale
+                elif isinstance(schedule, NoiseSchedule):
+                    found["noise_multiplier"] = schedule.scaled(scale) if scale != 1.0 else schedule
+                else:
+                    _refuse(
+                        path,
+                        f"P3SGD(noise_schedule={args.get('noise_schedule')!r}) is not a NoiseSchedule.",
+                        "a class_path of lightning_dp.schedules (e.g. ExponentialDecay) with its init_args.",
+                    )
+            notes += _acceptance_notes(path, name, args.get("acceptance"))
+            found["notes"] = notes
             found["sample_rate"] = args.get("sample_rate")
             found["delta"] = args.get("delta")
             found["accountant"] = args.get("accountant")
@@ -118,6 +187,7 @@ def _resolve(args: argparse.Namespace) -> dict[str, Any]:
         "clip_norm": args.clip_norm or cfg.get("clip_norm") or 1.0,
         "delta": args.delta or cfg.get("delta") or cfg.get("budget_delta") or 1e-5,
         "accountant": args.accountant or cfg.get("accountant") or "rdp",
+        "notes": cfg.get("notes", []),
     }
     for key, flag in (
         ("sample_rate", "--sample-rate"),
@@ -203,10 +273,14 @@ def audit_main(argv: Sequence[str]) -> int:
     bar = _progress("white-box audit", 2 * audit.steps)
     audit.progress = lambda world, step, steps: bar(step + (steps if world == "out" else 0))
     result = audit.run()
-    report: dict[str, Any] = {"whitebox": result.to_dict()}
+    report: dict[str, Any] = {
+        "whitebox": result.to_dict(),
+        "audited": {"noise": audit.schedule.describe(), "clip_norm": audit.clip_norm, "notes": values["notes"]},
+    }
     lines = [
         f"white-box step audit: {values['level']}-level, q={audit.sample_rate}, {audit.schedule.describe()}, "
         f"C={audit.clip_norm}, {audit.steps} steps, {audit.trials} runs per world, δ={audit.delta}",
+        *(f"  note: {note}" for note in values["notes"]),
         f"  ε_lower = {result.epsilon_lower:.3f}  (Clopper–Pearson, {100 * (1 - audit.significance):.0f} % confidence)",
         f"  ε_GDP   = {result.epsilon_gdp:.3f}  (Gaussian-DP reading; exact only without subsampling)",
         f"  ε_upper = {result.epsilon_upper:.3f}  ({audit.accountant} accountant)",

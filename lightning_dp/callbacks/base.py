@@ -27,6 +27,7 @@ from lightning_dp.accounting import (
     PrivacyUnit,
     calibrate_factor,
     get_accountant,
+    tcdp_mismatch,
     tcdp_plan_unchecked,
 )
 from lightning_dp.callbacks.budget import PrivacyBudget
@@ -39,7 +40,7 @@ from lightning_dp.selection import AlwaysAccept, StepAcceptance
 from lightning_dp.training.checks import eval_mode
 from lightning_dp.training.step import PrivateStep, StepResult
 
-__all__ = ["EPSILON_KEY", "DPAccountantName", "DPCallback", "default_delta", "state_digest"]
+__all__ = ["EPSILON_KEY", "PAPER_EPSILON_KEY", "DPAccountantName", "DPCallback", "default_delta", "state_digest"]
 
 DPAccountantName = Literal["rdp", "prv"]
 _LIGHTNING_DEFAULT_EPOCHS = 1000  # what Trainer() sets when neither max_epochs nor max_steps is given
@@ -49,6 +50,9 @@ MAX_SAFE_DELTA_TIMES_N = 0.1
 #: the ledger's δ. The key names no accountant (the privacy report and a message at setup do) and no
 #: callback ``name``: a Trainer runs one DP callback (a second one is refused in setup), so keys cannot collide.
 EPSILON_KEY = "privacy/epsilon"
+#: The ε a paper-reproduction mode logs instead (``P3SGD(accounting="paper")``): the paper's own count, NOT a
+#: guarantee, so never under `EPSILON_KEY`, the key every rigorous run and every dashboard reads as the guarantee.
+PAPER_EPSILON_KEY = "privacy/epsilon_paper_not_a_guarantee"
 
 
 def default_delta(units: int) -> float:
@@ -276,6 +280,13 @@ class DPCallback(pl.Callback):
                 "stop, which is a hard stop before the step that would exceed the target ε. HINT: drop min_steps / "
                 "min_epochs; plan the run with lightning-dp plan so that the budget allows the steps you want."
             )
+        if self._budget is not None and self._accounting_mode() == "paper":
+            raise PrivacyConfigError(
+                f"`{self.mechanism}(accounting='paper')` with `PrivacyBudget(target_epsilon="
+                f"{self._budget.target_epsilon:g})`: the paper's ε is not a differential-privacy guarantee, so a "
+                "budget stop on it would promise a bound that does not hold. HINT: accounting='rigorous' (the "
+                "default) with the budget, or accounting='paper' without it."
+            )
         delta = self.delta
         if self._budget is not None and self._budget.delta is not None:
             if delta is not None and not math.isclose(delta, self._budget.delta):
@@ -296,10 +307,16 @@ class DPCallback(pl.Callback):
         seeds = [secure_seed() for _ in range(3)] if self.seed is None else [self.seed + k for k in range(3)]
         seeds = trainer.strategy.broadcast(seeds, src=0)  # every rank samples, noises and decides identically
         self.ledger = PrivacyLedger(self.unit, delta)
-        rank_zero_info(
-            f"{self.state_key}: logs {EPSILON_KEY}, the {self.accountant.name} accountant's ε at δ = {delta:.3g} "
-            f"per {self.unit}."
-        )
+        if self._accounting_mode() == "paper":
+            rank_zero_info(
+                f"{self.state_key}: logs {PAPER_EPSILON_KEY}, the paper's ε at δ = {delta:.3g} per {self.unit}: NOT a "
+                f"differential-privacy guarantee, so not logged as {EPSILON_KEY}."
+            )
+        else:
+            rank_zero_info(
+                f"{self.state_key}: logs {EPSILON_KEY}, the {self.accountant.name} accountant's ε at δ = {delta:.3g} "
+                f"per {self.unit}."
+            )
         self.accepted_ledger = PrivacyLedger(self.unit, delta) if self.acceptance.can_reject else None
         self._loader = self._build(trainer, pl_module, seeds)
         assert self.release is not None
@@ -564,7 +581,7 @@ class DPCallback(pl.Callback):
             assert self.release is not None
             self.accepted_ledger.record(self.release.event(released.step))
         metrics = {
-            EPSILON_KEY: self.accountant.epsilon(self.ledger),
+            self._epsilon_key(): self.accountant.epsilon(self.ledger),
             "privacy/delta": self.ledger.delta,
             "privacy/noise_multiplier": released.noise_multiplier,
             "privacy/noise_std": released.noise_std,
@@ -585,9 +602,10 @@ class DPCallback(pl.Callback):
         """
         self._logging = True
         try:
-            rest = {key: value for key, value in metrics.items() if key != EPSILON_KEY}
+            key = self._epsilon_key()
+            rest = {name: value for name, value in metrics.items() if name != key}
             options: dict[str, Any] = {"on_step": True, "on_epoch": False, "sync_dist": False, "rank_zero_only": True}
-            pl_module.log(EPSILON_KEY, metrics[EPSILON_KEY], prog_bar=True, **options)
+            pl_module.log(key, metrics[key], prog_bar=True, **options)
             pl_module.log_dict(rest, prog_bar=False, **options)
         finally:
             self._logging = False
@@ -620,6 +638,10 @@ class DPCallback(pl.Callback):
     def _accounting_mode(self) -> str:
         return "rigorous"
 
+    def _epsilon_key(self) -> str:
+        """Where the step's ε is logged: `EPSILON_KEY` for a guarantee, `PAPER_EPSILON_KEY` for a paper's count."""
+        return PAPER_EPSILON_KEY if self._accounting_mode() == "paper" else EPSILON_KEY
+
     def _schedule_report(self) -> dict[str, Any]:
         """The noise schedule and, for per-step exponential decay, Zhang et al.'s tCDP closed form with its verdict."""
         assert self.release is not None and self.ledger is not None
@@ -629,6 +651,17 @@ class DPCallback(pl.Callback):
         if not isinstance(schedule, ExponentialDecay) or schedule.every != 1 or schedule.decay >= 1 or not rate:
             return out
         if steps < 1:
+            return out
+        # The formula describes a run only if every step is that one subsampled Gaussian: an acceptance energy or a
+        # selection on the step's sample costs more than it counts (0.020 "valid" was printed for a true ε ≥ 5.5).
+        mismatch = tcdp_mismatch(self.ledger.entries, rate, [self.release.noise_multiplier(t) for t in range(steps)])
+        if mismatch is not None:
+            out["tcdp_closed_form"] = {
+                "epsilon": None,
+                "valid": False,
+                "not_shown": "the closed form models each step as one Poisson-subsampled Gaussian at the decaying "
+                f"multiplier, and this run's ledger does not: {mismatch}. Its ε would not bound this run.",
+            }
             return out
         plan = tcdp_plan_unchecked(rate, self.release.noise_multiplier(0), schedule.decay, steps, self.ledger.delta)
         out["tcdp_closed_form"] = {

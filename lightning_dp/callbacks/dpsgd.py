@@ -41,6 +41,7 @@ from lightning_dp.errors import (
 from lightning_dp.models.fixers import batch_norm_layers, fix_model, is_eval_batch_norm, validate_model
 from lightning_dp.sampling.samples import LogicalBatch, PoissonBatches, PoissonSampleSampler, identity_collate
 from lightning_dp.sanitization import GaussianRelease
+from lightning_dp.sanitization.buffers import BufferSnapshot
 from lightning_dp.sanitization.per_sample import (
     LossReduction,
     NonFiniteGradientsError,
@@ -556,8 +557,9 @@ class DPSGD(DPCallback):
         if cause == "buffers":
             raise UnsupportedModelError(
                 f"`DPSGD`: a training step of {name} changes buffers of the model (running statistics that are not "
-                "BatchNorm's: a custom normalizer, a quantization observer, ActNorm). They would be released without "
-                "noise. HINT: freeze them (eval mode, or compute them from public data before training)."
+                "BatchNorm's: a custom normalizer, a quantization observer, ActNorm) or counts and flags (int and bool "
+                "buffers). They would be released without noise. HINT: freeze them (eval mode, or compute them from "
+                "public data before training)."
             )
         if cause == "coupled":
             raise UnsupportedModelError(
@@ -613,8 +615,7 @@ class DPSGD(DPCallback):
             )
         self._sync_clipper(pl_module)
         assert self.clipper is not None
-        buffers = [(name, b) for name, b in pl_module.named_buffers() if b.is_floating_point()]
-        saved = [b.detach().clone() for _, b in buffers]
+        buffers = BufferSnapshot(pl_module)  # every dtype: an int count or a bool flag is released like a mean
         self.clipper.reset()
         stats = torch.zeros(4, dtype=torch.float64)  # samples, clipped, norm sum, non-finite
         scale = [_INITIAL_LOSS_SCALE if self._fp16 else 1.0]
@@ -623,16 +624,19 @@ class DPSGD(DPCallback):
                 size = min(self.max_physical_batch_size, batch.size - k * self.max_physical_batch_size)
                 result = self._accumulate_chunk(chunk, size, k, scale)
                 stats += torch.tensor([size, result.clipped, result.norm_sum, result.nonfinite], dtype=torch.float64)
-            changed = [name for (name, b), old in zip(buffers, saved) if not torch.equal(b, old)]
+            changed = buffers.changed()
         except BaseException:  # an error mid-step (a corrupt image, OOM, Ctrl-C) leaves no data-dependent buffer
-            self._restore(buffers, saved)
+            buffers.restore()
             raise
         if changed:
-            self._restore(buffers, saved)
+            buffers.restore()
             raise UnsupportedModelError(
                 f"`DPSGD`: the training step changed buffers of {type(pl_module).__name__} ({changed[:5]}): running "
-                "statistics updated from private samples would be released without noise. They were restored and "
-                "nothing was released. HINT: freeze them (eval mode, or compute them from public data before training)."
+                "statistics, counts or flags updated from private samples (buffers of any dtype are in the "
+                "checkpoint) would be released without noise. They were restored and nothing was released. HINT: "
+                "freeze them (eval mode, or compute them from public data before training); a count of steps is "
+                "public: keep it outside the model's buffers (a plain attribute, or update it in a callback's "
+                "on_train_batch_end)."
             )
         device = pl_module.device
         clipped_sum = trainer.strategy.reduce(self.clipper.flat_sum, reduce_op="sum")
@@ -685,12 +689,6 @@ class DPSGD(DPCallback):
                     row_losses = torch.stack([s.reshape(()) for s in singles]).double().cpu()
                 losses.append(row_losses if views == 1 else row_losses.reshape(size, views).mean(1))
         return torch.cat(losses) if losses else torch.zeros(0, dtype=torch.float64)
-
-    @staticmethod
-    @torch.no_grad()
-    def _restore(buffers: list[tuple[str, torch.Tensor]], saved: list[torch.Tensor]) -> None:
-        for (_, b), old in zip(buffers, saved):
-            b.copy_(old)
 
     def _accumulate_chunk(self, chunk: Any, size: int, index: int, scale: list[float]) -> Any:
         """Clips one physical chunk into the clipper's sum; with fp16, retries at half the loss scale on overflow.

@@ -112,7 +112,9 @@ class P3SGD(DPCallback):
         delta: δ of the ledger. Default: the PrivacyBudget's δ if there is one, else min(1e-5, 1/(10N))
             for N training patients; in ``accounting="paper"`` mode 1/N^1.1, the paper's choice (δ·N ≈ 0.5:
             weak). A δ with δ·N > 0.1 is warned about.
-        accounting: ``"rigorous"`` (default) or ``"paper"`` (reproduces Table 2; not a guarantee).
+        accounting: ``"rigorous"`` (default) or ``"paper"`` (reproduces Table 2; not a guarantee: its ε is logged
+            as ``privacy/epsilon_paper_not_a_guarantee``, reported under ``epsilon_paper_not_a_guarantee``, and a
+            `PrivacyBudget` is refused).
         accountant: this callback's one accountant (``rdp`` or ``prv``): it computes the logged ε
             (``privacy/epsilon``; the accountant's name is in the privacy report) and decides a `PrivacyBudget`'s stop
             (unless the budget names another).

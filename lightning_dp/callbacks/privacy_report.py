@@ -23,13 +23,15 @@ def privacy_report(ledger: PrivacyLedger, accounting: str, extra: dict[str, Any]
             epsilons[name] = get_accountant(name).epsilon(ledger)
         except Exception as err:  # noqa: BLE001 - a failing optional accountant must not lose the report
             epsilons[name] = f"unavailable: {err}"
+    paper = accounting == "paper"
     report: dict[str, Any] = {
         "unit": ledger.unit,
         "delta": ledger.delta,
-        "epsilon": epsilons,
+        # A paper's count is not a guarantee: it is never under "epsilon", the key a reader takes as the bound.
+        ("epsilon_paper_not_a_guarantee" if paper else "epsilon"): epsilons,
         "steps": ledger.steps,
         "accounting": accounting,
-        "guarantee": accounting != "paper",
+        "guarantee": not paper,
         "mechanisms": [{"event": e.to_dict(), "count": c} for e, c in ledger.entries[:50]],
         "mechanism_entries": len(ledger.entries),
     }
@@ -50,8 +52,10 @@ def _text(report: dict[str, Any]) -> str:
         f"  steps (rounds): {report['steps']}",
         f"  accounting: {report['accounting']}" + ("" if report["guarantee"] else "  (NOT a guarantee)"),
     ]
-    for name, eps in report["epsilon"].items():
-        lines.append(f"  epsilon [{name}]: {eps:.4f}" if isinstance(eps, float) else f"  epsilon [{name}]: {eps}")
+    guarantee = "epsilon" in report
+    label = "epsilon" if guarantee else "the paper's epsilon, NOT a guarantee,"
+    for name, eps in report["epsilon" if guarantee else "epsilon_paper_not_a_guarantee"].items():
+        lines.append(f"  {label} [{name}]: {eps:.4f}" if isinstance(eps, float) else f"  {label} [{name}]: {eps}")
     if "warning" in report:
         lines.append(f"  WARNING: {report['warning']}")
     lines.append(
@@ -63,8 +67,11 @@ def _text(report: dict[str, Any]) -> str:
             lines.append(f"  {key}: {report[key]}")
     if "tcdp_closed_form" in report:
         tcdp = report["tcdp_closed_form"]
-        verdict = "valid" if tcdp["valid"] else "NOT a valid bound here: " + "; ".join(tcdp["failed_conditions"])
-        lines.append(f"  tCDP closed form (Zhang et al.): {tcdp['epsilon']:.4f} — {verdict}")
+        if tcdp.get("epsilon") is None:
+            lines.append(f"  tCDP closed form (Zhang et al.): not shown — {tcdp.get('not_shown', 'not computed')}")
+        else:
+            verdict = "valid" if tcdp["valid"] else "NOT a valid bound here: " + "; ".join(tcdp["failed_conditions"])
+            lines.append(f"  tCDP closed form (Zhang et al.): {tcdp['epsilon']:.4f} — {verdict}")
     if "claims_not_guarantees" in report:
         claim = report["claims_not_guarantees"]["epsilon_accepted_steps_only"]
         lines.append(f"  accepted steps only (the papers' count, NOT a guarantee): {claim:.4f}")

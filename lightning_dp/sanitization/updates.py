@@ -25,6 +25,7 @@ from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _NormBase
 
 from lightning_dp.errors import PrivacyConfigError, check_in_interval
+from lightning_dp.sanitization.buffers import reseat
 
 __all__ = ["ClipResult", "ModelState", "clip_factor", "clip_update"]
 
@@ -117,16 +118,22 @@ class ModelState:
             self.variance_floors.append((var, floor.to(device=var.device, dtype=var.dtype)))
         self.params = [p for p in module.parameters() if p.requires_grad]
         statistics = {id(t) for m in norms for t in (m.running_mean, m.running_var) if t is not None}
-        named = dict(module.named_buffers())
+        named = dict(module.named_buffers())  # one name per tensor
         statistics |= {id(named[name]) for name in self.release_buffers}
-        buffers = list({id(b): b for b in module.buffers()}.values())
-        self.float_buffers = [b for b in buffers if b.is_floating_point() and id(b) in statistics]
+        self._buffer_names = list(named.items())
+        self._float_names = [n for n, b in named.items() if b.is_floating_point() and id(b) in statistics]
+        self.float_buffers = [named[n] for n in self._float_names]
         released = {id(b) for b in self.float_buffers}
-        self.other_buffers = [b for b in buffers if id(b) not in released]
+        self.other_buffers = [b for b in named.values() if id(b) not in released]
         self.numel = sum(t.numel() for t in self._released())
 
     def _released(self) -> list[Tensor]:
         return self.params + self.float_buffers
+
+    def _released_now(self) -> list[Tensor]:
+        """The released tensors as the module holds them now: a local update may have re-assigned a buffer."""
+        now = dict(self.module.named_buffers())
+        return self.params + [now.get(n, b) for n, b in zip(self._float_names, self.float_buffers)]
 
     @torch.no_grad()
     def vector(self) -> Tensor:
@@ -142,7 +149,7 @@ class ModelState:
         """
         pairs = []
         offset = 0
-        for t in self._released():
+        for t in self._released_now():
             n = t.numel()
             pairs.append((t.detach().reshape(-1), theta[offset : offset + n], out[offset : offset + n]))
             offset += n
@@ -170,7 +177,12 @@ class ModelState:
 
     @torch.no_grad()
     def load(self, vector: Tensor, other_buffers: list[Tensor] | None = None) -> None:
-        """Writes ``vector`` back into the module's tensors (casting to their dtypes)."""
+        """Writes ``vector`` back into the module's tensors (casting to their dtypes).
+
+        A buffer re-assigned since `refresh` (``self.count = self.count + …`` in ``training_step``) gets its original
+        tensor back, and a buffer registered since is removed: the module holds no tensor a patient's data made.
+        """
+        reseat(self.module, self._buffer_names, remove_others=True)
         offset = 0
         for t in self._released():
             n = t.numel()

@@ -26,6 +26,7 @@ import torch
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 
+from lightning_dp.sanitization.buffers import BufferSnapshot
 from lightning_dp.sanitization.per_sample import LossReduction, PerSampleClipper
 
 __all__ = [
@@ -276,15 +277,12 @@ class IndependenceCheck:
             [(torch.zeros_like(p) if g is None else g).reshape(-1).double() for p, g in zip(params, grads)]
         )
 
-    def _buffers(self) -> list[tuple[str, Tensor]]:
-        return [(name, b.detach().clone()) for name, b in self.module.named_buffers() if b.is_floating_point()]
-
     def check(self, batch: Any, size: int) -> Cause | None:
         """None if ``batch`` (``size`` samples) passes; else why not."""
         module, step = self.module, self.training_step
         singles = [take(batch, i, size) for i in range(size)]
         params = [p for p in module.parameters() if p.requires_grad]
-        before = self._buffers()
+        before = BufferSnapshot(self.module)  # every dtype: an int count or a bool flag is a release too
         with dropout_off(module):
             alone_losses = [self._reduced(self.loss_of(step(s, 0)), 1) for s in singles]
             alone_grads = [self._gradient(loss, params) for loss in alone_losses]
@@ -309,8 +307,7 @@ class IndependenceCheck:
             mine = {id(p): g for p, g in self.clipper.views(self.clipper.flat_sum)}
             engine = torch.cat([mine.get(id(p), torch.zeros_like(p)).reshape(-1).double() for p in params])
             self.clipper.reset()
-        changed = [name for (name, old), (_, new) in zip(before, self._buffers()) if not torch.equal(old, new)]
-        if changed:
+        if before.changed():
             return "buffers"
         scale = float(alone.norm()) + 1e-30  # type: ignore[union-attr]
         value = sum(float(loss.detach()) for loss in alone_losses)
