@@ -16,6 +16,7 @@ from lightning_dp.segmentation.pate import (
     partition_patients,
     pate_epsilon,
     pate_noise_multiplier,
+    teacher_of,
     thesis_epsilon,
     thesis_noise_multiplier,
 )
@@ -35,6 +36,7 @@ __all__ = [
     "partition_patients",
     "pate_epsilon",
     "pate_noise_multiplier",
+    "teacher_of",
     "thesis_epsilon",
     "thesis_noise_multiplier",
 ]

@@ -20,8 +20,8 @@ A student trained on the public inputs and the decoded maps ĝ(z̄_n) is post-pr
 
 from __future__ import annotations
 
+import hashlib
 import math
-import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -48,6 +48,7 @@ __all__ = [
     "partition_patients",
     "pate_epsilon",
     "pate_noise_multiplier",
+    "teacher_of",
     "thesis_epsilon",
     "thesis_noise_multiplier",
 ]
@@ -91,15 +92,50 @@ def check_partitions(partitions: Sequence[Sequence[str]]) -> list[list[str]]:
     return parts
 
 
-def partition_patients(patient_ids: Sequence[str], num_teachers: int, seed: int = 0) -> list[list[str]]:
-    """Splits the distinct ``patient_ids`` into ``num_teachers`` disjoint partitions of near-equal size, each sorted.
+#: Domain separation of the partition hash (part of the public key of every teacher split).
+_PARTITION_DOMAIN = b"lightning-dp/pate-teacher-partition/v1"
 
-    The split is a seeded shuffle of the patient ids (a public choice: it is not a privacy release).
+
+def teacher_of(patient_id: str, num_teachers: int, seed: int = 0) -> int:
+    """The teacher a patient is assigned to: BLAKE2b keyed with ``seed``, of the id, modulo K.
+
+    The assignment of a patient depends on its own id and the public key only, never on which other patients
+    exist: adding or removing a patient changes exactly one teacher's data (the basis of the sensitivity S/K).
 
     Example:
-        >>> parts = partition_patients([f"p{i}" for i in range(10)], 3, seed=0)
-        >>> sorted(len(p) for p in parts), sorted(sum(parts, [])) == sorted(f"p{i}" for i in range(10))
-        ([3, 3, 4], True)
+        >>> teacher_of("p7", 4, seed=0) == teacher_of("p7", 4, seed=0)
+        True
+        >>> 0 <= teacher_of("p7", 4, seed=0) < 4
+        True
+    """
+    key = hashlib.blake2b(_PARTITION_DOMAIN + b"/" + str(int(seed)).encode()).digest()  # 64 bytes, any seed
+    digest = hashlib.blake2b(str(patient_id).encode("utf-8"), key=key, digest_size=16).digest()
+    return int.from_bytes(digest, "big") % num_teachers
+
+
+def partition_patients(patient_ids: Sequence[str], num_teachers: int, seed: int = 0) -> list[list[str]]:
+    """Splits the distinct ``patient_ids`` into ``num_teachers`` disjoint partitions by a keyed hash, each sorted.
+
+    Patient ``p`` goes to teacher ``BLAKE2b_key(p) mod K`` (`teacher_of`), with the key made from ``seed`` (a
+    public choice, made before looking at the data: it is not a privacy release). A patient's teacher depends on
+    its own id only, so adding or removing one patient changes exactly one partition and leaves the others
+    identical: one patient changes the data of one teacher, as PATE's sensitivity S/K assumes. (A seeded shuffle
+    of all ids, used before, moved almost every patient to another teacher when one patient was added.)
+
+    The partitions are only *about* equal in size (each patient is a fair draw among the K teachers): with N
+    patients a partition holds N/K ± about √(N/K) of them.
+
+    Raises:
+        PrivacyConfigError: K < 2, fewer patients than teachers, or a teacher receives no patient (more likely
+            with few patients per teacher: use fewer teachers).
+
+    Example:
+        >>> parts = partition_patients([f"p{i}" for i in range(30)], 3, seed=0)
+        >>> len(parts), sorted(sum(parts, [])) == sorted(f"p{i}" for i in range(30))
+        (3, True)
+        >>> smaller = partition_patients([f"p{i}" for i in range(30) if i != 5], 3, seed=0)
+        >>> sum(a != b for a, b in zip(parts, smaller))  # removing one patient changes one teacher
+        1
     """
     k = check_count("partition_patients", "num_teachers", num_teachers, "K ≥ 2 teachers, e.g. 8.", minimum=2)
     distinct = sorted(set(patient_ids))
@@ -108,8 +144,19 @@ def partition_patients(patient_ids: Sequence[str], num_teachers: int, seed: int 
             f"`partition_patients(num_teachers={k})`: only {len(distinct)} distinct patients for {k} teachers. "
             f"HINT: use at most {len(distinct)} teachers."
         )
-    random.Random(seed).shuffle(distinct)
-    return check_partitions([sorted(distinct[i::k]) for i in range(k)])
+    parts: list[list[str]] = [[] for _ in range(k)]
+    for patient in distinct:
+        parts[teacher_of(patient, k, seed)].append(patient)
+    empty = [i for i, part in enumerate(parts) if not part]
+    if empty:
+        raise PrivacyConfigError(
+            f"`partition_patients(num_teachers={k}, seed={seed})`: teacher(s) {empty} receive no patient: each of the "
+            f"{len(distinct)} patients is assigned by a keyed hash of its id (so that one patient changes one teacher), "
+            f"and the partitions are not of equal size. HINT: use fewer teachers (about {len(distinct) // 5} or fewer "
+            "for these patients leaves an empty teacher unlikely); the key (seed) should stay a choice made before "
+            "looking at the data."
+        )
+    return check_partitions(parts)
 
 
 # ---------------------------------------------------------------------- accounting

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import random
 
 import dp_accounting
 import pytest
@@ -20,6 +21,7 @@ from lightning_dp.segmentation import (
     partition_patients,
     pate_epsilon,
     pate_noise_multiplier,
+    teacher_of,
     thesis_epsilon,
     thesis_noise_multiplier,
 )
@@ -194,6 +196,34 @@ def test_partitions_are_disjoint_by_patient() -> None:
         partition_patients(ids, 12)
     with pytest.raises(PrivacyConfigError, match="K ≥ 2"):
         check_partitions([["a"]])
+
+
+@pytest.mark.parametrize("num_teachers", [2, 5, 8])
+def test_adding_or_removing_one_patient_changes_exactly_one_partition(num_teachers: int) -> None:
+    """The basis of the sensitivity S/K: a neighbouring patient set changes one teacher's data, the rest stay."""
+    rng = random.Random(num_teachers)
+    for trial in range(20):
+        ids = [f"{rng.choice(['p', 'case-', 'LIDC-'])}{rng.randrange(10**6)}" for _ in range(rng.randint(60, 120))]
+        ids = sorted(set(ids))
+        seed = trial % 3
+        parts = partition_patients(ids, num_teachers, seed=seed)
+        for removed in rng.sample(ids, 8):
+            smaller = partition_patients([p for p in ids if p != removed], num_teachers, seed=seed)
+            changed = [k for k in range(num_teachers) if smaller[k] != parts[k]]
+            assert len(changed) == 1 and removed in parts[changed[0]]
+            assert sorted(set(parts[changed[0]]) - set(smaller[changed[0]])) == [removed]
+        added = f"new-{trial}"
+        larger = partition_patients([*ids, added], num_teachers, seed=seed)
+        changed = [k for k in range(num_teachers) if larger[k] != parts[k]]
+        assert len(changed) == 1 and sorted(set(larger[changed[0]]) - set(parts[changed[0]])) == [added]
+        assert teacher_of(added, num_teachers, seed) == changed[0]
+
+
+def test_the_key_changes_the_partition_and_an_empty_teacher_is_refused() -> None:
+    ids = [f"p{i}" for i in range(40)]
+    assert partition_patients(ids, 4, seed=0) != partition_patients(ids, 4, seed=1)
+    with pytest.raises(PrivacyConfigError, match=r"receive no patient.*HINT: use fewer teachers"):
+        partition_patients([f"p{i}" for i in range(6)], 6, seed=0)
 
 
 def test_pca_with_every_component_reconstructs_public_maps() -> None:
