@@ -18,6 +18,7 @@ from lightning_dp.segmentation.pate import (
     pate_noise_multiplier,
     teacher_of,
     thesis_epsilon,
+    thesis_epsilon_of_ledger,
     thesis_noise_multiplier,
 )
 from lightning_dp.segmentation.student import PATEStudentDataModule
@@ -38,5 +39,6 @@ __all__ = [
     "pate_noise_multiplier",
     "teacher_of",
     "thesis_epsilon",
+    "thesis_epsilon_of_ledger",
     "thesis_noise_multiplier",
 ]

@@ -11,8 +11,8 @@ with S the compressor's sensitivity (√d for PCA, 2√l for the autoencoder). A
 patient changes the training data of exactly one teacher, which can move Σ_k z_nk by at most S: each
 query is a Gaussian mechanism with noise multiplier z at **patient level**, by construction. The N
 queries are N ledger steps; ε comes from the ledger's accountant (RDP by default), and the thesis'
-closed form ε = ρ + 2√(ρ·log(1/δ)), ρ = N/(2z²), is printed beside it as a comparison (it is a valid
-but looser bound). The noise is drawn, and the ledger charged, by `GaussianRelease` — the same call
+closed form ε = ρ + 2√(ρ·log(1/δ)), ρ = Σ N_i/(2z_i²) over the ledger's entries (each aggregation at its own z),
+is printed beside it as a comparison (it is a valid but looser bound). The noise is drawn, and the ledger charged, by `GaussianRelease` — the same call
 the training engines use; nothing here draws noise of its own.
 
 A student trained on the public inputs and the decoded maps ĝ(z̄_n) is post-processing of the release.
@@ -50,6 +50,7 @@ __all__ = [
     "pate_noise_multiplier",
     "teacher_of",
     "thesis_epsilon",
+    "thesis_epsilon_of_ledger",
     "thesis_noise_multiplier",
 ]
 
@@ -206,6 +207,30 @@ def thesis_epsilon(noise_multiplier: float, delta: float, num_queries: int) -> f
     return rho + 2.0 * math.sqrt(rho * math.log(1.0 / delta))
 
 
+def thesis_epsilon_of_ledger(ledger: PrivacyLedger) -> float:
+    """The thesis' closed form over a whole ledger: ρ = Σ_entries count/(2·z²), ε = ρ + 2√(ρ·log(1/δ)).
+
+    Each entry counts at its **own** noise multiplier, so a ledger holding aggregations at different z (a
+    second call, a larger budget) is compared right. ``nan`` if the ledger holds anything but un-sampled
+    Gaussian events (the closed form covers only those).
+
+    Example:
+        >>> ledger = PrivacyLedger("patient", 1e-7)
+        >>> ledger.record(GaussianEvent(20.0), 100)
+        >>> thesis_epsilon_of_ledger(ledger) == thesis_epsilon(20.0, 1e-7, 100)
+        True
+        >>> ledger.record(GaussianEvent(40.0), 100)
+        >>> round(thesis_epsilon_of_ledger(ledger), 4) < round(thesis_epsilon(20.0, 1e-7, 200), 4)
+        True
+    """
+    rho = 0.0
+    for event, count in ledger.entries:
+        if not isinstance(event, GaussianEvent):
+            return math.nan
+        rho += count / (2.0 * event.noise_multiplier**2)
+    return rho + 2.0 * math.sqrt(rho * math.log(1.0 / ledger.delta))
+
+
 def thesis_noise_multiplier(target_epsilon: float, delta: float, num_queries: int) -> float:
     """The thesis' calibration: z = √N·(√(log(1/δ) + ε) + √log(1/δ)) / (√2·ε) (σ = z·S/K).
 
@@ -224,7 +249,12 @@ _SPENT = 1e-2
 
 @dataclass(frozen=True)
 class PATEReport:
-    """What one aggregation released and what it cost (safe to print and log: all of it is sanitized or public)."""
+    """What an aggregation released and what the ledger it charged has spent in all (safe to print and log).
+
+    ``num_queries``, ``noise_multiplier`` and ``noise_std`` describe the latest aggregation; ``epsilon`` and
+    ``thesis_epsilon`` are computed from the whole ledger (``ledger_queries`` queries, each entry at its own z),
+    so they cover every aggregation charged to it, earlier ones included.
+    """
 
     num_teachers: int
     num_queries: int
@@ -238,17 +268,23 @@ class PATEReport:
     accountant: str
     thesis_epsilon: float
     unit: str = "patient"
+    ledger_queries: int | None = None
 
     def __str__(self) -> str:
         lines = [
             "PATE aggregation (patient-level by construction: one patient changes the data of one teacher)",
             f"  teachers K                 {self.num_teachers}",
             f"  public queries N           {self.num_queries}",
+            *(
+                [f"  queries in the ledger      {self.ledger_queries} (every aggregation so far; ε counts them all)"]
+                if self.ledger_queries is not None and self.ledger_queries != self.num_queries
+                else []
+            ),
             f"  code length l (of d)       {self.code_dim} (of {self.map_pixels} pixels)",
             f"  sensitivity of Σ codes S   {self.sensitivity:.4g}",
             f"  noise multiplier z         {self.noise_multiplier:.4g} (σ = z·S/K = {self.noise_std:.4g} on the mean)",
             f"  ε ({self.accountant}, δ = {self.delta:g})  {self.epsilon:.4f}   [the guarantee]",
-            f"  ε (thesis closed form)     {self.thesis_epsilon:.4f}   [comparison; looser]",
+            f"  ε (thesis closed form)     {self.thesis_epsilon:.4f}   [comparison; looser; each query at its z]",
         ]
         return "\n".join(lines)
 
@@ -411,7 +447,8 @@ class PATEAggregator:
             epsilon=self._account.epsilon(self.ledger),
             delta=self.delta,
             accountant=self.accountant,
-            thesis_epsilon=thesis_epsilon(z, self.delta, self.ledger.steps),
+            thesis_epsilon=thesis_epsilon_of_ledger(self.ledger),
+            ledger_queries=self.ledger.steps,
         )
         return PATEResult(codes=noisy, maps=maps, report=report)
 

@@ -159,6 +159,21 @@ def test_a_second_call_under_a_larger_budget_counts_the_first() -> None:
     assert spent < second.report.epsilon <= 2 * spent
 
 
+def test_the_thesis_comparison_counts_each_aggregation_at_its_own_noise() -> None:
+    """Two calls at z = 3 then z = 100: the closed form must not count the first 20 queries at z = 100."""
+    pca = PCACompressor(code_dim=4).fit(_maps(50))
+    teachers = _maps(3 * 20, seed=5).reshape(3, 20, 1, 8, 8)
+    ledger = PrivacyLedger("patient", 1e-7)
+    PATEAggregator(pca, 3, delta=1e-7, noise_multiplier=3.0, ledger=ledger).aggregate(teachers)
+    report = PATEAggregator(pca, 3, delta=1e-7, noise_multiplier=100.0, ledger=ledger).aggregate(teachers).report
+    # 20 queries at z = 3 and 20 at z = 100 compose into one Gaussian with μ² = 20/3² + 20/100².
+    exact = _exact_gaussian_epsilon(1.0 / math.sqrt(20 / 3.0**2 + 20 / 100.0**2), 1, 1e-7)
+    rho = 20 / (2 * 3.0**2) + 20 / (2 * 100.0**2)
+    assert report.thesis_epsilon == pytest.approx(rho + 2 * math.sqrt(rho * math.log(1e7)), rel=1e-12)
+    assert exact <= report.epsilon <= report.thesis_epsilon  # both valid; the closed form is the looser
+    assert report.ledger_queries == 40 and "queries in the ledger      40" in str(report)
+
+
 # ---------------------------------------------------------------------- bad input
 def test_bad_input_is_refused_before_anything_is_charged() -> None:
     pca = PCACompressor(code_dim=4).fit(_maps(50))
