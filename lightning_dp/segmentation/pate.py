@@ -8,12 +8,13 @@ the mean code is released with Gaussian noise:
     z̄_n = (1/K) Σ_k z_nk + N(0, σ² I),   σ = z·S/K,
 
 with S the compressor's sensitivity (√d for PCA, 2√l for the autoencoder). Adding or removing one
-patient changes the training data of exactly one teacher, which can move Σ_k z_nk by at most S: each
-query is a Gaussian mechanism with noise multiplier z at **patient level**, by construction. The N
-queries are N ledger steps; ε comes from the ledger's accountant (RDP by default), and the thesis'
-closed form ε = ρ + 2√(ρ·log(1/δ)), ρ = Σ N_i/(2z_i²) over the ledger's entries (each aggregation at its own z),
-is printed beside it as a comparison (it is a valid but looser bound). The noise is drawn, and the ledger charged, by `GaussianRelease` — the same call
-the training engines use; nothing here draws noise of its own.
+patient changes the training data of exactly one teacher (`partition_patients` assigns each patient by a
+keyed hash of its own id), which can move Σ_k z_nk by at most S: each query is a Gaussian mechanism with
+noise multiplier z at **patient level**, by construction. The N queries are N ledger steps; ε comes from
+the ledger's accountant (RDP by default), and the thesis' closed form ε = ρ + 2√(ρ·log(1/δ)),
+ρ = Σ_i N_i/(2z_i²) over the ledger's entries (each aggregation at its own z), is printed beside it as a
+comparison (it is a valid but looser bound). The noise is drawn, and the ledger charged, by
+`GaussianRelease` — the same call the training engines use; nothing here draws noise of its own.
 
 A student trained on the public inputs and the decoded maps ĝ(z̄_n) is post-processing of the release.
 """
@@ -152,7 +153,8 @@ def partition_patients(patient_ids: Sequence[str], num_teachers: int, seed: int 
     if empty:
         raise PrivacyConfigError(
             f"`partition_patients(num_teachers={k}, seed={seed})`: teacher(s) {empty} receive no patient: each of the "
-            f"{len(distinct)} patients is assigned by a keyed hash of its id (so that one patient changes one teacher), "
+            f"{len(distinct)} patients is assigned by a keyed hash of its id (so that one patient changes one "
+            "teacher), "
             f"and the partitions are not of equal size. HINT: use fewer teachers (about {len(distinct) // 5} or fewer "
             "for these patients leaves an empty teacher unlikely); the key (seed) should stay a choice made before "
             "looking at the data."
@@ -182,9 +184,16 @@ def pate_epsilon(noise_multiplier: float, delta: float, num_queries: int, accoun
 
 
 def pate_noise_multiplier(
-    target_epsilon: float, delta: float, num_queries: int, accountant: AccountantName = "rdp"
+    target_epsilon: float,
+    delta: float,
+    num_queries: int,
+    accountant: AccountantName = "rdp",
+    *,
+    before: PrivacyLedger | None = None,
 ) -> float:
     """The smallest z (to 0.1 %) whose ``num_queries`` aggregations spend at most ``target_epsilon``.
+
+    With ``before``, the queries are added to that ledger's entries and the *total* must fit under the target.
 
     Example:
         >>> z = pate_noise_multiplier(2.0, 1e-7, 200)
@@ -193,7 +202,9 @@ def pate_noise_multiplier(
     """
     check_finite_positive("pate_noise_multiplier", "target_epsilon", target_epsilon, "e.g. 2.0.")
     n = check_count("pate_noise_multiplier", "num_queries", num_queries, "the number of public inputs.", minimum=1)
-    return calibrate_factor(target_epsilon, lambda z: _ledger(delta, n, z), accountant, what="the aggregation noise")
+    return calibrate_factor(
+        target_epsilon, lambda z: _ledger(delta, n, z, before), accountant, what="the aggregation noise"
+    )
 
 
 def thesis_epsilon(noise_multiplier: float, delta: float, num_queries: int) -> float:
