@@ -67,9 +67,10 @@ class SegmentationDataModule(pl.LightningDataModule):
         intensity_range: as in `PatientSegmentationDataset`.
         cache: as in `PatientSegmentationDataset`.
         teacher: with ``num_teachers``, train on PATE teacher ``teacher``'s partition of the training patients
-            only (`lightning_dp.segmentation.partition_patients` with ``teacher_seed``; val/test unchanged).
+            only (`lightning_dp.segmentation.partition_patients`: a hash of each patient id keyed with
+            ``teacher_seed``, so adding or removing one patient changes one teacher; val/test unchanged).
         num_teachers: K, the number of PATE teachers the training patients are split among.
-        teacher_seed: seed of that split (the same for all K teachers).
+        teacher_seed: the public key of that split (the same for all K teachers).
 
     Raises:
         PrivacyConfigError: an argument is out of range (raised by the constructor, before any I/O).
@@ -358,7 +359,11 @@ class SegmentationDataModule(pl.LightningDataModule):
         return self.train_dataset.patient_ids
 
     def teacher_partitions(self, num_teachers: int, seed: int = 0) -> list[list[str]]:
-        """``num_teachers`` disjoint groups of the training patients (`segmentation.partition_patients`)."""
+        """``num_teachers`` disjoint groups of the training patients, by a hash of each id keyed with ``seed``.
+
+        See `segmentation.partition_patients`: a patient's teacher depends on its own id only, and the groups
+        are of about equal size (an empty group is an error).
+        """
         from lightning_dp.segmentation import partition_patients
 
         return partition_patients(self.train_patients, num_teachers, seed)

@@ -16,7 +16,9 @@ from lightning_dp.segmentation.pate import (
     partition_patients,
     pate_epsilon,
     pate_noise_multiplier,
+    teacher_of,
     thesis_epsilon,
+    thesis_epsilon_of_ledger,
     thesis_noise_multiplier,
 )
 from lightning_dp.segmentation.student import PATEStudentDataModule
@@ -35,6 +37,8 @@ __all__ = [
     "partition_patients",
     "pate_epsilon",
     "pate_noise_multiplier",
+    "teacher_of",
     "thesis_epsilon",
+    "thesis_epsilon_of_ledger",
     "thesis_noise_multiplier",
 ]

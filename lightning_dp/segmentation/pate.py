@@ -8,20 +8,21 @@ the mean code is released with Gaussian noise:
     z̄_n = (1/K) Σ_k z_nk + N(0, σ² I),   σ = z·S/K,
 
 with S the compressor's sensitivity (√d for PCA, 2√l for the autoencoder). Adding or removing one
-patient changes the training data of exactly one teacher, which can move Σ_k z_nk by at most S: each
-query is a Gaussian mechanism with noise multiplier z at **patient level**, by construction. The N
-queries are N ledger steps; ε comes from the ledger's accountant (RDP by default), and the thesis'
-closed form ε = ρ + 2√(ρ·log(1/δ)), ρ = N/(2z²), is printed beside it as a comparison (it is a valid
-but looser bound). The noise is drawn, and the ledger charged, by `GaussianRelease` — the same call
-the training engines use; nothing here draws noise of its own.
+patient changes the training data of exactly one teacher (`partition_patients` assigns each patient by a
+keyed hash of its own id), which can move Σ_k z_nk by at most S: each query is a Gaussian mechanism with
+noise multiplier z at **patient level**, by construction. The N queries are N ledger steps; ε comes from
+the ledger's accountant (RDP by default), and the thesis' closed form ε = ρ + 2√(ρ·log(1/δ)),
+ρ = Σ_i N_i/(2z_i²) over the ledger's entries (each aggregation at its own z), is printed beside it as a
+comparison (it is a valid but looser bound). The noise is drawn, and the ledger charged, by
+`GaussianRelease` — the same call the training engines use; nothing here draws noise of its own.
 
 A student trained on the public inputs and the decoded maps ĝ(z̄_n) is post-processing of the release.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
-import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -48,7 +49,9 @@ __all__ = [
     "partition_patients",
     "pate_epsilon",
     "pate_noise_multiplier",
+    "teacher_of",
     "thesis_epsilon",
+    "thesis_epsilon_of_ledger",
     "thesis_noise_multiplier",
 ]
 
@@ -91,15 +94,50 @@ def check_partitions(partitions: Sequence[Sequence[str]]) -> list[list[str]]:
     return parts
 
 
-def partition_patients(patient_ids: Sequence[str], num_teachers: int, seed: int = 0) -> list[list[str]]:
-    """Splits the distinct ``patient_ids`` into ``num_teachers`` disjoint partitions of near-equal size, each sorted.
+#: Domain separation of the partition hash (part of the public key of every teacher split).
+_PARTITION_DOMAIN = b"lightning-dp/pate-teacher-partition/v1"
 
-    The split is a seeded shuffle of the patient ids (a public choice: it is not a privacy release).
+
+def teacher_of(patient_id: str, num_teachers: int, seed: int = 0) -> int:
+    """The teacher a patient is assigned to: BLAKE2b keyed with ``seed``, of the id, modulo K.
+
+    The assignment of a patient depends on its own id and the public key only, never on which other patients
+    exist: adding or removing a patient changes exactly one teacher's data (the basis of the sensitivity S/K).
 
     Example:
-        >>> parts = partition_patients([f"p{i}" for i in range(10)], 3, seed=0)
-        >>> sorted(len(p) for p in parts), sorted(sum(parts, [])) == sorted(f"p{i}" for i in range(10))
-        ([3, 3, 4], True)
+        >>> teacher_of("p7", 4, seed=0) == teacher_of("p7", 4, seed=0)
+        True
+        >>> 0 <= teacher_of("p7", 4, seed=0) < 4
+        True
+    """
+    key = hashlib.blake2b(_PARTITION_DOMAIN + b"/" + str(int(seed)).encode()).digest()  # 64 bytes, any seed
+    digest = hashlib.blake2b(str(patient_id).encode("utf-8"), key=key, digest_size=16).digest()
+    return int.from_bytes(digest, "big") % num_teachers
+
+
+def partition_patients(patient_ids: Sequence[str], num_teachers: int, seed: int = 0) -> list[list[str]]:
+    """Splits the distinct ``patient_ids`` into ``num_teachers`` disjoint partitions by a keyed hash, each sorted.
+
+    Patient ``p`` goes to teacher ``BLAKE2b_key(p) mod K`` (`teacher_of`), with the key made from ``seed`` (a
+    public choice, made before looking at the data: it is not a privacy release). A patient's teacher depends on
+    its own id only, so adding or removing one patient changes exactly one partition and leaves the others
+    identical: one patient changes the data of one teacher, as PATE's sensitivity S/K assumes. (A seeded shuffle
+    of all ids, used before, moved almost every patient to another teacher when one patient was added.)
+
+    The partitions are only *about* equal in size (each patient is a fair draw among the K teachers): with N
+    patients a partition holds N/K ± about √(N/K) of them.
+
+    Raises:
+        PrivacyConfigError: K < 2, fewer patients than teachers, or a teacher receives no patient (more likely
+            with few patients per teacher: use fewer teachers).
+
+    Example:
+        >>> parts = partition_patients([f"p{i}" for i in range(30)], 3, seed=0)
+        >>> len(parts), sorted(sum(parts, [])) == sorted(f"p{i}" for i in range(30))
+        (3, True)
+        >>> smaller = partition_patients([f"p{i}" for i in range(30) if i != 5], 3, seed=0)
+        >>> sum(a != b for a, b in zip(parts, smaller))  # removing one patient changes one teacher
+        1
     """
     k = check_count("partition_patients", "num_teachers", num_teachers, "K ≥ 2 teachers, e.g. 8.", minimum=2)
     distinct = sorted(set(patient_ids))
@@ -108,8 +146,20 @@ def partition_patients(patient_ids: Sequence[str], num_teachers: int, seed: int 
             f"`partition_patients(num_teachers={k})`: only {len(distinct)} distinct patients for {k} teachers. "
             f"HINT: use at most {len(distinct)} teachers."
         )
-    random.Random(seed).shuffle(distinct)
-    return check_partitions([sorted(distinct[i::k]) for i in range(k)])
+    parts: list[list[str]] = [[] for _ in range(k)]
+    for patient in distinct:
+        parts[teacher_of(patient, k, seed)].append(patient)
+    empty = [i for i, part in enumerate(parts) if not part]
+    if empty:
+        raise PrivacyConfigError(
+            f"`partition_patients(num_teachers={k}, seed={seed})`: teacher(s) {empty} receive no patient: each of the "
+            f"{len(distinct)} patients is assigned by a keyed hash of its id (so that one patient changes one "
+            "teacher), "
+            f"and the partitions are not of equal size. HINT: use fewer teachers (about {len(distinct) // 5} or fewer "
+            "for these patients leaves an empty teacher unlikely); the key (seed) should stay a choice made before "
+            "looking at the data."
+        )
+    return check_partitions(parts)
 
 
 # ---------------------------------------------------------------------- accounting
@@ -134,9 +184,16 @@ def pate_epsilon(noise_multiplier: float, delta: float, num_queries: int, accoun
 
 
 def pate_noise_multiplier(
-    target_epsilon: float, delta: float, num_queries: int, accountant: AccountantName = "rdp"
+    target_epsilon: float,
+    delta: float,
+    num_queries: int,
+    accountant: AccountantName = "rdp",
+    *,
+    before: PrivacyLedger | None = None,
 ) -> float:
     """The smallest z (to 0.1 %) whose ``num_queries`` aggregations spend at most ``target_epsilon``.
+
+    With ``before``, the queries are added to that ledger's entries and the *total* must fit under the target.
 
     Example:
         >>> z = pate_noise_multiplier(2.0, 1e-7, 200)
@@ -145,7 +202,9 @@ def pate_noise_multiplier(
     """
     check_finite_positive("pate_noise_multiplier", "target_epsilon", target_epsilon, "e.g. 2.0.")
     n = check_count("pate_noise_multiplier", "num_queries", num_queries, "the number of public inputs.", minimum=1)
-    return calibrate_factor(target_epsilon, lambda z: _ledger(delta, n, z), accountant, what="the aggregation noise")
+    return calibrate_factor(
+        target_epsilon, lambda z: _ledger(delta, n, z, before), accountant, what="the aggregation noise"
+    )
 
 
 def thesis_epsilon(noise_multiplier: float, delta: float, num_queries: int) -> float:
@@ -157,6 +216,30 @@ def thesis_epsilon(noise_multiplier: float, delta: float, num_queries: int) -> f
     """
     rho = num_queries / (2.0 * noise_multiplier**2)
     return rho + 2.0 * math.sqrt(rho * math.log(1.0 / delta))
+
+
+def thesis_epsilon_of_ledger(ledger: PrivacyLedger) -> float:
+    """The thesis' closed form over a whole ledger: ρ = Σ_entries count/(2·z²), ε = ρ + 2√(ρ·log(1/δ)).
+
+    Each entry counts at its **own** noise multiplier, so a ledger holding aggregations at different z (a
+    second call, a larger budget) is compared right. ``nan`` if the ledger holds anything but un-sampled
+    Gaussian events (the closed form covers only those).
+
+    Example:
+        >>> ledger = PrivacyLedger("patient", 1e-7)
+        >>> ledger.record(GaussianEvent(20.0), 100)
+        >>> thesis_epsilon_of_ledger(ledger) == thesis_epsilon(20.0, 1e-7, 100)
+        True
+        >>> ledger.record(GaussianEvent(40.0), 100)
+        >>> round(thesis_epsilon_of_ledger(ledger), 4) < round(thesis_epsilon(20.0, 1e-7, 200), 4)
+        True
+    """
+    rho = 0.0
+    for event, count in ledger.entries:
+        if not isinstance(event, GaussianEvent):
+            return math.nan
+        rho += count / (2.0 * event.noise_multiplier**2)
+    return rho + 2.0 * math.sqrt(rho * math.log(1.0 / ledger.delta))
 
 
 def thesis_noise_multiplier(target_epsilon: float, delta: float, num_queries: int) -> float:
@@ -177,7 +260,12 @@ _SPENT = 1e-2
 
 @dataclass(frozen=True)
 class PATEReport:
-    """What one aggregation released and what it cost (safe to print and log: all of it is sanitized or public)."""
+    """What an aggregation released and what the ledger it charged has spent in all (safe to print and log).
+
+    ``num_queries``, ``noise_multiplier`` and ``noise_std`` describe the latest aggregation; ``epsilon`` and
+    ``thesis_epsilon`` are computed from the whole ledger (``ledger_queries`` queries, each entry at its own z),
+    so they cover every aggregation charged to it, earlier ones included.
+    """
 
     num_teachers: int
     num_queries: int
@@ -191,17 +279,23 @@ class PATEReport:
     accountant: str
     thesis_epsilon: float
     unit: str = "patient"
+    ledger_queries: int | None = None
 
     def __str__(self) -> str:
         lines = [
             "PATE aggregation (patient-level by construction: one patient changes the data of one teacher)",
             f"  teachers K                 {self.num_teachers}",
             f"  public queries N           {self.num_queries}",
+            *(
+                [f"  queries in the ledger      {self.ledger_queries} (every aggregation so far; ε counts them all)"]
+                if self.ledger_queries is not None and self.ledger_queries != self.num_queries
+                else []
+            ),
             f"  code length l (of d)       {self.code_dim} (of {self.map_pixels} pixels)",
             f"  sensitivity of Σ codes S   {self.sensitivity:.4g}",
             f"  noise multiplier z         {self.noise_multiplier:.4g} (σ = z·S/K = {self.noise_std:.4g} on the mean)",
             f"  ε ({self.accountant}, δ = {self.delta:g})  {self.epsilon:.4f}   [the guarantee]",
-            f"  ε (thesis closed form)     {self.thesis_epsilon:.4f}   [comparison; looser]",
+            f"  ε (thesis closed form)     {self.thesis_epsilon:.4f}   [comparison; looser; each query at its z]",
         ]
         return "\n".join(lines)
 
@@ -364,7 +458,8 @@ class PATEAggregator:
             epsilon=self._account.epsilon(self.ledger),
             delta=self.delta,
             accountant=self.accountant,
-            thesis_epsilon=thesis_epsilon(z, self.delta, self.ledger.steps),
+            thesis_epsilon=thesis_epsilon_of_ledger(self.ledger),
+            ledger_queries=self.ledger.steps,
         )
         return PATEResult(codes=noisy, maps=maps, report=report)
 

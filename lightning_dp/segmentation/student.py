@@ -10,10 +10,21 @@ student::
 
     lightning-dp fit --config configs/segmentation_pate_teacher.yaml --data.init_args.teacher 0   # ... K-1
     lightning-dp fit --config configs/segmentation_pate_student.yaml
+
+The released labels are a release: they are drawn once and kept, with the ledger they were charged to,
+in ``release_path`` (with a SHA-256 checksum). Running the student again with the same teachers and
+settings, or resuming it from a checkpoint, reuses those labels and that ledger (same labels, same ε);
+a new aggregation over the same private patients (other settings, more queries, retrained teachers) is
+charged to the same ledger, so the ε reported grows with every release and is never reset. A damaged
+release file, one of other private data, or a resume that does not find the release its checkpoint was
+trained on is an error, never a silent fresh aggregation.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import inspect
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -23,9 +34,17 @@ import pytorch_lightning as pl
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_dp.errors import PrivacyConfigError, check_in_interval
+from lightning_dp.accounting import PrivacyLedger, get_accountant
+from lightning_dp.callbacks.base import state_digest
+from lightning_dp.errors import PrivacyBudgetExceededError, PrivacyConfigError, PrivacyStateError, check_in_interval
 from lightning_dp.segmentation.compression import AutoencoderCompressor, Compressor
-from lightning_dp.segmentation.pate import PATEAggregator, PATEReport, pate_noise_multiplier
+from lightning_dp.segmentation.pate import (
+    _SPENT,
+    PATEAggregator,
+    PATEReport,
+    pate_noise_multiplier,
+    thesis_epsilon_of_ledger,
+)
 
 __all__ = ["PATEStudentDataModule"]
 
@@ -44,6 +63,10 @@ _SAME = (
     "num_teachers",
     "teacher_seed",
 )
+#: Of those, the ones that define the private patients themselves (one ledger per set of private patients).
+_PRIVATE_DATA = tuple(key for key in _SAME if key not in ("num_teachers", "teacher_seed"))
+#: Format of the release file and of the checkpoint state.
+_RELEASE_FORMAT = 1
 
 
 class PATEStudentDataModule(pl.LightningDataModule):
@@ -61,8 +84,20 @@ class PATEStudentDataModule(pl.LightningDataModule):
         atlas_fraction: the fraction of public patients whose masks fit the compressor (their images
             are not queried).
         batch_size: batch size of the student's training loader.
-        seed: seed of the aggregation noise; ``None`` (default) draws one from the OS.
+        seed: seed of the aggregation noise, mixed with the release's position in the release file so that two
+            releases never share noise; ``None`` (default) draws one from the OS.
         report_path: where the PATE privacy report is written (text); ``None``: not written.
+        release_path: the release file: the noisy labels of every aggregation over these private patients and
+            the one ledger they were charged to (SHA-256 checked). An aggregation whose teachers (checkpoint
+            file digests), public images and settings match a stored one reuses its labels; any other is
+            charged to the stored ledger, so ``target_epsilon`` is the budget of **all** releases in the file.
+            Deleting this file forgets what was spent.
+
+    Raises:
+        PrivacyStateError: the release file is damaged or belongs to other private data, or a resumed run
+            does not find the release its checkpoint was trained on (raised in ``setup``, before any noise).
+        PrivacyBudgetExceededError: a new aggregation does not fit under ``target_epsilon`` with the releases
+            already in the file.
     """
 
     def __init__(
@@ -77,6 +112,7 @@ class PATEStudentDataModule(pl.LightningDataModule):
         batch_size: int = 32,
         seed: int | None = None,
         report_path: str | None = "pate_privacy_report.txt",
+        release_path: str = "pate_release.pt",
     ) -> None:
         super().__init__()
         owner = "PATEStudentDataModule"
@@ -103,12 +139,18 @@ class PATEStudentDataModule(pl.LightningDataModule):
             seed,
             report_path,
         )
+        if not isinstance(release_path, (str, os.PathLike)) or not str(release_path):
+            raise PrivacyConfigError(
+                f"`{owner}(release_path={release_path!r})`: the released labels must be kept with their ledger, "
+                "found no path. HINT: e.g. release_path='runs/segmentation_pate/pate_release.pt'."
+            )
+        self.release_path = str(release_path)
         self.report: PATEReport | None = None
         self._train: TensorDataset | None = None
+        self._release_digest: str | None = None
 
-    def _check_teachers(self) -> list[Any]:
-        from lightning_dp.models import SegmentationModule
-
+    def _check_teachers(self) -> dict[str, Any]:
+        """Checks that the checkpoints are the K partitions of one split; returns their data settings."""
         k, reference = len(self.checkpoints), None
         seen: dict[int, str] = {}
         for path in self.checkpoints:
@@ -154,6 +196,11 @@ class PATEStudentDataModule(pl.LightningDataModule):
                 ": the public images might be some teacher's training images. HINT: use the teachers' data settings "
                 "without teacher/num_teachers."
             )
+        return reference
+
+    def _teachers(self) -> list[Any]:
+        from lightning_dp.models import SegmentationModule
+
         return [SegmentationModule.load_from_checkpoint(p, map_location="cpu").eval() for p in self.checkpoints]
 
     def setup(self, stage: str | None = None) -> None:
@@ -165,7 +212,7 @@ class PATEStudentDataModule(pl.LightningDataModule):
                 "`PATEStudentDataModule(data=...)`: the wrapped datamodule is restricted to one teacher's partition. "
                 "HINT: remove teacher/num_teachers from the student's data."
             )
-        teachers = self._check_teachers()
+        reference = self._check_teachers()
         data.prepare_data()
         data.setup(stage)
         public = data.public_dataset
@@ -186,23 +233,135 @@ class PATEStudentDataModule(pl.LightningDataModule):
         queries = torch.stack([queries_ds[i][0] for i in range(len(queries_ds))])
         if self.num_queries is not None:
             queries = queries[: self.num_queries]
+
+        # Everything that decides the labels; equal requests get the stored labels back, never fresh noise.
+        request = {
+            "teachers": [_file_digest(p) for p in self.checkpoints],
+            "compressor": [type(self.compressor).__name__, _primitives(self.compressor)],
+            "queries": state_digest(queries),
+            "atlas": state_digest(atlas_masks),
+            "target_epsilon": float(self.target_epsilon),
+            "delta": float(self.delta),
+            "seed": self.seed,
+            "accountant": "rdp",
+        }
+        private_data = {key: reference.get(key) for key in _PRIVATE_DATA}
+        store = _read_release(self.release_path, private_data, self.delta)  # validated before anything is drawn
+        entry = next((e for e in store["releases"] if e["request"] == request), None)
+        resumed_from = self._resumed_digest()
+        if resumed_from is not None:
+            if not os.path.isfile(self.release_path):
+                raise PrivacyStateError(
+                    f"`PATEStudentDataModule`: resuming from a checkpoint trained on the PATE release "
+                    f"{resumed_from[:12]}…, but the release file {self.release_path!r} does not exist: a fresh "
+                    "aggregation would draw new noise on a new ledger. Nothing was released. HINT: point release_path "
+                    "at the file the first run wrote."
+                )
+            if entry is None or _entry_digest(entry) != resumed_from:
+                raise PrivacyStateError(
+                    f"`PATEStudentDataModule`: the checkpoint was trained on the PATE release {resumed_from[:12]}…, "
+                    f"but with these teachers, public images and settings {self.release_path!r} "
+                    + ("holds no release" if entry is None else f"holds release {_entry_digest(entry)[:12]}…")
+                    + ". Nothing was released. HINT: resume with the settings of the run that wrote the checkpoint."
+                )
+        ledger = store["ledger"]
+        if entry is None:
+            entry = self._aggregate(request, ledger, queries, atlas_masks, len(store["releases"]))
+            store["releases"].append(entry)
+            _write_release(self.release_path, private_data, ledger, store["releases"])
+        self._release_digest = _entry_digest(entry)
+        report = PATEReport(**entry["report"])
+        self.report = dataclasses.replace(
+            report,
+            epsilon=get_accountant(report.accountant).epsilon(ledger),  # type: ignore[arg-type]
+            thesis_epsilon=thesis_epsilon_of_ledger(ledger),
+            ledger_queries=ledger.steps,
+        )
+        print(self.report)
+        if self.report_path is not None:
+            Path(self.report_path).write_text(str(self.report) + "\n")
+        self._train = TensorDataset(queries, entry["maps"].float())
+
+    def _aggregate(
+        self,
+        request: dict[str, Any],
+        ledger: PrivacyLedger,
+        queries: torch.Tensor,
+        atlas_masks: torch.Tensor,
+        index: int,
+    ) -> dict[str, Any]:
+        """Release number ``index`` of the file, charged to ``ledger`` (the file's); returns its file entry."""
+        account = get_accountant("rdp")
+        spent = account.epsilon(ledger) if ledger.steps else 0.0
+        if spent >= self.target_epsilon * (1.0 - _SPENT):
+            raise PrivacyBudgetExceededError(
+                f"`PATEStudentDataModule(target_epsilon={self.target_epsilon:g})`: {self.release_path!r} already "
+                f"holds {index} release(s) over these private patients, spending ε = {spent:.4f} "
+                f"({ledger.steps} queries); target_epsilon is the budget of all of them, so a new aggregation with "
+                "these settings has no room. Nothing was released. HINT: rerun with the settings of an earlier "
+                "release to reuse its labels, or raise target_epsilon (the total ε reported then grows)."
+            )
+        teachers = self._teachers()
         with torch.no_grad():
             maps = torch.stack(
                 [torch.cat([t(queries[i : i + 64]).sigmoid() for i in range(0, len(queries), 64)]) for t in teachers]
             )
         if isinstance(self.compressor, AutoencoderCompressor) and self.compressor.bottleneck_noise is None:
-            z = pate_noise_multiplier(self.target_epsilon, self.delta, len(queries))  # what aggregate() will use
+            # what aggregate() will use, counting the releases already in the ledger
+            z = pate_noise_multiplier(self.target_epsilon, self.delta, len(queries), before=ledger)
             self.compressor.bottleneck_noise = z * self.compressor.sensitivity / len(teachers)
         self.compressor.fit(atlas_masks)
         aggregator = PATEAggregator(
-            self.compressor, len(teachers), delta=self.delta, target_epsilon=self.target_epsilon, seed=self.seed
+            self.compressor,
+            len(teachers),
+            delta=self.delta,
+            target_epsilon=self.target_epsilon,
+            ledger=ledger,
+            seed=_release_seed(self.seed, index),
         )
         released = aggregator.aggregate(maps)
-        self.report = released.report
-        print(released.report)
-        if self.report_path is not None:
-            Path(self.report_path).write_text(str(released.report) + "\n")
-        self._train = TensorDataset(queries, released.maps.float())
+        return {
+            "request": request,
+            "codes": released.codes.detach().clone(),
+            "maps": released.maps.detach().clone(),
+            "report": dataclasses.asdict(released.report),
+        }
+
+    def _resumed_digest(self) -> str | None:
+        """The release digest a resumed run's checkpoint was trained on; ``None`` when not resuming."""
+        trainer = getattr(self, "trainer", None)
+        path = getattr(trainer, "ckpt_path", None) if trainer is not None else None
+        if not path:
+            return None
+        checkpoint = torch.load(path, map_location="cpu", weights_only=False)
+        state = checkpoint.get(type(self).__qualname__)
+        if not state:
+            raise PrivacyStateError(
+                f"`PATEStudentDataModule`: the checkpoint {path!r} has no PATE release state, so which released "
+                "labels it was trained on (and what they cost) is unknown; resuming would release again. HINT: "
+                "resume from a checkpoint written by PATEStudentDataModule, or start a new run without ckpt_path."
+            )
+        return _check_state(state)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The digest of the release the student trains on (checked on resume; the release itself is in its file)."""
+        if self._release_digest is None:
+            return {}
+        state: dict[str, Any] = {
+            "format_version": _RELEASE_FORMAT,
+            "release": self._release_digest,
+            "release_path": self.release_path,
+        }
+        state["checksum"] = state_digest(state)
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        digest = _check_state(state_dict)
+        if self._release_digest is not None and digest != self._release_digest:
+            raise PrivacyStateError(
+                f"`PATEStudentDataModule`: the checkpoint was trained on the PATE release {digest[:12]}…, but this "
+                f"run uses {self._release_digest[:12]}…. HINT: resume with the settings of the run that wrote it."
+            )
 
     def train_dataloader(self) -> DataLoader[Any]:
         assert self._train is not None
@@ -220,3 +379,103 @@ def _settings(data: Any) -> dict[str, Any]:
     out = {key: getattr(data, key) for key in _SAME if hasattr(data, key)}
     out.update(getattr(data, "generator_kwargs", {}))
     return out
+
+
+def _primitives(obj: Any) -> dict[str, Any]:
+    """A compressor's settings: its constructor arguments, read back from the attributes of the same name."""
+    names = [n for n in inspect.signature(type(obj).__init__).parameters if n != "self"]
+    return {n: getattr(obj, n) for n in names if isinstance(getattr(obj, n, None), (bool, int, float, str, type(None)))}
+
+
+def _release_seed(seed: int | None, index: int) -> int | None:
+    """The noise seed of a file's release number ``index``: two releases in one file never share noise.
+
+    The same noise under two noise multipliers would cancel in a combination of the two releases and expose the
+    teachers' mean code exactly; so a user ``seed`` is mixed with the release's position in the ledger.
+    """
+    if seed is None:
+        return None
+    digest = hashlib.blake2b(f"lightning-dp/pate-release/{seed}/{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") >> 1
+
+
+def _file_digest(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _entry_digest(entry: dict[str, Any]) -> str:
+    return state_digest({"request": entry["request"], "codes": entry["codes"], "maps": entry["maps"]})
+
+
+def _check_state(state: Any) -> str:
+    """The release digest in a checkpoint's PATEStudentDataModule state, after checking its checksum."""
+    if (
+        not isinstance(state, dict)
+        or state.get("format_version") != _RELEASE_FORMAT
+        or not isinstance(state.get("release"), str)
+        or state.get("checksum") != state_digest({k: v for k, v in state.items() if k != "checksum"})
+    ):
+        raise PrivacyStateError(
+            "`PATEStudentDataModule`: the checkpoint's PATE release state is damaged or of another format (its "
+            "checksum does not match its content). Nothing was released. HINT: resume from an earlier checkpoint."
+        )
+    return str(state["release"])
+
+
+def _read_release(path: str, private_data: dict[str, Any], delta: float) -> dict[str, Any]:
+    """The release file's ledger and releases, checked (checksum, format, private data); empty if no file."""
+    if not os.path.exists(path):
+        return {"ledger": PrivacyLedger("patient", delta), "releases": []}
+    hint = (
+        "HINT: restore the file from a backup; if it is lost, what it spent is lost with it — do not start a "
+        "fresh ledger over the same patients (the ε it would print would not count the earlier releases)."
+    )
+    try:
+        raw = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:
+        raise PrivacyStateError(
+            f"`PATEStudentDataModule`: the release file {path!r} cannot be read ({err!r}). Nothing was released. {hint}"
+        ) from err
+    body = {k: v for k, v in raw.items() if k != "checksum"} if isinstance(raw, dict) else None
+    if body is None or raw.get("checksum") != state_digest(body):
+        raise PrivacyStateError(
+            f"`PATEStudentDataModule`: the release file {path!r} is corrupt: its SHA-256 checksum does not match its "
+            f"content (a damaged or edited file). Nothing was released. {hint}"
+        )
+    if body.get("format_version") != _RELEASE_FORMAT:
+        raise PrivacyStateError(
+            f"`PATEStudentDataModule`: the release file {path!r} has format_version {body.get('format_version')!r}, "
+            f"expected {_RELEASE_FORMAT}. HINT: use the lightning-dp version that wrote it."
+        )
+    if body.get("private_data") != private_data:
+        differ = [
+            f"{k}: {v!r} vs {body.get('private_data', {}).get(k)!r}"
+            for k, v in private_data.items()
+            if body.get("private_data", {}).get(k) != v
+        ]
+        raise PrivacyStateError(
+            f"`PATEStudentDataModule`: the release file {path!r} holds releases over other private data "
+            f"({', '.join(differ) or 'settings'} differ from the teachers'). Nothing was released. HINT: give these "
+            "teachers their own release_path (if the patients overlap, their releases compose: keep one file)."
+        )
+    ledger = PrivacyLedger("patient", 1e-7)
+    ledger.load_state_dict(body["ledger"])
+    return {"ledger": ledger, "releases": list(body["releases"])}
+
+
+def _write_release(path: str, private_data: dict[str, Any], ledger: PrivacyLedger, releases: list[Any]) -> None:
+    """Writes the release file atomically (a crash leaves the old file or the new one, never half of one)."""
+    body = {
+        "format_version": _RELEASE_FORMAT,
+        "private_data": private_data,
+        "ledger": ledger.state_dict(),
+        "releases": releases,
+    }
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    tmp = f"{path}.tmp"
+    torch.save({**body, "checksum": state_digest(body)}, tmp)
+    os.replace(tmp, path)

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from lightning_dp.cli import main
 from lightning_dp.errors import PrivacyConfigError
@@ -46,7 +47,7 @@ def _teacher(k: int, tmp: Path, extra: tuple[str, ...] = ()) -> Path:
     return out / "checkpoints" / "last.ckpt"
 
 
-def _student(tmp: Path, checkpoints: list[Path]) -> int:
+def _student(tmp: Path, checkpoints: list[Path], extra: tuple[str, ...] = ()) -> int:
     return main(
         [
             "fit",
@@ -63,6 +64,8 @@ def _student(tmp: Path, checkpoints: list[Path]) -> int:
             "--data.init_args.compressor.init_args.code_dim=4",
             "--data.init_args.num_queries=6",
             f"--data.init_args.report_path={tmp / 'report.txt'}",
+            f"--data.init_args.release_path={tmp / 'release.pt'}",
+            *extra,
         ]
     )
 
@@ -75,6 +78,14 @@ def test_teachers_then_student_release_patient_level_labels(tmp_path: Path) -> N
     assert "teachers K                 2" in report and "public queries N           6" in report
     epsilon = float(re.search(r"ε \(rdp, δ = 1e-07\)\s+([0-9.]+)", report).group(1))  # type: ignore[union-attr]
     assert 1.9 < epsilon <= 2.0  # calibrated to the config's target
+
+    # Resuming the student reuses the release and its ledger: no second aggregation, the same report.
+    released = (tmp_path / "release.pt").read_bytes()
+    (student_checkpoint,) = sorted((tmp_path / "student").rglob("*.ckpt"))
+    assert torch.load(student_checkpoint, weights_only=True)["PATEStudentDataModule"]["release"]
+    assert _student(tmp_path, checkpoints, (f"--ckpt_path={student_checkpoint}", "--trainer.max_steps=4")) == 0
+    assert (tmp_path / "report.txt").read_text() == report
+    assert (tmp_path / "release.pt").read_bytes() == released
 
     # The same partition twice: one patient would change two teachers.
     with pytest.raises(PrivacyConfigError, match="both trained on teacher partition 0"):

@@ -80,7 +80,8 @@ def test_teacher_partitions_are_disjoint_and_cover_the_training_patients(manifes
     dm.setup()
     assert len(dm.train_patients) == 12  # 20 - 4 test - 2 val - 2 public
     parts = dm.teacher_partitions(5, seed=0)
-    assert sorted(sum(parts, [])) == dm.train_patients and sorted(len(p) for p in parts) == [2, 2, 2, 3, 3]
+    # Assigned by a keyed hash of each id (stable under add/remove of a patient), so sizes are only about equal.
+    assert sorted(sum(parts, [])) == dm.train_patients and all(parts) and len(parts) == 5
     teachers = dm.teacher_datasets(5, seed=0)
     assert [t.patient_ids for t in teachers] == parts
     assert sum(len(t) for t in teachers) == len(dm.train_dataset)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import random
 
 import dp_accounting
 import pytest
@@ -20,6 +21,7 @@ from lightning_dp.segmentation import (
     partition_patients,
     pate_epsilon,
     pate_noise_multiplier,
+    teacher_of,
     thesis_epsilon,
     thesis_noise_multiplier,
 )
@@ -157,6 +159,21 @@ def test_a_second_call_under_a_larger_budget_counts_the_first() -> None:
     assert spent < second.report.epsilon <= 2 * spent
 
 
+def test_the_thesis_comparison_counts_each_aggregation_at_its_own_noise() -> None:
+    """Two calls at z = 3 then z = 100: the closed form must not count the first 20 queries at z = 100."""
+    pca = PCACompressor(code_dim=4).fit(_maps(50))
+    teachers = _maps(3 * 20, seed=5).reshape(3, 20, 1, 8, 8)
+    ledger = PrivacyLedger("patient", 1e-7)
+    PATEAggregator(pca, 3, delta=1e-7, noise_multiplier=3.0, ledger=ledger).aggregate(teachers)
+    report = PATEAggregator(pca, 3, delta=1e-7, noise_multiplier=100.0, ledger=ledger).aggregate(teachers).report
+    # 20 queries at z = 3 and 20 at z = 100 compose into one Gaussian with μ² = 20/3² + 20/100².
+    exact = _exact_gaussian_epsilon(1.0 / math.sqrt(20 / 3.0**2 + 20 / 100.0**2), 1, 1e-7)
+    rho = 20 / (2 * 3.0**2) + 20 / (2 * 100.0**2)
+    assert report.thesis_epsilon == pytest.approx(rho + 2 * math.sqrt(rho * math.log(1e7)), rel=1e-12)
+    assert exact <= report.epsilon <= report.thesis_epsilon  # both valid; the closed form is the looser
+    assert report.ledger_queries == 40 and "queries in the ledger      40" in str(report)
+
+
 # ---------------------------------------------------------------------- bad input
 def test_bad_input_is_refused_before_anything_is_charged() -> None:
     pca = PCACompressor(code_dim=4).fit(_maps(50))
@@ -194,6 +211,34 @@ def test_partitions_are_disjoint_by_patient() -> None:
         partition_patients(ids, 12)
     with pytest.raises(PrivacyConfigError, match="K ≥ 2"):
         check_partitions([["a"]])
+
+
+@pytest.mark.parametrize("num_teachers", [2, 5, 8])
+def test_adding_or_removing_one_patient_changes_exactly_one_partition(num_teachers: int) -> None:
+    """The basis of the sensitivity S/K: a neighbouring patient set changes one teacher's data, the rest stay."""
+    rng = random.Random(num_teachers)
+    for trial in range(20):
+        ids = [f"{rng.choice(['p', 'case-', 'LIDC-'])}{rng.randrange(10**6)}" for _ in range(rng.randint(60, 120))]
+        ids = sorted(set(ids))
+        seed = trial % 3
+        parts = partition_patients(ids, num_teachers, seed=seed)
+        for removed in rng.sample(ids, 8):
+            smaller = partition_patients([p for p in ids if p != removed], num_teachers, seed=seed)
+            changed = [k for k in range(num_teachers) if smaller[k] != parts[k]]
+            assert len(changed) == 1 and removed in parts[changed[0]]
+            assert sorted(set(parts[changed[0]]) - set(smaller[changed[0]])) == [removed]
+        added = f"new-{trial}"
+        larger = partition_patients([*ids, added], num_teachers, seed=seed)
+        changed = [k for k in range(num_teachers) if larger[k] != parts[k]]
+        assert len(changed) == 1 and sorted(set(larger[changed[0]]) - set(parts[changed[0]])) == [added]
+        assert teacher_of(added, num_teachers, seed) == changed[0]
+
+
+def test_the_key_changes_the_partition_and_an_empty_teacher_is_refused() -> None:
+    ids = [f"p{i}" for i in range(40)]
+    assert partition_patients(ids, 4, seed=0) != partition_patients(ids, 4, seed=1)
+    with pytest.raises(PrivacyConfigError, match=r"receive no patient.*HINT: use fewer teachers"):
+        partition_patients([f"p{i}" for i in range(6)], 6, seed=0)
 
 
 def test_pca_with_every_component_reconstructs_public_maps() -> None:
