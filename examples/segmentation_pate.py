@@ -148,7 +148,13 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="tiny scale, a smoke test")
     parser.add_argument("--out", default="runs/segmentation_pate")
     parser.add_argument("--data", default="data/synthetic_silhouettes_pate")
-    parser.add_argument("--teachers", type=int, default=16, help="K (the thesis: 16)")
+    parser.add_argument(
+        "--teachers",
+        type=int,
+        default=8,
+        help="K (the thesis: 16; each patient id is hashed to a teacher, and 16 leaves one of the 48 default "
+        "training patients' teachers empty)",
+    )
     parser.add_argument("--queries", type=int, default=40, help="N, public images labelled (ε grows with N)")
     parser.add_argument("--patients", type=int, default=120)
     parser.add_argument("--images-per-patient", type=int, default=10)
