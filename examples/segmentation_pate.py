@@ -230,14 +230,16 @@ def main() -> None:
     ae = AutoencoderCompressor(code_dim=args.code_dim, epochs=20 if args.quick else 300, seed=args.seed)
     ae.bottleneck_noise = z * ae.sensitivity / args.teachers  # the noise the aggregated code will carry
     compressors["AE"] = ae.fit(atlas_masks)
-    for name, compressor in compressors.items():
+    for index, (name, compressor) in enumerate(compressors.items()):
         encoded = torch.stack([encoded_maps(compressor, m) for m in maps]).float()
         results[f"{name}: encoded teacher maps (mean)"] = (
             "queries",
             sum(dice(m, query_masks) for m in encoded) / len(encoded),
         )
+        # Two alternative releases over the same teachers (each reported at its own ε): never the same noise
+        # draws, or the difference of the two would cancel it.
         aggregator = PATEAggregator(
-            compressor, args.teachers, delta=args.delta, target_epsilon=args.epsilon, seed=args.seed + 1
+            compressor, args.teachers, delta=args.delta, target_epsilon=args.epsilon, seed=args.seed + 1 + index
         )
         released = aggregator.aggregate(maps)
         reports[name] = released.report
