@@ -76,7 +76,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         for scenario in scenario_for(mutant):
             steps = args.steps or STEPS.get(mutant.name, DEFAULT_STEPS)
             rows.append(row(mutant.name, mutant.where, scenario, audit(scenario, mutant, steps), expect_caught=True))
-    print("| mutant | where | scenario | T | caught | ε_lower | ε_upper | canary mean in / out (units of C) | noise sd |")
+    print(
+        "| mutant | where | scenario | T | caught | ε_lower | ε_upper | canary mean in / out (units of C) | noise sd |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(

@@ -122,7 +122,7 @@ class CallbackAuditResult:
         )
 
 
-class _Units(Dataset):  # type: ignore[type-arg]
+class _Units(Dataset):
     """(x, y) pairs; with patients, the P3SGD interface (``patient_to_indices``, ``num_patients``)."""
 
     def __init__(self, x: Tensor, y: Tensor, w: Tensor, patients: Tensor | None) -> None:
@@ -258,9 +258,9 @@ class CallbackAudit:
         self.mechanism = probe.mechanism
         if float(probe.sample_rate) != 1.0:
             raise PrivacyConfigError(
-                f"`{owner}`: the callback samples with q = {probe.sample_rate}; this audit subtracts every other unit's "
-                "contribution, which needs a full batch. HINT: audit the configuration with sample_rate=1.0 (same "
-                "engine, clip and noise), and the sampler with the simulated `StepAudit(sample_rate=q)`."
+                f"`{owner}`: the callback samples with q = {probe.sample_rate}; this audit subtracts every other "
+                "unit's contribution, which needs a full batch. HINT: audit the configuration with sample_rate=1.0 "
+                "(same engine, clip and noise), and the sampler with the simulated `StepAudit(sample_rate=q)`."
             )
         need = 3 if self.level == "patient" else 2
         if len(population) != need or len(canary) != 2:
@@ -330,7 +330,9 @@ class CallbackAudit:
             for logger in quiet:
                 logger.setLevel(logging.WARNING)
             with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
-                warnings.filterwarnings("ignore", message=".*(workers|val_dataloader|litlogger|IterableDataset|LeafSpec).*")
+                warnings.filterwarnings(
+                    "ignore", message=".*(workers|val_dataloader|litlogger|IterableDataset|LeafSpec).*"
+                )
                 trainer = pl.Trainer(callbacks=[callback, observer], **kwargs)
                 trainer.fit(_Module(model, self.lr), datamodule=_Data(data))
         finally:
@@ -353,7 +355,7 @@ class CallbackAudit:
         trainable = _trainable(reference)
         sizes = [p.numel() for _, p in trainable]
         params = {name: t.view_as(p) for (name, p), t in zip(trainable, torch.split(theta, sizes))}
-        fixed = {k: v for k, v in reference.named_parameters() if k not in params}
+        fixed: dict[str, Tensor] = {k: v for k, v in reference.named_parameters() if k not in params}
         fixed.update(dict(reference.named_buffers()))
 
         def loss(p: dict[str, Tensor], x: Tensor, y: Tensor, w: Tensor) -> Tensor:
@@ -363,7 +365,9 @@ class CallbackAudit:
         if self.level == "sample":
             x = torch.cat([self.population[0], self.canary[0]]).double()
             y = torch.cat([self.population[1], self.canary[1]])
-            w = torch.cat([torch.ones(len(self.population[1]), dtype=torch.float64), weight.expand(len(self.canary[1]))])
+            w = torch.cat(
+                [torch.ones(len(self.population[1]), dtype=torch.float64), weight.expand(len(self.canary[1]))]
+            )
             grads = torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0, 0, 0))(
                 params, x.unsqueeze(1), y.unsqueeze(1), w.unsqueeze(1)
             )
@@ -398,8 +402,11 @@ class CallbackAudit:
         return torch.cat([(current[k] - params[k]).reshape(-1) for k in params])
 
     def _projections(self, callback: Any, observer: _Observer, data: _Units) -> tuple[Tensor, Tensor, Tensor]:
-        """Per step (units of C): the canary projection y_t, the squared noise on the d − 1 orthogonal directions, and
-        the canary's clipped norm m_t by the reference."""
+        """Per step, in units of C: the canary projection y_t, the squared noise, and the canary's clipped norm.
+
+        The squared noise is summed over the d − 1 directions orthogonal to the canary; the canary's clipped
+        norm m_t is the auditor's reference.
+        """
         assert observer.model is not None
         clip = float(callback.clip_norm)
         units = data.num_patients if self.level == "patient" else len(data)

@@ -1,4 +1,4 @@
-"""Planted privacy bugs ("mutants"): does the audit catch a wrong clip, noise, rate or accountant in the code that trains?
+"""Planted privacy bugs ("mutants"): does the audit catch a wrong clip, noise, rate or accountant in the code?
 
 Each `Mutant` patches one place of the library for the duration of a ``with`` block and restores it on
 exit. They are what the audit's mutation table (README, "Auditing") is measured with, and what the test
@@ -136,33 +136,88 @@ def _no_rollback_between_patients() -> Any:
 
 
 def _selection_charged_at_largest() -> Any:
-    return _replaced(release.SelectedRelease, "noise_multiplier", lambda f: lambda self, step: self.multipliers(step)[-1])
+    return _replaced(
+        release.SelectedRelease, "noise_multiplier", lambda f: lambda self, step: self.multipliers(step)[-1]
+    )
 
 
 #: The mutants the test suite's audit must catch (README: "The audit's mutation table").
 MUTANTS: tuple[Mutant, ...] = (
-    Mutant("clip at 10·C", "sanitization/per_sample.py: clip_coefficients", "per-sample clip bound 10× too large",
-           ("DPSGD",), _clip_10x),
-    Mutant("ghost norms 100× small", "sanitization/rules.py: _ghost_norms", "ghost-norm layers' squared norms ×1e-4",
-           ("DPSGD",), _ghost_norms),
-    Mutant("materialized norms 100× small", "sanitization/rules.py: sum_of_squares",
-           "materialized layers' squared norms ×1e-4", ("DPSGD",), _materialized_norms),
-    Mutant("patient clip at 10·C_u", "sanitization/updates.py: clip_factor", "per-patient clip bound 10× too large",
-           ("P3SGD",), _patient_clip_10x),
-    Mutant("noise std / √2", "sanitization/release.py: Release._gaussian", "every noise draw √2 too small",
-           ("DPSGD", "P3SGD"), _noise_sqrt2),
-    Mutant("noise normalized twice", "sanitization/release.py: Release.release", "noise std z·C/n² instead of z·C/n",
-           ("DPSGD", "P3SGD"), _noise_normalized_twice),
-    Mutant("ledger charged at q/2", "callbacks/dpsgd.py: DPSGD._new_release", "the release charges half the sample rate",
-           ("DPSGD",), _ledger_rate_halved),
-    Mutant("release clip C_u/2", "callbacks/p3sgd.py: P3SGD._new_release",
-           "noise scaled to C_u/2 while updates are clipped to C_u", ("P3SGD",), _release_clip_halved),
-    Mutant("RDP halved", "accounting/accountants.py: rdp_subsampled_gaussian", "the Gaussian's RDP curve ×0.5",
-           ("DPSGD", "P3SGD"), _accountant_halved),
-    Mutant("no rollback between patients", "callbacks/p3sgd.py: P3SGD._local_update",
-           "a patient's local training starts from the previous patient's local model", ("P3SGD",),
-           _no_rollback_between_patients),
-    Mutant("selection charged at largest z", "sanitization/release.py: SelectedRelease.noise_multiplier",
-           "the round is charged at the largest noise scale, drawn at the smallest", ("P3SGD-selection",),
-           _selection_charged_at_largest),
+    Mutant(
+        "clip at 10·C",
+        "sanitization/per_sample.py: clip_coefficients",
+        "per-sample clip bound 10× too large",
+        ("DPSGD",),
+        _clip_10x,
+    ),
+    Mutant(
+        "ghost norms 100× small",
+        "sanitization/rules.py: _ghost_norms",
+        "ghost-norm layers' squared norms ×1e-4",
+        ("DPSGD",),
+        _ghost_norms,
+    ),
+    Mutant(
+        "materialized norms 100× small",
+        "sanitization/rules.py: sum_of_squares",
+        "materialized layers' squared norms ×1e-4",
+        ("DPSGD",),
+        _materialized_norms,
+    ),
+    Mutant(
+        "patient clip at 10·C_u",
+        "sanitization/updates.py: clip_factor",
+        "per-patient clip bound 10× too large",
+        ("P3SGD",),
+        _patient_clip_10x,
+    ),
+    Mutant(
+        "noise std / √2",
+        "sanitization/release.py: Release._gaussian",
+        "every noise draw √2 too small",
+        ("DPSGD", "P3SGD"),
+        _noise_sqrt2,
+    ),
+    Mutant(
+        "noise normalized twice",
+        "sanitization/release.py: Release.release",
+        "noise std z·C/n² instead of z·C/n",
+        ("DPSGD", "P3SGD"),
+        _noise_normalized_twice,
+    ),
+    Mutant(
+        "ledger charged at q/2",
+        "callbacks/dpsgd.py: DPSGD._new_release",
+        "the release charges half the sample rate",
+        ("DPSGD",),
+        _ledger_rate_halved,
+    ),
+    Mutant(
+        "release clip C_u/2",
+        "callbacks/p3sgd.py: P3SGD._new_release",
+        "noise scaled to C_u/2 while updates are clipped to C_u",
+        ("P3SGD",),
+        _release_clip_halved,
+    ),
+    Mutant(
+        "RDP halved",
+        "accounting/accountants.py: rdp_subsampled_gaussian",
+        "the Gaussian's RDP curve ×0.5",
+        ("DPSGD", "P3SGD"),
+        _accountant_halved,
+    ),
+    Mutant(
+        "no rollback between patients",
+        "callbacks/p3sgd.py: P3SGD._local_update",
+        "a patient's local training starts from the previous patient's local model",
+        ("P3SGD",),
+        _no_rollback_between_patients,
+    ),
+    Mutant(
+        "selection charged at largest z",
+        "sanitization/release.py: SelectedRelease.noise_multiplier",
+        "the round is charged at the largest noise scale, drawn at the smallest",
+        ("P3SGD-selection",),
+        _selection_charged_at_largest,
+    ),
 )

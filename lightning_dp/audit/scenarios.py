@@ -2,8 +2,8 @@
 
 Each function returns a ready `CallbackAudit` on synthetic 8×8 one-channel images: a population of
 ordinary units whose gradients stay below the clip norm, and a canary whose loss is weighted so that its
-gradient (or local update) is far above it. They are what the test suite and ``examples/audit_mutation_table.py`` audit, and a
-template for auditing a configuration of one's own.
+gradient (or local update) is far above it. They are what the test suite and
+``examples/audit_mutation_table.py`` audit, and a template for auditing a configuration of one's own.
 
 * ``dpsgd_audit("conv")``: Conv2d (materialized per-sample gradients at 8×8), GroupNorm (Opacus' grad
   sampler), Conv2d at 2×2 (ghost norm), Linear (ghost norm).
@@ -47,6 +47,7 @@ def _conv_net() -> nn.Module:
 
 def _transpose_net() -> nn.Module:
     norm = nn.BatchNorm2d(4)
+    assert norm.running_mean is not None and norm.running_var is not None
     with torch.no_grad():  # public running statistics, frozen: the eval-mode BatchNorm rule
         norm.running_mean.uniform_(-0.1, 0.1)
         norm.running_var.uniform_(0.5, 1.5)
