@@ -10,7 +10,7 @@ import torch
 import torchmetrics
 from torch import Tensor, nn
 
-from lightning_dp.errors import PrivacyConfigError, check_finite_positive
+from lightning_dp.errors import PrivacyConfigError, check_count, check_finite_positive
 from lightning_dp.models.fixers import group_norm_for
 
 __all__ = ["Architecture", "ImageClassifier", "Norm", "TrainableGroup", "build_backbone", "trainable_parameter_names"]
@@ -103,11 +103,16 @@ def _resolve_trainable(trainable: Sequence[TrainableGroup] | None, freeze_backbo
     return groups
 
 
-def build_backbone(arch: Architecture, num_classes: int, norm: Norm = "batch") -> nn.Module:
+def build_backbone(arch: Architecture, num_classes: int, norm: Norm = "batch", in_channels: int = 3) -> nn.Module:
     """A randomly initialised network (no pretrained weights: nothing is downloaded at run time).
 
     ``norm="group"`` builds the torchvision networks with GroupNorm instead of BatchNorm (what
-    per-sample DP-SGD needs; `small_cnn` always uses GroupNorm).
+    per-sample DP-SGD needs; `small_cnn` always uses GroupNorm). ``in_channels`` other than 3 replaces the
+    first convolution by one of the same shape that reads that many channels (1 for grayscale).
+
+    Example:
+        >>> build_backbone("resnet18", 2, in_channels=1).conv1
+        Conv2d(1, 64, kernel_size=(7, 7), stride=(2, 2), padding=(3, 3), bias=False)
     """
     import torchvision
 
@@ -119,17 +124,34 @@ def build_backbone(arch: Architecture, num_classes: int, norm: Norm = "batch") -
     kwargs: dict[str, object] = {"weights": None, "num_classes": num_classes}
     if norm == "group":
         kwargs["norm_layer"] = group_norm_for
-    if arch == "resnet18":
-        return torchvision.models.resnet18(**kwargs)
-    if arch == "resnet34":
-        return torchvision.models.resnet34(**kwargs)
+    check_count("ImageClassifier", "in_channels", in_channels, "3 for RGB, 1 for grayscale.", minimum=1)
+    if arch in ("resnet18", "resnet34"):
+        net = getattr(torchvision.models, arch)(**kwargs)
+        if in_channels != 3:
+            net.conv1 = _reading(net.conv1, in_channels)
+        return net
     if arch == "mobilenet_v2":
-        return torchvision.models.mobilenet_v2(**kwargs)
+        net = torchvision.models.mobilenet_v2(**kwargs)
+        if in_channels != 3:
+            net.features[0][0] = _reading(net.features[0][0], in_channels)
+        return net
     if arch == "small_cnn":
-        return SmallCNN(num_classes)
+        return SmallCNN(num_classes, in_channels)
     raise PrivacyConfigError(
         f"`ImageClassifier(arch={arch!r})`: arch must be one of resnet18, resnet34, mobilenet_v2, small_cnn, "
         f"found {arch!r}. HINT: pass a supported name or subclass ImageClassifier."
+    )
+
+
+def _reading(conv: nn.Conv2d, in_channels: int) -> nn.Conv2d:
+    """A freshly initialised convolution like ``conv`` that reads ``in_channels`` channels."""
+    return nn.Conv2d(
+        in_channels,
+        conv.out_channels,
+        conv.kernel_size,  # type: ignore[arg-type]
+        stride=conv.stride,  # type: ignore[arg-type]
+        padding=conv.padding,  # type: ignore[arg-type]
+        bias=conv.bias is not None,
     )
 
 
@@ -147,6 +169,8 @@ class ImageClassifier(pl.LightningModule):
         weight_decay: L2 weight decay (the P3SGD paper uses 1e-4).
         optimizer: ``"sgd"`` or ``"adam"``.
         norm: ``"batch"`` (BatchNorm) or ``"group"`` (GroupNorm, for per-sample DP-SGD).
+        in_channels: channels of the input images (3 for RGB, 1 for grayscale: CT, MRI, X-ray). A batch with
+            another number of channels is refused with the number found and this hint.
         freeze_backbone: train only the classifier head (an alias of ``trainable=["head"]``): the usual
             recipe for DP fine-tuning of a network pre-trained on public data.
         trainable: what is trained, the union of named groups: ``"all"`` (everything, the default),
@@ -181,6 +205,7 @@ class ImageClassifier(pl.LightningModule):
         norm: Norm = "batch",
         freeze_backbone: bool = False,
         trainable: list[TrainableGroup] | None = None,
+        in_channels: int = 3,
     ) -> None:
         super().__init__()
         check_finite_positive("ImageClassifier", "lr", lr, "e.g. 0.05 for SGD, 1e-3 for Adam.")
@@ -191,7 +216,8 @@ class ImageClassifier(pl.LightningModule):
             )
         groups = _resolve_trainable(trainable, freeze_backbone)
         self.save_hyperparameters()
-        self.net = build_backbone(arch, num_classes, norm)
+        self.net = build_backbone(arch, num_classes, norm, in_channels)
+        self.in_channels = in_channels
         self.freeze_backbone = freeze_backbone
         #: The groups trained (resolved: freeze_backbone=True is ("head",), nothing given is ("all",)).
         self.trainable: tuple[TrainableGroup, ...] = groups
@@ -214,6 +240,13 @@ class ImageClassifier(pl.LightningModule):
         self.test_metrics = self.val_metrics.clone(prefix="test/")
 
     def forward(self, x: Tensor) -> Tensor:
+        if x.dim() != 4 or x.shape[1] != self.in_channels:
+            found = f"{x.shape[1]} channel(s)" if x.dim() == 4 else f"a {x.dim()}-D tensor of shape {tuple(x.shape)}"
+            raise PrivacyConfigError(
+                f"`ImageClassifier(in_channels={self.in_channels})`: expected images of shape (B, {self.in_channels}, "
+                f"H, W), found {found}. HINT: set in_channels to your images' channel count (1 for grayscale; in "
+                "YAML: model.init_args.in_channels: 1), or convert the images in the dataset's transform."
+            )
         return self.net(x)
 
     def train(self, mode: bool = True) -> ImageClassifier:

@@ -359,6 +359,14 @@ class SegmentationModule(pl.LightningModule):
         self.test_iou = _iou()
 
     def forward(self, x: Tensor) -> Tensor:
+        channels = self.hparams.get("in_channels", 3)
+        if x.dim() < 3 or x.shape[1] != channels:
+            found = f"{x.shape[1]} channel(s)" if x.dim() >= 3 else f"a tensor of shape {tuple(x.shape)}"
+            raise PrivacyConfigError(
+                f"`SegmentationModule(in_channels={channels})`: expected images of shape (B, {channels}, *spatial), "
+                f"found {found}. HINT: set in_channels to your images' channel count (1 for grayscale CT/MRI; in "
+                "YAML: model.init_args.in_channels: 1)."
+            )
         return self.net(x)
 
     def _loss(self, batch: Any) -> tuple[Tensor, Tensor, Tensor]:
