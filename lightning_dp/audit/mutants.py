@@ -37,13 +37,18 @@ def _replaced(owner: Any, name: str, make: Callable[[Any], Any]) -> Iterator[Non
 
 @dataclass(frozen=True)
 class Mutant:
-    """One planted bug: ``name``, ``where`` (file: function), ``what`` it does, the mechanisms it reaches."""
+    """One planted bug: ``name``, ``where`` (file: function), ``what`` it does, the mechanisms it reaches.
+
+    ``steps`` is how many steps per world `CallbackAudit` observes to catch it on the scenarios of
+    `lightning_dp.audit.scenarios` (a gross leak shows in 20; a leak of a factor √2 needs 100).
+    """
 
     name: str
     where: str
     what: str
     mechanisms: tuple[str, ...]
     patch: Callable[[], Any]
+    steps: int = 50
 
     @contextmanager
     def applied(self) -> Iterator[None]:
@@ -149,6 +154,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "per-sample clip bound 10× too large",
         ("DPSGD",),
         _clip_10x,
+        steps=20,
     ),
     Mutant(
         "ghost norms 100× small",
@@ -170,6 +176,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "per-patient clip bound 10× too large",
         ("P3SGD",),
         _patient_clip_10x,
+        steps=20,
     ),
     Mutant(
         "noise std / √2",
@@ -177,6 +184,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "every noise draw √2 too small",
         ("DPSGD", "P3SGD"),
         _noise_sqrt2,
+        steps=100,
     ),
     Mutant(
         "noise normalized twice",
@@ -184,6 +192,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "noise std z·C/n² instead of z·C/n",
         ("DPSGD", "P3SGD"),
         _noise_normalized_twice,
+        steps=20,
     ),
     Mutant(
         "ledger charged at q/2",
@@ -191,6 +200,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "the release charges half the sample rate",
         ("DPSGD",),
         _ledger_rate_halved,
+        steps=100,
     ),
     Mutant(
         "release clip C_u/2",
@@ -198,6 +208,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "noise scaled to C_u/2 while updates are clipped to C_u",
         ("P3SGD",),
         _release_clip_halved,
+        steps=20,
     ),
     Mutant(
         "RDP halved",
@@ -205,6 +216,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "the Gaussian's RDP curve ×0.5",
         ("DPSGD", "P3SGD"),
         _accountant_halved,
+        steps=100,
     ),
     Mutant(
         "no rollback between patients",
@@ -212,6 +224,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "a patient's local training starts from the previous patient's local model",
         ("P3SGD",),
         _no_rollback_between_patients,
+        steps=20,
     ),
     Mutant(
         "selection charged at largest z",
@@ -219,5 +232,6 @@ MUTANTS: tuple[Mutant, ...] = (
         "the round is charged at the largest noise scale, drawn at the smallest",
         ("P3SGD-selection",),
         _selection_charged_at_largest,
+        steps=100,
     ),
 )
