@@ -55,6 +55,7 @@ import torch.nn.functional as F
 from numpy.typing import NDArray
 from scipy import stats
 from torch import Tensor, nn
+from torch.nn.modules.batchnorm import _NormBase
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_dp.audit.bounds import gdp_epsilon
@@ -62,6 +63,8 @@ from lightning_dp.errors import PrivacyConfigError, check_count
 
 __all__ = ["CallbackAudit", "CallbackAuditResult"]
 
+#: False-alarm probability of the fresh-noise check (a reused noise vector correlates at 1, far beyond it).
+NOISE_CHECK_SIGNIFICANCE = 1e-3
 #: The verdict rule, as printed in results and reports.
 VERDICT_RULE = "Gaussian-DP reading of the per-step canary projections (full batch)"
 
@@ -96,6 +99,9 @@ class CallbackAuditResult:
     noise_multiplier: float
     canary_norm: float
     population_clipped: float
+    noise_correlation: float
+    noise_correlation_limit: float
+    changed_state: list[str]
     delta: float
     significance: float
     accountant: str
@@ -104,16 +110,26 @@ class CallbackAuditResult:
     out_projections: NDArray[np.float64] = field(default_factory=lambda: np.zeros(0), repr=False)
 
     @property
+    def noise_fresh(self) -> bool:
+        """No two consecutive steps' noise correlate beyond chance (a reused or re-seeded generator shows here)."""
+        return self.noise_correlation <= self.noise_correlation_limit
+
+    @property
     def passed(self) -> bool:
-        return self.epsilon_lower <= self.epsilon_upper
+        """ε_lower ≤ ε_upper, the noise is fresh at every step, and nothing outside the parameters changed."""
+        return self.epsilon_lower <= self.epsilon_upper and self.noise_fresh and not self.changed_state
 
     def to_dict(self) -> dict[str, Any]:
         out = {k: v for k, v in asdict(self).items() if k not in ("in_projections", "out_projections")}
-        out.update(passed=self.passed, kind="white-box audit of the callback's own step")
+        out.update(passed=self.passed, noise_fresh=self.noise_fresh, kind="white-box audit of the callback's own step")
         return out
 
     def summary(self) -> str:
         verdict = "passed" if self.passed else "FAILED: the run leaks more than its ε says"
+        if not self.noise_fresh:
+            verdict += f" (noise of consecutive steps correlates: {self.noise_correlation:.3f})"
+        if self.changed_state:
+            verdict += f" (state outside the parameters changed: {self.changed_state[:5]})"
         return (
             f"{self.mechanism} ({self.level} level, {self.steps} steps): ε_lower {self.epsilon_lower:.2f} vs "
             f"ε_upper {self.epsilon_upper:.2f} [{self.accountant}] at δ={self.delta:g}: {verdict}. Canary projection "
@@ -181,11 +197,20 @@ class _Observer(pl.Callback):
     def __init__(self) -> None:
         self.thetas: list[Tensor] = []
         self.model: nn.Module | None = None
+        self.state: dict[str, Tensor] = {}
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         assert isinstance(pl_module, _Module)
-        self.model = copy.deepcopy(pl_module.model).double()
+        # The auditor's reference runs in eval mode: the same function for the layers the audit supports (no
+        # dropout, no training-mode normalization), and no buffer of the copy changes under torch.func.
+        self.model = copy.deepcopy(pl_module.model).double().eval()
         self.thetas = [_flat(pl_module.model)]
+        self.state = _unreleased_state(pl_module.model)
+
+    def changed_state(self, model: nn.Module) -> list[str]:
+        """Names of tensors outside the trainable parameters whose values changed since training started."""
+        now = _unreleased_state(model)
+        return [k for k, v in self.state.items() if k not in now or not torch.equal(now[k], v)]
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         assert isinstance(pl_module, _Module)
@@ -199,6 +224,19 @@ def _weighted_loss(logits: Tensor, y: Tensor, w: Tensor) -> Tensor:
 
 def _trainable(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
     return [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+
+
+def _unreleased_state(model: nn.Module) -> dict[str, Tensor]:
+    """Copies of every state tensor but the released ones: frozen parameters and buffers of any dtype.
+
+    Released are the trainable parameters and, under P3SGD, the running statistics of normalization layers in
+    training mode (noised with the update).
+    """
+    released = {name for name, _ in _trainable(model)}
+    for name, m in model.named_modules():
+        if isinstance(m, _NormBase) and m.training and m.track_running_stats:
+            released |= {f"{name}.running_mean", f"{name}.running_var"}
+    return {k: v.detach().clone() for k, v in model.state_dict(keep_vars=True).items() if k not in released}
 
 
 def _flat(model: nn.Module) -> Tensor:
@@ -274,6 +312,7 @@ class CallbackAudit:
         self.lr = float(lr)
         self.canary_weight = float(canary_weight)
         self._population_clipped: list[float] = []
+        self._changed_state: list[str] = []
         self._dimension = 0
         if not 0.0 < significance < 1.0:
             raise PrivacyConfigError(f"`{owner}(significance={significance})`: must be in (0, 1), e.g. 0.05.")
@@ -333,11 +372,12 @@ class CallbackAudit:
                 warnings.filterwarnings(
                     "ignore", message=".*(workers|val_dataloader|litlogger|IterableDataset|LeafSpec).*"
                 )
-                trainer = pl.Trainer(callbacks=[callback, observer], **kwargs)
-                trainer.fit(_Module(model, self.lr), datamodule=_Data(data))
+                module = _Module(model, self.lr)
+                pl.Trainer(callbacks=[callback, observer], **kwargs).fit(module, datamodule=_Data(data))
         finally:
             for logger, level in zip(quiet, levels):
                 logger.setLevel(level)
+        self._changed_state += observer.changed_state(model)
         if len(observer.thetas) != self.steps + 1:
             raise PrivacyConfigError(
                 f"`CallbackAudit`: the run made {len(observer.thetas) - 1} steps, not {self.steps}. HINT: no budget or "
@@ -401,18 +441,22 @@ class CallbackAudit:
                 current[k] = current[k] - callback.local_lr * d
         return torch.cat([(current[k] - params[k]).reshape(-1) for k in params])
 
-    def _projections(self, callback: Any, observer: _Observer, data: _Units) -> tuple[Tensor, Tensor, Tensor]:
-        """Per step, in units of C: the canary projection y_t, the squared noise, and the canary's clipped norm.
+    def _projections(
+        self, callback: Any, observer: _Observer, data: _Units
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """Per step, in units of C: canary projection, squared noise, canary norm, noise correlation.
 
+        y_t is the canary projection; the correlation is that of the step's noise with the previous step's.
         The squared noise is summed over the d − 1 directions orthogonal to the canary; the canary's clipped
-        norm m_t is the auditor's reference.
+        norm m_t is the auditor's reference. Fresh noise makes consecutive correlations ~N(0, 1/d).
         """
         assert observer.model is not None
         clip = float(callback.clip_norm)
         units = data.num_patients if self.level == "patient" else len(data)
         n = float(callback.sample_rate) * units  # the public normalizer q·N
         scale = float(callback.server_lr) if self.level == "patient" else -self.lr
-        ys, sds, norms = [], [], []
+        ys, sds, norms, correlations = [], [], [], []
+        previous: Tensor | None = None
         for t in range(self.steps):
             theta, after = observer.thetas[t], observer.thetas[t + 1]
             released = (after - theta) * (n / scale)
@@ -421,10 +465,14 @@ class CallbackAudit:
             self._dimension = residual.numel()
             direction = canary / canary.norm()
             along = float(residual @ direction)
+            noise = residual - along * direction
             ys.append(along / clip)
-            sds.append(float((residual - along * direction).norm() / clip) ** 2)  # Σ of d − 1 squared noise draws
+            sds.append(float(noise.norm() / clip) ** 2)  # Σ of d − 1 squared noise draws
             norms.append(float(canary.norm()) / clip)
-        return torch.tensor(ys), torch.tensor(sds), torch.tensor(norms)
+            if previous is not None:
+                correlations.append(float(noise @ previous / (noise.norm() * previous.norm())))
+            previous = noise
+        return torch.tensor(ys), torch.tensor(sds), torch.tensor(norms), torch.tensor(correlations)
 
     # ------------------------------------------------------------------ the audit
     def run(self) -> CallbackAuditResult:
@@ -438,6 +486,11 @@ class CallbackAudit:
         m_in, m_out = results[True][3].double().numpy(), results[False][3].double().numpy()
         noise_ss = float(torch.cat([results[True][2], results[False][2]]).sum())
         noise_dof = 2 * self.steps * (self._dimension - 1)
+        correlations = torch.cat([results[True][4], results[False][4]]).double()
+        # Fresh noise: each correlation ~N(0, 1/(d−1)); Bonferroni over every pair at NOISE_CHECK_SIGNIFICANCE.
+        noise_correlation = float(correlations.abs().max()) if len(correlations) else 0.0
+        tail = NOISE_CHECK_SIGNIFICANCE / (2 * max(1, len(correlations)))
+        correlation_limit = float(stats.norm.isf(tail)) / math.sqrt(self._dimension - 1)
         mu_lower, mu, beta = gdp_mu_lower(y_in, m_in, y_out, m_out, noise_ss, noise_dof, self.significance)
         delta = float(callback.ledger.delta)
         return CallbackAuditResult(
@@ -457,6 +510,9 @@ class CallbackAudit:
             population_clipped=float(np.mean(self._population_clipped)),
             noise_multiplier=float(callback.release.noise_multiplier(0)),
             canary_norm=float(results[True][3].mean()),
+            noise_correlation=noise_correlation,
+            noise_correlation_limit=correlation_limit,
+            changed_state=sorted(set(self._changed_state)),
             delta=delta,
             significance=self.significance,
             accountant=str(callback.accountant.name),

@@ -140,6 +140,31 @@ def _no_rollback_between_patients() -> Any:
     return _replaced(P3SGD, "_local_update", make)
 
 
+def _noise_reused() -> Any:
+    def make(f: Any) -> Any:
+        def mutated(self: Any, like: Any, std: float) -> Any:
+            state = getattr(self, "_mutant_state", None)
+            if state is None:
+                self._mutant_state = self.generator.get_state()
+            else:
+                self.generator.set_state(state)  # a generator re-seeded at every step: the same draws each time
+            return f(self, like, std)
+
+        return mutated
+
+    return _replaced(release.Release, "_gaussian", make)
+
+
+def _buffers_not_restored() -> Any:
+    def make(f: Any) -> Any:
+        def mutated(self: Any, vector: Any, other_buffers: Any = None) -> None:
+            f(self, vector, None)  # buffers a patient's local training changed are kept
+
+        return mutated
+
+    return _replaced(updates.ModelState, "load", make)
+
+
 def _selection_charged_at_largest() -> Any:
     return _replaced(
         release.SelectedRelease, "noise_multiplier", lambda f: lambda self, step: self.multipliers(step)[-1]
@@ -224,6 +249,22 @@ MUTANTS: tuple[Mutant, ...] = (
         "a patient's local training starts from the previous patient's local model",
         ("P3SGD",),
         _no_rollback_between_patients,
+        steps=20,
+    ),
+    Mutant(
+        "noise reused at every step",
+        "sanitization/release.py: Release._gaussian",
+        "the noise generator is reset before every draw (each step alone is a correct Gaussian)",
+        ("DPSGD", "P3SGD"),
+        _noise_reused,
+        steps=20,
+    ),
+    Mutant(
+        "buffers not restored after a patient",
+        "sanitization/updates.py: ModelState.load",
+        "an int64 count of the images a patient's local training saw stays in the model",
+        ("P3SGD",),
+        _buffers_not_restored,
         steps=20,
     ),
     Mutant(

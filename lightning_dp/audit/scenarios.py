@@ -9,8 +9,12 @@ gradient (or local update) is far above it. They are what the test suite and
   sampler), Conv2d at 2×2 (ghost norm), Linear (ghost norm).
 * ``dpsgd_audit("transpose")``: Conv2d, ConvTranspose2d, an eval-mode BatchNorm with a trainable affine
   (the library's eval-BatchNorm rule), Linear.
-* ``p3sgd_audit(...)``: an MLP over patients of 3 images, one or several local steps, one or several noise
-  scales (the exponential-mechanism selection).
+* ``p3sgd_audit(...)``: an MLP over patients of 3 images (with an int64 buffer that counts the images it sees,
+  which P3SGD must restore after every patient), one or several local steps, one or several noise scales (the
+  exponential-mechanism selection).
+
+The DPSGD scenarios split each step into physical chunks of 4 samples (``max_physical_batch_size=4``), so
+the accumulation across chunks is audited too.
 """
 
 from __future__ import annotations
@@ -64,8 +68,21 @@ def _transpose_net() -> nn.Module:
     )
 
 
+class _ImageCounter(nn.Module):
+    """Counts the images it sees in training mode (an int64 buffer a patient's data changes: P3SGD must restore it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("seen", torch.zeros((), dtype=torch.int64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            self.seen += len(x)
+        return x
+
+
 def _mlp() -> nn.Module:
-    return nn.Sequential(nn.Flatten(), nn.Linear(64, 16), nn.ReLU(), nn.Linear(16, 2))
+    return nn.Sequential(_ImageCounter(), nn.Flatten(), nn.Linear(64, 16), nn.ReLU(), nn.Linear(16, 2))
 
 
 def _images(count: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -93,6 +110,7 @@ def dpsgd_audit(
             clip_norm=clip_norm,
             delta=1e-5,
             accountant=accountant,
+            max_physical_batch_size=4,
             seed=s,
         ),
         model=factory,

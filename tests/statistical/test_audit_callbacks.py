@@ -3,7 +3,8 @@
 Tolerance: ε_lower is a lower confidence bound at 95 % (a normal bound on the canary's pass-through factor
 β and a χ² bound on the noise sd, each at 97.5 %). The seeds are fixed, so every assertion is
 deterministic; the correct runs estimate β within ±0.5 of 1 (about 2.5 standard errors at T = 50) and
-the noise sd within 10 % of z = 0.5 (it is measured on hundreds of directions per step).
+the noise sd within 10 % of z = 0.5 (it is measured on hundreds of directions per step). The fresh-noise
+check (consecutive steps' noise uncorrelated) has a false-alarm probability of 1e-3 per run.
 """
 
 import pytest
@@ -40,6 +41,7 @@ def test_correct_callbacks_pass_and_see_the_canary(scenario):
         assert result.noise_sd == pytest.approx(0.5, rel=0.1), margin(result)
     assert result.canary_norm > 0.9, margin(result)  # the clip is active: the canary is far above C
     assert result.population_clipped == 0.0, margin(result)  # a wrong clip would move the canary alone
+    assert result.noise_fresh and not result.changed_state, margin(result)
 
 
 def _cases():
