@@ -73,11 +73,12 @@ class _ImageCounter(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
+        self.seen: torch.Tensor
         self.register_buffer("seen", torch.zeros((), dtype=torch.int64))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.training:
-            self.seen += len(x)
+            self.seen.add_(len(x))
         return x
 
 
