@@ -243,6 +243,17 @@ class MembershipAudit:
             return self._train_patients(run, x, y)
         return self._train_samples(run, x.reshape(-1, self.features), y.reshape(-1))
 
+    def _private_step(self, ledger: PrivacyLedger, run: int) -> PrivateStep:
+        """The run's private step: a Gaussian release at the configured clip, rate and noise, charged to ``ledger``."""
+        release = GaussianRelease(
+            ledger,
+            clip_norm=self.clip_norm,
+            sample_rate=self.sample_rate,
+            schedule=self.schedule,
+            seed=self.seed + 37 * (run + 1),
+        )
+        return PrivateStep(release)
+
     def _train_samples(self, run: int, x: Tensor, y: Tensor) -> tuple[nn.Module, PrivacyLedger]:
         model = self._model(run)
         ledger = PrivacyLedger("sample", self.delta)
@@ -251,14 +262,7 @@ class MembershipAudit:
         normalizer = sampler.expected_batch_size
         params = dict(model.named_parameters())
         if self.private:
-            release = GaussianRelease(
-                ledger,
-                clip_norm=self.clip_norm,
-                sample_rate=self.sample_rate,
-                schedule=self.schedule,
-                seed=self.seed + 37 * (run + 1),
-            )
-            step = PrivateStep(release)
+            step = self._private_step(ledger, run)
             target = OptimizerTarget(model, list(params.values()), [optimizer], step_optimizers=optimizer.step)
 
             def sample_loss(p: dict[str, Tensor], xi: Tensor, yi: Tensor) -> Tensor:
@@ -293,14 +297,7 @@ class MembershipAudit:
         names = [name for name, p in model.named_parameters() if p.requires_grad]
         step = None
         if self.private:
-            release = GaussianRelease(
-                ledger,
-                clip_norm=self.clip_norm,
-                sample_rate=self.sample_rate,
-                schedule=self.schedule,
-                seed=self.seed + 37 * (run + 1),
-            )
-            step = PrivateStep(release)
+            step = self._private_step(ledger, run)
 
         def patient_loss(p: dict[str, Tensor], xs: Tensor, ys: Tensor) -> Tensor:
             return F.cross_entropy(torch.func.functional_call(model, p, (xs,)), ys)

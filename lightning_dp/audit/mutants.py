@@ -93,28 +93,26 @@ def _noise_normalized_twice() -> Iterator[None]:
         yield
 
 
-def _ledger_rate_halved() -> Any:
+def _edit_new_release(owner: Any, edit: Callable[[Any], None]) -> Any:
+    """Patches ``owner._new_release`` so that ``edit`` changes every release the callback builds."""
+
     def make(f: Any) -> Any:
         def mutated(self: Any, *args: Any, **kwargs: Any) -> Any:
             out = f(self, *args, **kwargs)
-            out.sample_rate = out.sample_rate / 2
+            edit(out)
             return out
 
         return mutated
 
-    return _replaced(DPSGD, "_new_release", make)
+    return _replaced(owner, "_new_release", make)
+
+
+def _ledger_rate_halved() -> Any:
+    return _edit_new_release(DPSGD, lambda r: setattr(r, "sample_rate", r.sample_rate / 2))
 
 
 def _release_clip_halved() -> Any:
-    def make(f: Any) -> Any:
-        def mutated(self: Any, *args: Any, **kwargs: Any) -> Any:
-            out = f(self, *args, **kwargs)
-            out.clip_norm = out.clip_norm / 2
-            return out
-
-        return mutated
-
-    return _replaced(P3SGD, "_new_release", make)
+    return _edit_new_release(P3SGD, lambda r: setattr(r, "clip_norm", r.clip_norm / 2))
 
 
 @contextmanager
