@@ -46,12 +46,22 @@ def audit(scenario: str, mutant: Mutant | None, steps: int) -> CallbackAuditResu
 
 def row(name: str, where: str, scenario: str, result: CallbackAuditResult, expect_caught: bool) -> dict[str, Any]:
     caught = not result.passed
+    reasons = [
+        name
+        for name, failed in (
+            ("ε", result.epsilon_lower > result.epsilon_upper),
+            ("fresh noise", not result.noise_fresh),
+            ("state", bool(result.changed_state)),
+        )
+        if failed
+    ]
     return {
         "mutant": name,
         "where": where,
         "scenario": scenario,
         "steps": result.steps,
         "caught": caught,
+        "caught_by": ", ".join(reasons),
         "as_expected": caught == expect_caught,
         "epsilon_lower": round(result.epsilon_lower, 2),
         "epsilon_upper": round(result.epsilon_upper, 2),
@@ -83,7 +93,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(
-            f"| {r['mutant']} | `{r['where']}` | {r['scenario']} | {r['steps']} | {'yes' if r['caught'] else 'no'} | "
+            f"| {r['mutant']} | `{r['where']}` | {r['scenario']} | {r['steps']} | "
+            f"{'yes (' + r['caught_by'] + ')' if r['caught'] else 'no'} | "
             f"{r['epsilon_lower']:.2f} | {r['epsilon_upper']:.2f} | {r['mean_in']:.2f} / {r['mean_out']:.2f} | "
             f"{r['noise_sd']:.2f} |"
         )
