@@ -232,9 +232,18 @@ class LayerRule(ABC):
         that takes (B,) per-sample clip factors. By default the rows' gradients are materialized and
         each sample's rows are summed.
         """
-        grads = sum_groups(self.trained_grads(module, activation, backprops), group_size)
+        grads = self.group_grads(module, activation, backprops, group_size)
         samples = group_count(group_size, backprops.shape[0])
         return sum_of_squares(list(grads.values()), samples, backprops.device), MaterializedGrads(grads)
+
+    def group_grads(
+        self, module: nn.Module, activation: Tensor, backprops: Tensor, group_size: GroupSize
+    ) -> dict[nn.Parameter, Tensor]:
+        """Each group's gradient, its rows' gradients summed: (B, *p.shape) per trained parameter.
+
+        By default every row's gradient is materialized, then summed; a rule may compute the sums directly.
+        """
+        return sum_groups(self.trained_grads(module, activation, backprops), group_size)
 
 
 class ProductRule(LayerRule):
@@ -327,6 +336,23 @@ class LinearRule(ProductRule):
             grads[bias] = g.sum(1)
         return grads
 
+    def group_grads(
+        self, module: Any, activation: Tensor, backprops: Tensor, group_size: GroupSize
+    ) -> dict[nn.Parameter, Tensor]:
+        # A group's weight gradient is one product over the positions of all its rows: no per-row gradient is formed.
+        if isinstance(group_size, int) and group_size == 1:
+            return self.trained_grads(module, activation, backprops)
+        a, g = _linear_views(activation, backprops)
+        a, g = _pad_groups(a, group_size), _pad_groups(g, group_size)
+        a, g = a.reshape(a.shape[0], -1, a.shape[-1]), g.reshape(g.shape[0], -1, g.shape[-1])
+        grads: dict[nn.Parameter, Tensor] = {}
+        if module.weight.requires_grad:
+            grads[module.weight] = torch.bmm(g.transpose(1, 2), a)
+        bias = _trained_bias(module)
+        if bias is not None:
+            grads[bias] = g.sum(1)
+        return grads
+
     def weighted_sum(self, module: Any, activation: Tensor, weighted: Tensor, sums: Sums) -> None:
         if module.weight in sums:
             a, g = _linear_views(activation, weighted)
@@ -358,6 +384,25 @@ class ConvRule(ProductRule):
         bias = _trained_bias(module)
         if bias is not None:
             grads[bias] = self.bias_grads(module, backprops)
+        return grads
+
+    def group_grads(
+        self, module: Any, activation: Tensor, backprops: Tensor, group_size: GroupSize
+    ) -> dict[nn.Parameter, Tensor]:
+        # One weight-gradient convolution with the groups folded into the convolution's groups and their rows as
+        # its batch (summed by the convolution itself): no per-row gradient is formed.
+        if isinstance(group_size, int) and group_size == 1:
+            return self.trained_grads(module, activation, backprops)
+        grads: dict[nn.Parameter, Tensor] = {}
+        weight = module.weight
+        if weight.requires_grad:
+            x, padding = _conv_geometry(module, activation)
+            grads[weight] = _conv_group_weight_grad(
+                module, _pad_groups(x, group_size), _pad_groups(backprops, group_size), padding, None
+            )
+        bias = _trained_bias(module)
+        if bias is not None:
+            grads[bias] = sum_groups({bias: self.bias_grads(module, backprops)}, group_size)[bias]
         return grads
 
     def weighted_sum(self, module: Any, activation: Tensor, weighted: Tensor, sums: Sums) -> None:
@@ -415,6 +460,27 @@ class ConvTransposeRule(ProductRule):
         bias = _trained_bias(module)
         if bias is not None:
             grads[bias] = self.bias_grads(module, backprops)
+        return grads
+
+    def group_grads(
+        self, module: Any, activation: Tensor, backprops: Tensor, group_size: GroupSize
+    ) -> dict[nn.Parameter, Tensor]:
+        if isinstance(group_size, int) and group_size == 1:
+            return self.trained_grads(module, activation, backprops)
+        grads: dict[nn.Parameter, Tensor] = {}
+        weight = module.weight
+        if weight.requires_grad:
+            output_padding = _output_padding(module, activation, backprops)
+            grads[weight] = _conv_group_weight_grad(
+                module,
+                _pad_groups(activation, group_size),
+                _pad_groups(backprops, group_size),
+                module.padding,
+                output_padding,
+            )
+        bias = _trained_bias(module)
+        if bias is not None:
+            grads[bias] = sum_groups({bias: self.bias_grads(module, backprops)}, group_size)[bias]
         return grads
 
     def weighted_sum(self, module: Any, activation: Tensor, weighted: Tensor, sums: Sums) -> None:
@@ -738,14 +804,8 @@ def _join_groups(t: Tensor, group_size: GroupSize) -> Tensor:
     if isinstance(group_size, int):
         k = group_size
         return t.reshape(rows // k, k, d, positions).transpose(1, 2).reshape(-1, d, k * positions)
-    sizes = group_size.to(t.device)
-    k = int(sizes.max())
-    index = _group_index(sizes, t.device)
-    starts = torch.cumsum(sizes, 0) - sizes
-    slot = torch.arange(rows, device=t.device) - starts[index]
-    padded = torch.zeros(len(sizes), k, d, positions, dtype=t.dtype, device=t.device)
-    padded[index, slot] = t
-    return padded.transpose(1, 2).reshape(-1, d, k * positions)
+    padded = _pad_groups(t, group_size)
+    return padded.transpose(1, 2).reshape(-1, d, padded.shape[1] * positions)
 
 
 def _expand(mask: Tensor, like: Tensor) -> Tensor:
@@ -791,6 +851,46 @@ def _conv_weight_grad(
         [False, True, False],
     )
     return weight_grad.reshape(b, *weight.shape) if per_sample else weight_grad
+
+
+def _conv_group_weight_grad(
+    module: Any, x: Tensor, grad: Tensor, padding: Sequence[int], output_padding: list[int] | None
+) -> Tensor:
+    """(B, *weight.shape): each group's weight gradient summed over its K rows, from (B, K, C, *S) inputs and gradients.
+
+    The groups are folded into the channels (B·groups convolution groups) and the K rows are the convolution's batch,
+    over which its weight gradient sums. A padding row (zeros) adds nothing.
+    """
+    b, k = x.shape[0], x.shape[1]
+    weight = module.weight
+    fold = lambda t: t.transpose(0, 1).reshape(k, b * t.shape[2], *t.shape[3:])  # noqa: E731
+    transposed = output_padding is not None
+    _, weight_grad, _ = torch.ops.aten.convolution_backward(
+        fold(grad),
+        fold(x),
+        torch.empty((b * weight.shape[0], *weight.shape[1:]), dtype=x.dtype, device=x.device),
+        None,
+        list(module.stride),
+        list(padding),
+        list(module.dilation),
+        transposed,
+        output_padding if transposed else [0] * (x.dim() - 3),
+        b * module.groups,
+        [False, True, False],
+    )
+    return weight_grad.reshape(b, *weight.shape)
+
+
+def _pad_groups(t: Tensor, group_size: GroupSize) -> Tensor:
+    """(R, *rest) rows as (B, K, *rest): each sample's rows, groups shorter than the largest K padded with zero rows."""
+    if isinstance(group_size, int):
+        return t.reshape(-1, group_size, *t.shape[1:])
+    sizes = group_size.to(t.device)
+    index = _group_index(sizes, t.device)
+    slot = torch.arange(t.shape[0], device=t.device) - (torch.cumsum(sizes, 0) - sizes)[index]
+    padded = torch.zeros(len(sizes), int(sizes.max()), *t.shape[1:], dtype=t.dtype, device=t.device)
+    padded[index, slot] = t
+    return padded
 
 
 def _fold_batch(t: Tensor) -> Tensor:
