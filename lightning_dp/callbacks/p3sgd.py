@@ -16,6 +16,19 @@ module to manual optimization, routes the module's ``training_step`` through the
 the datamodule's ``train_dataloader`` yield one tick per round (the images are read by the
 round, patient by patient). Training metrics the module logs during local updates are computed
 from private data and are dropped; only sanitized quantities are logged.
+
+**One local step: a per-patient gradient.** When a patient's local update is a single plain SGD step
+(``local_epochs=1``, ``local_momentum=0``, ``local_weight_decay=0``, every patient's images fit in one
+local batch), Δ_i = −γ·g_i with g_i the gradient of the mean loss over patient i's images. Then the
+round's patients are not trained one by one: one batched forward and backward pass over all their
+images gives every g_i through the per-sample engine's grouped norms (a patient is a group of its
+images), clipped at C_u/γ (i.e. Δ_i at C_u), summed and handed to the same release. The release, the
+noise, the ledger event and the normalizer q·N are those of the loop; the result equals the loop's up
+to float round-off. It is taken only when exactly equivalent: a model whose update releases buffers
+(BatchNorm in training mode), or whose loss couples the images of a batch (checked at the start on a
+float64 copy, as DPSGD's start-up check does), or that has a layer without a per-sample rule, runs the
+loop, and says why in one info line. It is opt-in (``vectorize="auto"``): on 2 CPU cores it measured
+0.70× the loop's speed, so ``vectorize=False``, the loop, is the default.
 """
 
 from __future__ import annotations
@@ -25,8 +38,9 @@ from typing import Any, Literal
 
 import pytorch_lightning as pl
 import torch
-from pytorch_lightning.utilities import rank_zero_warn
+from pytorch_lightning.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
+from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils.data import DataLoader, IterableDataset, default_collate
 
 from lightning_dp.accounting import PrivacyLedger
@@ -35,6 +49,7 @@ from lightning_dp.errors import (
     PrivacyConfigError,
     PrivacyStateError,
     PrivacyWarning,
+    UnsupportedModelError,
     check_count,
     check_finite_positive,
     check_in_interval,
@@ -49,13 +64,35 @@ from lightning_dp.sanitization import (
     SelectedRelease,
     Selection,
 )
+from lightning_dp.sanitization.per_sample import PerSampleClipper
 from lightning_dp.sanitization.release import check_scales
 from lightning_dp.schedules import ConstantNoise, NoiseSchedule
 from lightning_dp.selection import StepAcceptance
-from lightning_dp.training.checks import eval_mode
+from lightning_dp.training.checks import (
+    FLOAT32_TOLERANCE,
+    FLOAT64_TOLERANCE,
+    HALF_TOLERANCE,
+    IndependenceCheck,
+    bind,
+    collate_is_per_sample,
+    diverse_indices,
+    eval_mode,
+    float64_copy,
+    public_subsets,
+    take,
+    to_float64,
+)
 from lightning_dp.training.step import ModelStateTarget
 
 __all__ = ["P3SGD"]
+
+
+#: Why the start-up check refused the batched pass (`IndependenceCheck`'s causes).
+_CAUSES = {
+    "coupled": "the loss or a layer couples the images of a batch (a class-weighted mean, batch statistics)",
+    "not_per_sample": "part of the gradient is not computed per image (a parameter used outside its own layer)",
+    "buffers": "training_step changes buffers of the model",
+}
 
 
 class _RoundTicks(IterableDataset):
@@ -127,6 +164,13 @@ class P3SGD(DPCallback):
             keys: a Trainer runs one DP callback.
         flush_denormal: flush denormal floats to zero on CPU while fitting (``torch.set_flush_denormal``;
             on by default: noised weights can make CPU training up to ~10x slower through denormals).
+        vectorize: ``"auto"``: when a patient's update is one plain SGD step and the model allows it, compute all
+            of a round's per-patient updates in one batched pass (same release, same result as the loop up to
+            float round-off; see the module docstring). ``False`` (default): train patient by patient. On CPU the
+            batched pass measured 0.70× the loop's speed (benchmarks/p3sgd_vectorized.py), so it is opt-in until
+            it is measured faster on a GPU.
+        vectorize_batch_size: the most images in one batched pass (whole patients; a patient with more images
+            gets a pass of its own). Bounds the memory of the vectorized round.
 
     Example:
         >>> P3SGD(sample_rate=0.1, clip_norm=5.0, noise_scales=(3.0, 1.0), selection_epsilon=0.316, loss_bound=3.0)
@@ -162,6 +206,8 @@ class P3SGD(DPCallback):
         name: str | None = None,
         flush_denormal: bool = True,
         acceptance: StepAcceptance | None = None,
+        vectorize: Literal["auto", False] = False,
+        vectorize_batch_size: int = 256,
     ) -> None:
         owner = "P3SGD"
         self.sample_rate = check_sample_rate(owner, sample_rate)
@@ -228,6 +274,15 @@ class P3SGD(DPCallback):
                 "`P3SGD(accounting='paper', acceptance=...)`: the paper's accounting has no accept/reject decisions. "
                 "HINT: accounting='rigorous'."
             )
+        if not (vectorize == "auto" or vectorize is False):
+            raise PrivacyConfigError(
+                f"`P3SGD(vectorize={vectorize!r})`: vectorize must be 'auto' or False, found {vectorize!r}. HINT: "
+                "'auto' computes the round's patient updates in one batched pass when that is exactly equivalent."
+            )
+        self.vectorize: Literal["auto", False] = vectorize
+        self.vectorize_batch_size = check_count(
+            owner, "vectorize_batch_size", vectorize_batch_size, "e.g. 256 images per batched pass.", minimum=1
+        )
         super().__init__(delta, seed, log_private_diagnostics, name, flush_denormal, accountant, acceptance)
         self.sampler: PoissonPatientSampler | None = None
         self.rounds = 0
@@ -237,6 +292,12 @@ class P3SGD(DPCallback):
         self._state: ModelState | None = None
         self._tick: torch.nn.Parameter | None = None
         self._collate: Callable[[list[Any]], Any] = default_collate
+        self._clipper: PerSampleClipper | None = None  # the vectorized round's engine (None: the loop)
+        self._vector_params: frozenset[int] = frozenset()
+        #: Why rounds run the loop instead of one batched pass (None while the batched pass is used, or before fit).
+        self.vectorize_fallback: str | None = None
+        #: Rounds of this fit whose patient updates were computed in one batched pass (not privacy state).
+        self.vectorized_rounds = 0
 
     def __repr__(self) -> str:
         return (
@@ -344,6 +405,133 @@ class P3SGD(DPCallback):
         super().on_train_start(trainer, pl_module)
         self._refuse_sync_batchnorm(pl_module)
         self._check_training_step_returns_loss(pl_module)
+        self._setup_vectorized(trainer, pl_module)
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit":
+            self._drop_clipper()
+        super().teardown(trainer, pl_module, stage)
+
+    # ------------------------------------------------------------------ the vectorized round: when it applies
+    def _drop_clipper(self) -> None:
+        if self._clipper is not None:
+            self._clipper.remove()
+            self._clipper = None
+
+    def _config_fallback(self) -> str | None:
+        """Why the settings make a patient's update more than one plain SGD step (None if they do not)."""
+        if self.vectorize is False:
+            return "vectorize=False"
+        if self.local_epochs != 1:
+            return f"local_epochs={self.local_epochs} makes several local steps per patient"
+        if self.local_momentum != 0:
+            return f"local_momentum={self.local_momentum} (only plain SGD is one gradient)"
+        if self.local_weight_decay != 0:
+            return f"local_weight_decay={self.local_weight_decay} (the clip of Δ_i = −γ(g_i + wd·θ) is not vectorized)"
+        largest = max(len(idx) for idx in self._dataset.patient_to_indices.values())
+        if largest > self.local_batch_size:
+            return (
+                f"patients with up to {largest} images need several local steps at local_batch_size="
+                f"{self.local_batch_size}"
+            )
+        return None
+
+    def _model_fallback(self, pl_module: pl.LightningModule) -> str | None:
+        """Why the model's update is not its parameters' gradient step alone (None if it is); cheap, every round."""
+        assert self._state is not None
+        norms = [n for n, m in pl_module.named_modules() if isinstance(m, _BatchNorm) and m.training]
+        if norms:
+            return (
+                f"BatchNorm layers in training mode ({', '.join(norms[:3])}{', ...' if len(norms) > 3 else ''}) "
+                "normalize with each patient's batch statistics and release running statistics"
+            )
+        released = self._state.float_buffer_names
+        if released:
+            return f"buffers released with the update ({', '.join(released[:3])})"
+        if self._clipper is not None and frozenset(id(p) for p in self._state.params) != self._vector_params:
+            return "the trainable parameters changed since training started"
+        return None
+
+    def _setup_vectorized(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Builds the per-sample engine if the batched pass is exactly the loop; else says (once) why not."""
+        assert self._state is not None
+        self._drop_clipper()
+        self._state.refresh()
+        reason = self._config_fallback() or self._model_fallback(pl_module)
+        if reason is None:
+            try:
+                clipper = PerSampleClipper(pl_module, self.clip_norm / self.local_lr, "mean")
+            except UnsupportedModelError as err:
+                reason = f"no per-sample gradient rule: {str(err).split('. HINT')[0]}"
+            else:
+                trained = frozenset(id(p) for p in self._state.params)
+                if frozenset(id(p) for p in clipper.params) != trained:
+                    reason = "some trainable parameters are outside the layers the per-sample engine covers"
+                else:
+                    reason = self._independence_fallback(trainer, pl_module)
+                if reason is None:
+                    self._clipper, self._vector_params = clipper, trained
+                else:
+                    clipper.remove()
+        self._announce(reason)
+
+    def _announce(self, reason: str | None) -> None:
+        self.vectorize_fallback = reason
+        if reason is None:
+            rank_zero_info("P3SGD: one local step per patient: each round's patient updates are one batched pass.")
+        elif self.vectorize is not False:
+            rank_zero_info(f"P3SGD: local updates run patient by patient (not vectorized): {reason}.")
+
+    def _independence_fallback(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> str | None:
+        """Whether one batch's loss is the mean of its images' own losses (DPSGD's start-up check, on a copy).
+
+        In the batched pass a patient's gradient is read from a batch that holds other patients' images: a loss or
+        layer coupling the images of a batch (a class-weighted mean, a batch Dice, batch statistics) or a collate_fn
+        that mixes them would leak one patient into another's clipped update. The check runs on a float64 copy, on
+        batches chosen without looking at private values; only pass or fail comes out of it.
+        """
+        assert self._original_training_step is not None
+        dataset = self._dataset
+        index_sets = [diverse_indices(dataset), *public_subsets(len(dataset))]
+        index_sets = [ix if len(ix) > 1 else ix * 2 for ix in index_sets]
+        for ix in index_sets:
+            if not collate_is_per_sample(self._collate, [dataset[i] for i in ix]):
+                return "the training collate_fn mixes the images of a batch"
+        half = any(p.dtype in (torch.float16, torch.bfloat16) for p in pl_module.parameters())
+        cause: str | None = None
+        for float64 in (True, False) if not half else (False,):
+            clone = float64_copy(pl_module, share=[trainer], float64=float64)
+            tolerance = FLOAT64_TOLERANCE if float64 else HALF_TOLERANCE if half else FLOAT32_TOLERANCE
+            try:
+                check = IndependenceCheck(
+                    clone, bind(self._original_training_step, clone), self._loss_of, "mean", tolerance
+                )
+            except UnsupportedModelError as err:
+                return f"no per-sample gradient rule: {str(err).split('. HINT')[0]}"
+            try:
+                batches = [(self._batch(ix, pl_module), len(ix)) for ix in index_sets]
+                if float64:
+                    batches = [(to_float64(b), n) for b, n in batches]
+                if check.declared_reduction(take(batches[0][0], 0, batches[0][1])) != "mean":
+                    return "training_step's loss is not the mean of the images' losses"
+                for batch, size in batches:
+                    found = check.check(batch, size)
+                    if found is not None:
+                        cause = found
+                        break
+                return None if cause is None else _CAUSES[cause]
+            except (RuntimeError, TypeError):  # a dtype the model's own code fixes: retry on an fp32 copy
+                if not float64:
+                    raise
+            finally:
+                check.close()
+        return cause
+
+    @staticmethod
+    def _loss_of(out: Any) -> Tensor:
+        loss = out["loss"] if isinstance(out, dict) else out
+        assert isinstance(loss, Tensor)
+        return loss
 
     @torch.no_grad()
     def _check_training_step_returns_loss(self, pl_module: pl.LightningModule) -> None:
@@ -384,6 +572,50 @@ class P3SGD(DPCallback):
                 optimizer.step()
                 step += 1
         optimizer.zero_grad(set_to_none=True)
+
+    def _vectorized_updates(
+        self, patients: list[int], pl_module: pl.LightningModule, clipped_sum: Tensor, stats: Tensor
+    ) -> None:
+        """Adds Σ_i clip_{C_u}(Δ_i) of ``patients`` to ``clipped_sum``, in batched passes over whole patients.
+
+        With one plain SGD step Δ_i = −γ·g_i, g_i the gradient of the mean loss over patient i's images; so
+        clip_{C_u}(Δ_i) = −γ·clip_{C_u/γ}(g_i). The engine takes a patient's images as one group of rows and clips the
+        mean of their gradients. Nothing is written to the model (the engine detaches the parameters); buffers the
+        forward pass changes are restored by the caller, as after every patient of the loop.
+        """
+        assert self._clipper is not None and self._state is not None and self._original_training_step is not None
+        clipper, step = self._clipper, self._original_training_step
+        groups = self._dataset.patient_to_indices
+        chunks: list[list[int]] = []
+        rows = 0
+        for patient in patients:
+            count = len(groups[patient])
+            if not chunks or rows + count > self.vectorize_batch_size:
+                chunks.append([])
+                rows = 0
+            chunks[-1].append(patient)
+            rows += count
+        clipper.reset()
+        for chunk in chunks:
+            if not chunk:
+                continue
+            batch = self._batch([i for p in chunk for i in groups[p]], pl_module)
+            sizes = [len(groups[p]) for p in chunk]
+
+            def loss(batch: Any = batch) -> Tensor:
+                return self._loss_of(step(batch, 0))
+
+            found = clipper.accumulate(loss, len(chunk), group_size=sizes)
+            stats += torch.tensor(
+                [len(chunk), found.clipped, found.norm_sum * self.local_lr, found.nonfinite], dtype=torch.float64
+            )
+        by_param = {id(p): view for p, view in clipper.views(clipper.flat_sum)}
+        offset = 0
+        with torch.no_grad():
+            for p in self._state.params:
+                n = p.numel()
+                clipped_sum[offset : offset + n].add_(by_param[id(p)].reshape(-1), alpha=-self.local_lr)
+                offset += n
 
     @torch.no_grad()
     def _round_loss(
@@ -432,17 +664,26 @@ class P3SGD(DPCallback):
             int(torch.randint(2**62, (1,), generator=self.sampler.generator))
         )
         theta, other = state.vector(), state.snapshot_other_buffers()
+        if self._clipper is not None:
+            problem = self._model_fallback(pl_module)  # modes and trainable parameters can change during fit
+            if problem is not None:
+                self._drop_clipper()
+                self._announce(problem)
         try:
             clipped_sum = torch.zeros_like(theta)
             stats = torch.zeros(4, dtype=torch.float64)  # patients, clipped, norm sum, non-finite
             with torch.enable_grad():
-                for patient in mine:
-                    state.load(theta, other)
-                    self._local_update(patient, pl_module, local_generator)
-                    norm, clipped, finite = state.add_clipped_change(theta, clipped_sum, self.clip_norm)
-                    stats += torch.tensor(
-                        [1.0, float(clipped), norm if finite else 0.0, float(not finite)], dtype=torch.float64
-                    )
+                if self._clipper is not None:
+                    self._vectorized_updates(mine, pl_module, clipped_sum, stats)
+                    self.vectorized_rounds += 1
+                else:
+                    for patient in mine:
+                        state.load(theta, other)
+                        self._local_update(patient, pl_module, local_generator)
+                        norm, clipped, finite = state.add_clipped_change(theta, clipped_sum, self.clip_norm)
+                        stats += torch.tensor(
+                            [1.0, float(clipped), norm if finite else 0.0, float(not finite)], dtype=torch.float64
+                        )
             state.load(theta, other)
             clipped_sum = trainer.strategy.reduce(clipped_sum, reduce_op="sum")
             stats = trainer.strategy.reduce(stats.to(pl_module.device), reduce_op="sum").cpu()

@@ -29,11 +29,16 @@ never propagated.
 sample arrives as K rows (K augmented views, sample-major), its gradient g_i is the *mean* of its views'
 gradients, and that mean is what is clipped to C. Each sample still adds one contribution of norm ≤ C
 to the sum, so the sensitivity, and with it the privacy accounting, is that of K = 1.
+
+*Groups of different sizes* (``group_size`` a sequence of B row counts): sample i is n_i consecutive rows
+and its gradient is the mean over them. P3SGD's vectorized round uses it with a patient as the sample and
+the patient's images as its rows: one forward and backward pass gives every patient's mean-loss gradient,
+each clipped as a whole.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -44,6 +49,7 @@ from torch import Tensor, nn
 from lightning_dp.errors import PrivacyConfigError, UnsupportedModelError, check_count, check_finite_positive
 from lightning_dp.sanitization.rules import (
     ClippedSumTerm,
+    GroupSize,
     LayerRule,
     MaterializedGrads,
     registered_rule,
@@ -146,17 +152,31 @@ class _Record:
 class _Pass:
     """What the backward pass of one `PerSampleClipper.accumulate` needs to evaluate layers as it reaches them.
 
-    ``batch_size`` counts samples; each sample has ``group_size`` consecutive rows in the batch.
+    ``batch_size`` counts samples; each sample has ``group_size`` consecutive rows in the batch (K each, or a
+    (B,) tensor of counts).
     """
 
     batch_size: int
     dtype: torch.dtype
-    group_size: int = 1
+    group_size: GroupSize = 1
 
     @property
     def rows(self) -> int:
         """The batch dimension of every layer's input and output gradient."""
-        return self.batch_size * self.group_size
+        k = self.group_size
+        return self.batch_size * k if isinstance(k, int) else int(k.sum())
+
+    @property
+    def plain(self) -> bool:
+        """One row per sample."""
+        return isinstance(self.group_size, int) and self.group_size == 1
+
+    def describe(self) -> str:
+        """The batch's rows in words, for messages."""
+        k = self.group_size
+        if isinstance(k, int):
+            return f"{self.rows} rows ({self.batch_size} samples x {k} views)" if k > 1 else f"{self.rows} samples"
+        return f"{self.rows} rows ({self.batch_size} groups of {int(k.min())} to {int(k.max())} rows)"
 
 
 @dataclass
@@ -313,7 +333,7 @@ class PerSampleClipper:
         batch_size: int,
         loss_scale: float = 1.0,
         raise_on_nonfinite: bool = False,
-        group_size: int = 1,
+        group_size: int | Sequence[int] | Tensor = 1,
     ) -> ClipStats:
         """Runs ``compute_loss`` (the forward pass) and backward, and adds the batch's clipped gradients.
 
@@ -325,6 +345,11 @@ class PerSampleClipper:
         row losses (``"none"``). Privacy is unchanged: each sample still adds exactly one clipped
         contribution of norm ≤ C, however many views it has. With K = 1 this is the plain path.
 
+        ``group_size`` may also be a sequence of ``batch_size`` row counts n_1 … n_B (groups of different
+        sizes, sample-major): sample i is its n_i consecutive rows, its loss the mean of theirs, its gradient
+        g_i = (1/n_i)·Σ_rows ∇ℓ_row, clipped to C as a whole. With ``"mean"`` the returned loss is the mean
+        over all Σ n_i rows.
+
         Args:
             compute_loss: returns the batch's loss: a scalar (the sum or mean of the per-sample
                 losses) or, with ``loss_reduction="none"``, the (B,) per-sample losses ((B·K,) per-row
@@ -335,30 +360,29 @@ class PerSampleClipper:
             raise_on_nonfinite: raise `NonFiniteGradientsError` *before adding anything* if a
                 per-sample gradient is not finite (fp16: retry with a smaller loss scale) instead of
                 dropping that sample.
-            group_size: K, the number of consecutive rows (augmented views) of each sample (≥ 1).
+            group_size: K, the number of consecutive rows (augmented views) of each sample (≥ 1), or each
+                sample's own number of rows (a sequence or 1-d tensor of ``batch_size`` integers ≥ 1).
 
         Returns:
             What clipping saw, per sample (private: not to be logged unless the user opts in).
 
         Raises:
-            PrivacyConfigError: ``group_size`` is not an integer ≥ 1, or the loss has the wrong shape.
+            PrivacyConfigError: ``group_size`` is not an integer ≥ 1 (or a sequence of ``batch_size`` of them), or
+                the loss has the wrong shape.
         """
         check_finite_positive("PerSampleClipper.accumulate", "loss_scale", loss_scale, "1.0, or the fp16 loss scale.")
-        check_count(
-            "PerSampleClipper.accumulate",
-            "group_size",
-            group_size,
-            "the number of augmented views of each sample (augmentation multiplicity), 1 for none.",
-            minimum=1,
-        )
-        rows = batch_size * group_size
+        groups = _check_group_size(group_size, batch_size)
+        rows = _Pass(batch_size, torch.float32, groups).rows
         try:
             with self._record():
                 loss = compute_loss()
             expected = rows if self.loss_reduction == "none" else 1
             if not isinstance(loss, Tensor) or loss.numel() != expected:
                 shape = tuple(loss.shape) if isinstance(loss, Tensor) else type(loss).__name__
-                views = f" ({batch_size} samples x {group_size} views)" if group_size > 1 else ""
+                if isinstance(groups, int):
+                    views = f" ({batch_size} samples x {groups} views)" if groups > 1 else ""
+                else:
+                    views = f" ({batch_size} groups of {int(groups.min())} to {int(groups.max())} rows)"
                 raise PrivacyConfigError(
                     f"`PerSampleClipper(loss_reduction={self.loss_reduction!r})`: the training step must return "
                     f"{'one loss per sample' if expected > 1 else 'a scalar loss'} for a batch of {rows}{views}, "
@@ -370,7 +394,7 @@ class PerSampleClipper:
                     "`PerSampleClipper`: the loss does not depend on any trainable layer. HINT: check that "
                     "training_step uses the model's output and that its layers are trainable."
                 )
-            state = _Pass(batch_size, self.flat_sum.dtype, group_size)
+            state = _Pass(batch_size, self.flat_sum.dtype, groups)
             self._pass = state
             (loss.sum() * loss_scale).backward()
             self._pass = None
@@ -384,7 +408,13 @@ class PerSampleClipper:
             # applied once, to the norms and to the clip factors, instead of to a copy of every layer's gradient.
             # With K views a sample's raw gradient is the sum over its rows; its loss is the mean of its views'
             # losses: the factor is n for a mean over the n·K rows (Σ_rows/(nK)), 1/K for a sum or per-row losses.
-            scale = (batch_size if self.loss_reduction == "mean" else 1.0 / group_size) / loss_scale
+            # With (B,) row counts n_i the factor is per sample: R/n_i for a mean over the R rows, 1/n_i otherwise.
+            scale: float | Tensor
+            if isinstance(groups, int):
+                scale = (batch_size if self.loss_reduction == "mean" else 1.0 / groups) / loss_scale
+            else:
+                counts = groups.to(device=self.flat_sum.device, dtype=torch.float64)
+                scale = (rows if self.loss_reduction == "mean" else 1.0) / counts / loss_scale
             # The clipping arithmetic runs in fp32 (or fp64) whatever autocast the caller's step uses.
             with torch.no_grad(), torch.autocast(self.params[0].device.type, enabled=False):
                 sq_norms, pending = self._squared_norms(state)
@@ -415,7 +445,7 @@ class PerSampleClipper:
     def _call_norms(self, layer: _Layer, record: _Record, state: _Pass) -> tuple[Tensor, ClippedSumTerm]:
         """The squared per-sample norms and clipped-sum term of the only call of a layer that shares nothing."""
         activation, backprops = _inputs(record, state.dtype)
-        if state.group_size == 1:
+        if state.plain:
             # The rule picks ghost norm or materialized gradients.
             return layer.rule.norms(layer.module, activation, backprops)
         # Views: the norm of each sample's gradient summed over its rows (ghost norm or materialized, by cost).
@@ -481,6 +511,36 @@ class PerSampleClipper:
             item.add_clipped(coeff, keep, self._sum_views)
 
 
+def _check_group_size(group_size: Any, batch_size: int) -> GroupSize:
+    """K (an int ≥ 1), or the (B,) int64 row counts of groups of different sizes (an int if they are all equal)."""
+    owner = "PerSampleClipper.accumulate"
+    if isinstance(group_size, (Sequence, Tensor)) and not isinstance(group_size, str):
+        counts = [group_size[i] for i in range(len(group_size))]
+        ints = [int(c) if isinstance(c, (int, Tensor)) and not isinstance(c, bool) else None for c in counts]
+        exact = all(
+            i is not None and (not isinstance(c, Tensor) or (c.numel() == 1 and not c.is_floating_point()))
+            for i, c in zip(ints, counts)
+        )
+        if not exact or len(ints) != batch_size or any(i is None or i < 1 for i in ints):
+            shown = group_size.tolist() if isinstance(group_size, Tensor) else list(group_size)
+            raise PrivacyConfigError(
+                f"`{owner}(group_size={shown[:8]}{'...' if len(shown) > 8 else ''})`: group_size must be one "
+                f"integer >= 1 or {batch_size} of them (batch_size={batch_size}), found {len(shown)} values. "
+                "HINT: one row count per sample, in the order of the samples' rows."
+            )
+        values = [int(i) for i in ints if i is not None]
+        if len(set(values)) == 1:
+            return values[0]
+        return torch.tensor(values, dtype=torch.long)
+    return check_count(
+        owner,
+        "group_size",
+        group_size,
+        "the number of augmented views of each sample (augmentation multiplicity), 1 for none.",
+        minimum=1,
+    )
+
+
 def clip_coefficients(norms: Tensor, clip_norm: float) -> Tensor:
     """min(1, C/‖g_i‖) per sample, or 0 (the sample is dropped).
 
@@ -530,10 +590,9 @@ def _check_record(layer: _Layer, record: _Record, state: _Pass) -> None:
         )
     rows = state.rows
     if record.activation.shape[0] != rows or record.backprops.shape[0] != rows:
-        held = f"{rows} rows ({state.batch_size} samples x {state.group_size} views)" if state.group_size > 1 else ""
         raise UnsupportedModelError(
             f"`{layer.name}` ({type(layer.module).__name__}) got a tensor whose first dimension is "
-            f"{record.activation.shape[0]}, but the batch holds {held or f'{rows} samples'}. Per-sample gradients need "
+            f"{record.activation.shape[0]}, but the batch holds {state.describe()}. Per-sample gradients need "
             "the batch dimension first in every trainable layer. HINT: keep batch-first layouts, or freeze "
             "this layer."
         )

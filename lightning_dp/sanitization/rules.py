@@ -34,7 +34,9 @@ After a ghost norm the layer's clipped sum is one ordinary weight gradient compu
 c-weighted output gradients (Bu et al. 2023, "book-keeping").
 
 With augmentation multiplicity (``PerSampleClipper.accumulate(group_size=K)``) a sample has K
-consecutive rows (views) and its gradient is the sum over them (the engine applies the 1/K):
+consecutive rows (views) and its gradient is the sum over them (the engine applies the 1/K). Groups of
+different sizes (``group_size`` a (B,) tensor of row counts: P3SGD's patients, each a group of its
+images) are handled the same way, the ghost norm padding every group to the largest with zero rows:
 `LayerRule.grouped_norms` materializes the rows' gradients and sums each sample's K; a `ProductRule`
 takes the ghost norm over the K·T positions of a sample's views when that is cheaper, and adds the
 clipped sum with each sample's clip factor applied to all of its rows.
@@ -70,6 +72,7 @@ __all__ = [
     "ConvTransposeRule",
     "FunctorchRule",
     "GhostTerm",
+    "GroupSize",
     "LayerRule",
     "LinearRule",
     "MaterializedGrads",
@@ -77,6 +80,7 @@ __all__ = [
     "PReLURule",
     "ProductRule",
     "RowsTerm",
+    "group_count",
     "has_rule",
     "register_rule",
     "rule_for",
@@ -86,6 +90,10 @@ __all__ = [
 
 #: The flat clipped sum's slice of each trained parameter (shaped like the parameter).
 Sums = Mapping[nn.Parameter, Tensor]
+
+#: How a batch's rows form its samples: K consecutive rows each (an int), or a (B,) int64 tensor of each
+#: sample's number of consecutive rows (groups of different sizes, sample-major).
+GroupSize = int | Tensor
 
 #: If a ghost norm is below this fraction of its triangle-inequality bound Σ_t‖g_t‖‖a_t‖, the terms of
 #: the sample's gradient nearly cancel, and fp32 round-off in the clipped sum (of order 1e-7 of the bound)
@@ -131,10 +139,10 @@ class RowsTerm(ClippedSumTerm):
     """A term over B·K rows (K consecutive rows per sample) that takes per-sample clip factors."""
 
     term: ClippedSumTerm
-    group_size: int
+    group_size: GroupSize
 
     def add_clipped(self, coeff: Tensor, keep: Tensor | None, sums: Sums) -> None:
-        k = self.group_size
+        k = self.group_size if isinstance(self.group_size, int) else self.group_size.to(coeff.device)
         self.term.add_clipped(coeff.repeat_interleave(k), None if keep is None else keep.repeat_interleave(k), sums)
 
 
@@ -215,17 +223,27 @@ class LayerRule(ABC):
         return sum_of_squares(list(grads.values()), backprops.shape[0], backprops.device), MaterializedGrads(grads)
 
     def grouped_norms(
-        self, module: nn.Module, activation: Tensor, backprops: Tensor, group_size: int
+        self, module: nn.Module, activation: Tensor, backprops: Tensor, group_size: GroupSize
     ) -> tuple[Tensor, ClippedSumTerm]:
         """Like `norms` for B samples of ``group_size`` consecutive rows each (B·K rows, sample-major).
 
+        ``group_size`` is K, or a (B,) tensor of each sample's row count (groups of different sizes).
         Returns each sample's squared norm of its rows' gradients *summed*, (B,) in float64, and a term
         that takes (B,) per-sample clip factors. By default the rows' gradients are materialized and
-        each sample's K are summed.
+        each sample's rows are summed.
         """
-        grads = sum_groups(self.trained_grads(module, activation, backprops), group_size)
-        samples = backprops.shape[0] // group_size
+        grads = self.group_grads(module, activation, backprops, group_size)
+        samples = group_count(group_size, backprops.shape[0])
         return sum_of_squares(list(grads.values()), samples, backprops.device), MaterializedGrads(grads)
+
+    def group_grads(
+        self, module: nn.Module, activation: Tensor, backprops: Tensor, group_size: GroupSize
+    ) -> dict[nn.Parameter, Tensor]:
+        """Each group's gradient, its rows' gradients summed: (B, *p.shape) per trained parameter.
+
+        By default every row's gradient is materialized, then summed; a rule may compute the sums directly.
+        """
+        return sum_groups(self.trained_grads(module, activation, backprops), group_size)
 
 
 class ProductRule(LayerRule):
@@ -253,12 +271,16 @@ class ProductRule(LayerRule):
         """(B, C_out): each sample's bias gradient, its output gradient summed over the output positions."""
         return backprops.reshape(backprops.shape[0], backprops.shape[1], -1).sum(2)
 
-    def use_ghost(self, module: Any, activation: Tensor, backprops: Tensor, group_size: int = 1) -> bool:
-        """Whether the ghost norm is cheaper than materializing, for this call (K = ``group_size`` rows a sample)."""
+    def use_ghost(self, module: Any, activation: Tensor, backprops: Tensor, group_size: GroupSize = 1) -> bool:
+        """Whether the ghost norm is cheaper than materializing, for this call (K = ``group_size`` rows a sample).
+
+        With groups of different sizes the ghost norm pads every group to the largest: K is that size.
+        """
         weight = module.weight
         if getattr(module, "groups", 1) != 1 or not weight.requires_grad:
             return False
-        t = self.positions(module, activation, backprops) * group_size
+        k = group_size if isinstance(group_size, int) else int(group_size.max())
+        t = self.positions(module, activation, backprops) * k
         p, d = weight.shape[0], weight[0].numel()
         return t * (d + p) < d * p
 
@@ -275,7 +297,7 @@ class ProductRule(LayerRule):
         return sq, GhostTerm(self, module, activation, backprops, MaterializedGrads(bias_grads))
 
     def grouped_norms(
-        self, module: nn.Module, activation: Tensor, backprops: Tensor, group_size: int
+        self, module: nn.Module, activation: Tensor, backprops: Tensor, group_size: GroupSize
     ) -> tuple[Tensor, ClippedSumTerm]:
         if not self.use_ghost(module, activation, backprops, group_size):
             return super().grouped_norms(module, activation, backprops, group_size)
@@ -284,7 +306,7 @@ class ProductRule(LayerRule):
         sq = _ghost_norms(_join_groups(at, group_size), _join_groups(gt, group_size))
         bias = _trained_bias(module)
         bias_grads = {} if bias is None else {bias: self.bias_grads(module, backprops)}
-        samples = backprops.shape[0] // group_size
+        samples = group_count(group_size, backprops.shape[0])
         sq = sq + sum_of_squares(list(sum_groups(bias_grads, group_size).values()), samples, backprops.device)
         # The clipped sum Σ_i c_i Σ_k g_ik is the rows' sum with each row weighted by its sample's factor.
         term = GhostTerm(self, module, activation, backprops, MaterializedGrads(bias_grads))
@@ -306,6 +328,23 @@ class LinearRule(ProductRule):
 
     def per_sample_grads(self, module: Any, activation: Tensor, backprops: Tensor) -> dict[nn.Parameter, Tensor]:
         a, g = _linear_views(activation, backprops)
+        grads: dict[nn.Parameter, Tensor] = {}
+        if module.weight.requires_grad:
+            grads[module.weight] = torch.bmm(g.transpose(1, 2), a)
+        bias = _trained_bias(module)
+        if bias is not None:
+            grads[bias] = g.sum(1)
+        return grads
+
+    def group_grads(
+        self, module: Any, activation: Tensor, backprops: Tensor, group_size: GroupSize
+    ) -> dict[nn.Parameter, Tensor]:
+        # A group's weight gradient is one product over the positions of all its rows: no per-row gradient is formed.
+        if isinstance(group_size, int) and group_size == 1:
+            return self.trained_grads(module, activation, backprops)
+        a, g = _linear_views(activation, backprops)
+        a, g = _pad_groups(a, group_size), _pad_groups(g, group_size)
+        a, g = a.reshape(a.shape[0], -1, a.shape[-1]), g.reshape(g.shape[0], -1, g.shape[-1])
         grads: dict[nn.Parameter, Tensor] = {}
         if module.weight.requires_grad:
             grads[module.weight] = torch.bmm(g.transpose(1, 2), a)
@@ -345,6 +384,25 @@ class ConvRule(ProductRule):
         bias = _trained_bias(module)
         if bias is not None:
             grads[bias] = self.bias_grads(module, backprops)
+        return grads
+
+    def group_grads(
+        self, module: Any, activation: Tensor, backprops: Tensor, group_size: GroupSize
+    ) -> dict[nn.Parameter, Tensor]:
+        # One weight-gradient convolution with the groups folded into the convolution's groups and their rows as
+        # its batch (summed by the convolution itself): no per-row gradient is formed.
+        if isinstance(group_size, int) and group_size == 1:
+            return self.trained_grads(module, activation, backprops)
+        grads: dict[nn.Parameter, Tensor] = {}
+        weight = module.weight
+        if weight.requires_grad:
+            x, padding = _conv_geometry(module, activation)
+            grads[weight] = _conv_group_weight_grad(
+                module, _pad_groups(x, group_size), _pad_groups(backprops, group_size), padding, None
+            )
+        bias = _trained_bias(module)
+        if bias is not None:
+            grads[bias] = sum_groups({bias: self.bias_grads(module, backprops)}, group_size)[bias]
         return grads
 
     def weighted_sum(self, module: Any, activation: Tensor, weighted: Tensor, sums: Sums) -> None:
@@ -402,6 +460,27 @@ class ConvTransposeRule(ProductRule):
         bias = _trained_bias(module)
         if bias is not None:
             grads[bias] = self.bias_grads(module, backprops)
+        return grads
+
+    def group_grads(
+        self, module: Any, activation: Tensor, backprops: Tensor, group_size: GroupSize
+    ) -> dict[nn.Parameter, Tensor]:
+        if isinstance(group_size, int) and group_size == 1:
+            return self.trained_grads(module, activation, backprops)
+        grads: dict[nn.Parameter, Tensor] = {}
+        weight = module.weight
+        if weight.requires_grad:
+            output_padding = _output_padding(module, activation, backprops)
+            grads[weight] = _conv_group_weight_grad(
+                module,
+                _pad_groups(activation, group_size),
+                _pad_groups(backprops, group_size),
+                module.padding,
+                output_padding,
+            )
+        bias = _trained_bias(module)
+        if bias is not None:
+            grads[bias] = sum_groups({bias: self.bias_grads(module, backprops)}, group_size)[bias]
         return grads
 
     def weighted_sum(self, module: Any, activation: Tensor, weighted: Tensor, sums: Sums) -> None:
@@ -691,19 +770,42 @@ def sum_of_squares(tensors: Sequence[Tensor], batch_size: int, device: torch.dev
     return sq
 
 
-def sum_groups(grads: Mapping[nn.Parameter, Tensor], group_size: int) -> dict[nn.Parameter, Tensor]:
-    """(B·K, *shape) per-row gradients as (B, *shape): each sample's K consecutive rows summed."""
-    if group_size == 1:
-        return dict(grads)
-    return {p: g.reshape(-1, group_size, *g.shape[1:]).sum(1) for p, g in grads.items()}
+def group_count(group_size: GroupSize, rows: int) -> int:
+    """B, the number of samples of a batch of ``rows`` rows grouped by ``group_size``."""
+    return rows // group_size if isinstance(group_size, int) else len(group_size)
 
 
-def _join_groups(t: Tensor, group_size: int) -> Tensor:
-    """(B·K, d, T) as (B, d, K·T): a sample's K rows' positions side by side."""
+def _group_index(sizes: Tensor, device: torch.device) -> Tensor:
+    """(R,) the sample of each row, for (B,) row counts."""
+    sizes = sizes.to(device)
+    return torch.arange(len(sizes), device=device).repeat_interleave(sizes)
+
+
+def sum_groups(grads: Mapping[nn.Parameter, Tensor], group_size: GroupSize) -> dict[nn.Parameter, Tensor]:
+    """(R, *shape) per-row gradients as (B, *shape): each sample's consecutive rows summed (K each, or (B,) counts)."""
+    if isinstance(group_size, int):
+        if group_size == 1:
+            return dict(grads)
+        return {p: g.reshape(-1, group_size, *g.shape[1:]).sum(1) for p, g in grads.items()}
+    out = {}
+    for p, g in grads.items():
+        index = _group_index(group_size, g.device)
+        out[p] = torch.zeros(len(group_size), *g.shape[1:], dtype=g.dtype, device=g.device).index_add_(0, index, g)
+    return out
+
+
+def _join_groups(t: Tensor, group_size: GroupSize) -> Tensor:
+    """(R, d, T) as (B, d, K·T): a sample's K rows' positions side by side.
+
+    With (B,) row counts K is the largest count, and a smaller group's missing rows are zeros (they add nothing
+    to Σ_t g_t a_tᵀ, nor to its ghost norm).
+    """
     rows, d, positions = t.shape
-    return (
-        t.reshape(rows // group_size, group_size, d, positions).transpose(1, 2).reshape(-1, d, group_size * positions)
-    )
+    if isinstance(group_size, int):
+        k = group_size
+        return t.reshape(rows // k, k, d, positions).transpose(1, 2).reshape(-1, d, k * positions)
+    padded = _pad_groups(t, group_size)
+    return padded.transpose(1, 2).reshape(-1, d, padded.shape[1] * positions)
 
 
 def _expand(mask: Tensor, like: Tensor) -> Tensor:
@@ -749,6 +851,46 @@ def _conv_weight_grad(
         [False, True, False],
     )
     return weight_grad.reshape(b, *weight.shape) if per_sample else weight_grad
+
+
+def _conv_group_weight_grad(
+    module: Any, x: Tensor, grad: Tensor, padding: Sequence[int], output_padding: list[int] | None
+) -> Tensor:
+    """(B, *weight.shape): each group's weight gradient summed over its K rows, from (B, K, C, *S) inputs and gradients.
+
+    The groups are folded into the channels (B·groups convolution groups) and the K rows are the convolution's batch,
+    over which its weight gradient sums. A padding row (zeros) adds nothing.
+    """
+    b, k = x.shape[0], x.shape[1]
+    weight = module.weight
+    fold = lambda t: t.transpose(0, 1).reshape(k, b * t.shape[2], *t.shape[3:])  # noqa: E731
+    transposed = output_padding is not None
+    _, weight_grad, _ = torch.ops.aten.convolution_backward(
+        fold(grad),
+        fold(x),
+        torch.empty((b * weight.shape[0], *weight.shape[1:]), dtype=x.dtype, device=x.device),
+        None,
+        list(module.stride),
+        list(padding),
+        list(module.dilation),
+        transposed,
+        output_padding if transposed else [0] * (x.dim() - 3),
+        b * module.groups,
+        [False, True, False],
+    )
+    return weight_grad.reshape(b, *weight.shape)
+
+
+def _pad_groups(t: Tensor, group_size: GroupSize) -> Tensor:
+    """(R, *rest) rows as (B, K, *rest): each sample's rows, groups shorter than the largest K padded with zero rows."""
+    if isinstance(group_size, int):
+        return t.reshape(-1, group_size, *t.shape[1:])
+    sizes = group_size.to(t.device)
+    index = _group_index(sizes, t.device)
+    slot = torch.arange(t.shape[0], device=t.device) - (torch.cumsum(sizes, 0) - sizes)[index]
+    padded = torch.zeros(len(sizes), int(sizes.max()), *t.shape[1:], dtype=t.dtype, device=t.device)
+    padded[index, slot] = t
+    return padded
 
 
 def _fold_batch(t: Tensor) -> Tensor:

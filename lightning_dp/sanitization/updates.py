@@ -127,6 +127,11 @@ class ModelState:
         self.other_buffers = [b for b in named.values() if id(b) not in released]
         self.numel = sum(t.numel() for t in self._released())
 
+    @property
+    def float_buffer_names(self) -> list[str]:
+        """The qualified names of the released float buffers (running statistics, ``release_buffers``)."""
+        return list(self._float_names)
+
     def _released(self) -> list[Tensor]:
         return self.params + self.float_buffers
 

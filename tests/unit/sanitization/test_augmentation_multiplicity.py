@@ -344,3 +344,56 @@ def test_rows_not_matching_samples_times_views_are_refused() -> None:
         UnsupportedModelError, match=r"first dimension is 12, but the batch holds 8 rows \(4 samples x 2"
     ):
         clipper.accumulate(lambda: _batch_loss(model, x, y, "mean"), SAMPLES, group_size=2)
+
+
+# ---------------------------------------------------------------------- groups of different sizes
+SIZES = [1, 5, 2, 4]  # 12 rows, as the models' inputs: P3SGD's patients with their images
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_groups_of_different_sizes_clip_each_group_mean(
+    name: str, reduction: LossReduction, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    paths = _spy_grouped(monkeypatch)
+    model, x, y = _case(name)
+    params = _trainable(model)
+    rows = []
+    for r in range(len(x)):
+        grads = torch.autograd.grad(_row_losses(model, x[r : r + 1], y[r : r + 1]).sum(), params, allow_unused=True)
+        rows.append(torch.cat([(torch.zeros_like(p) if g is None else g).reshape(-1) for g, p in zip(grads, params)]))
+    grads = torch.stack([chunk.mean(0) for chunk in torch.stack(rows).split(SIZES)])  # each group's mean gradient
+    ordered = grads.norm(dim=1).sort().values
+    clip_norm = float((ordered[1] * ordered[2]).sqrt())  # two groups clipped, two not
+    clipper = PerSampleClipper(model, clip_norm, loss_reduction=reduction)
+    try:
+        stats = clipper.accumulate(
+            lambda: _batch_loss(model, x, y, reduction), len(SIZES), group_size=torch.tensor(SIZES)
+        )
+        got = _engine_vector(clipper, model)
+    finally:
+        clipper.remove()
+    assert _relative_error(got, _clipped_sum(grads, clip_norm)) < RTOL
+    assert stats.batch_size == len(SIZES) and stats.clipped == 2
+    assert stats.norm_sum == pytest.approx(float(grads.norm(dim=1).sum()), rel=1e-9)
+    if name == "wide_linear":  # T·K_max·(d + p) = 5·88 < d·p = 1920
+        assert "ghost" in paths, "the padded ghost norm must be exercised"
+
+
+def test_equal_group_sizes_are_the_uniform_path() -> None:
+    model, x, y = _case("linear")
+    a, b = PerSampleClipper(model, 0.1), PerSampleClipper(model, 0.1)
+    a.accumulate(lambda: _batch_loss(model, x, y, "mean"), SAMPLES, group_size=VIEWS)
+    a.remove()
+    b.accumulate(lambda: _batch_loss(model, x, y, "mean"), SAMPLES, group_size=[VIEWS] * SAMPLES)
+    b.remove()
+    assert torch.equal(a.flat_sum, b.flat_sum)
+
+
+@pytest.mark.parametrize("bad", [[1, 2], [0, 4, 4, 4], [1.5, 2, 4, 4.5], torch.tensor([3.0, 3.0, 3.0, 3.0])])
+def test_group_sizes_must_be_one_positive_integer_per_sample(bad: Any) -> None:
+    model, x, y = _case("linear")
+    clipper = PerSampleClipper(model, 1.0)
+    with pytest.raises(PrivacyConfigError, match=rf"must be one integer >= 1 or {SAMPLES} of them"):
+        clipper.accumulate(lambda: _batch_loss(model, x, y, "mean"), SAMPLES, group_size=bad)
+    assert not clipper.flat_sum.any()

@@ -1,0 +1,133 @@
+"""One P3SGD round: patient by patient (the loop) against one batched pass (``vectorize='auto'``), in one run.
+
+small_cnn on 32x32 images, 100 patients x 20 images, q = 0.1, one local epoch, local_batch_size = 32: each
+patient's update is one SGD step, so the vectorized round applies. Inside one fit the rounds alternate between
+the two paths; each pair of rounds uses the same sampled patients (the benchmark replays the sample; the order
+within a pair alternates too), and the ratio loop / vectorized of each pair is reported: its median and spread.
+A round is timed whole: sampling, the patients' updates, the release and the Lightning plumbing.
+
+Run: .venv/bin/python benchmarks/p3sgd_vectorized.py [--pairs 10] [--threads 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from typing import Any
+
+import numpy as np
+import pytorch_lightning as pl
+import torch
+from torch.utils.data import DataLoader
+
+from lightning_dp.callbacks import P3SGD
+from lightning_dp.data import PatientImageDataset
+from lightning_dp.models import ImageClassifier
+
+
+class _Data(pl.LightningDataModule):
+    def __init__(self, dataset: PatientImageDataset) -> None:
+        super().__init__()
+        self.train_dataset = dataset
+
+    def train_dataloader(self) -> DataLoader:  # type: ignore[type-arg]
+        return DataLoader(self.train_dataset, batch_size=16)
+
+
+class _Alternate(pl.Callback):
+    """Rounds in pairs over one patient sample: one round by the loop, one by the batched pass (order alternating)."""
+
+    def __init__(self, p3sgd: P3SGD, warmup: int) -> None:
+        self.p3sgd = p3sgd
+        self.warmup = warmup
+        self.times: dict[str, list[float]] = {"loop": [], "vectorized": []}
+        self.sizes: list[int] = []
+        self._clipper: Any = None
+        self._pending: Any = None
+        self._start = 0.0
+        self._path = ""
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._clipper = self.p3sgd._clipper
+        if self._clipper is None:
+            raise SystemExit(f"the vectorized round does not apply: {self.p3sgd.vectorize_fallback}")
+        sampler = self.p3sgd.sampler
+        assert sampler is not None
+        draw = sampler.sample
+
+        def replayed() -> Any:  # each pair of rounds trains the same patients
+            if self._pending is None:
+                self._pending = draw()
+                return self._pending
+            sample, self._pending = self._pending, None
+            return sample
+
+        sampler.sample = replayed  # type: ignore[method-assign]
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, idx: int) -> None:
+        pair, second = divmod(idx, 2)
+        vectorized = bool(second) ^ bool(pair % 2)
+        self._path = "vectorized" if vectorized else "loop"
+        self.p3sgd._clipper = self._clipper if vectorized else None
+        self._start = time.perf_counter()
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        elapsed = time.perf_counter() - self._start
+        if trainer.global_step > self.warmup:
+            self.times[self._path].append(elapsed)
+            if self._path == "loop":
+                self.sizes.append(len(self._pending if self._pending is not None else []))
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self.p3sgd._clipper = self._clipper  # P3SGD removes its engine's hooks at teardown
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--pairs", type=int, default=10)
+    parser.add_argument("--patients", type=int, default=100)
+    parser.add_argument("--images-per-patient", type=int, default=20)
+    parser.add_argument("--size", type=int, default=32)
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    parser.add_argument("--accelerator", default="cpu")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    rng = np.random.default_rng(0)
+    n = args.patients * args.images_per_patient
+    images = rng.random((n, args.size, args.size, 3), dtype=np.float32)
+    labels = rng.integers(0, 2, n).tolist()
+    patients = [f"p{i // args.images_per_patient}" for i in range(n)]
+    dataset = PatientImageDataset.from_arrays(images, labels, patients)
+    torch.manual_seed(0)
+    model = ImageClassifier(arch="small_cnn")
+    p3sgd = P3SGD(0.1, 5.0, (1.0,), local_batch_size=32, local_epochs=1, seed=0)
+    warmup = 2  # one pair of rounds
+    timer = _Alternate(p3sgd, warmup)
+    trainer = pl.Trainer(
+        accelerator=args.accelerator,
+        devices=1,
+        max_steps=warmup + 2 * args.pairs,
+        callbacks=[p3sgd, timer],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        default_root_dir=tempfile.mkdtemp(prefix="p3sgd_vec_bench_"),
+    )
+    trainer.fit(model, _Data(dataset))
+    loop, vec = np.array(timer.times["loop"]), np.array(timer.times["vectorized"])
+    ratios = loop / vec
+    q25, q50, q75 = np.percentile(ratios, [25, 50, 75])
+    print(
+        f"small_cnn {args.size}x{args.size}, {args.patients} patients x {args.images_per_patient} images, q=0.1, "
+        f"local_batch_size=32, {torch.get_num_threads()} threads, {trainer.strategy.root_device}: "
+        f"{len(ratios)} pairs; round loop median {np.median(loop) * 1000:.0f} ms, vectorized "
+        f"{np.median(vec) * 1000:.0f} ms; ratio median {q50:.2f}x (IQR {q25:.2f}-{q75:.2f}, "
+        f"min {ratios.min():.2f}, max {ratios.max():.2f})"
+    )
+
+
+if __name__ == "__main__":
+    main()
