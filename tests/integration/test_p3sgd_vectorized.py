@@ -92,7 +92,14 @@ class RuleZoo(pl.LightningModule):
 
 
 def _p3sgd(**kwargs: Any) -> P3SGD:
-    args: dict[str, Any] = {"sample_rate": 0.5, "clip_norm": 0.3, "local_lr": 0.5, "seed": 3, "noise_scales": (0.05,), "vectorize": "auto"}
+    args: dict[str, Any] = {
+        "sample_rate": 0.5,
+        "clip_norm": 0.3,
+        "local_lr": 0.5,
+        "seed": 3,
+        "noise_scales": (0.05,),
+        "vectorize": "auto",
+    }
     args.update(kwargs)
     return P3SGD(**args)
 
