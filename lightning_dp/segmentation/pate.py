@@ -300,6 +300,58 @@ class PATEReport:
         return "\n".join(lines)
 
 
+#: Domain separation of the noise seeds derived from a user seed.
+_NOISE_DOMAIN = b"lightning-dp/pate-noise-seed/v1"
+
+
+def _release_seed(seed: int | None, *request: object) -> int | None:
+    """The noise seed of one release: BLAKE2b keyed with the user ``seed``, of a digest of ``request``.
+
+    The same noise drawn for two releases at noise multipliers z₁ ≠ z₂ cancels in (c₂ − r·c₁)/(1 − r),
+    r = z₂/z₁, and exposes the teachers' mean code exactly; at z₁ = z₂ the difference of two releases is the
+    noise-free difference of their means. So every release's generator is seeded from the user seed *and*
+    what it releases (the ledger position, z, the codes or the request): different releases never share
+    noise, while the identical request repeats the identical release (which tells nothing new). The user
+    seed is the key — the only randomness; the request only separates releases, it never seeds the noise
+    alone. ``None`` stays ``None`` (fresh OS noise for every release).
+
+    Args:
+        seed: the user's seed, or ``None``.
+        request: numbers, strings, tensors (hashed by dtype, shape and bytes) and nested lists/tuples/dicts of
+            them, e.g. ``("aggregate", ledger.steps, z, codes)``.
+
+    Example:
+        >>> _release_seed(0, "aggregate", 0, 2.5) == _release_seed(0, "aggregate", 0, 2.5)
+        True
+        >>> _release_seed(0, "aggregate", 0, 2.5) != _release_seed(0, "aggregate", 6, 2.5), _release_seed(None, 1)
+        (True, None)
+    """
+    if seed is None:
+        return None
+    digest = hashlib.sha256()
+
+    def feed(value: object) -> None:
+        if isinstance(value, Tensor):
+            flat = value.detach().cpu().contiguous().reshape(-1)
+            digest.update(f"T{flat.dtype}{tuple(value.shape)}".encode())
+            digest.update(flat.view(torch.uint8).numpy().tobytes())
+        elif isinstance(value, Mapping):
+            digest.update(b"{%d" % len(value))
+            for key in sorted(value, key=repr):
+                feed(key)
+                feed(value[key])
+        elif isinstance(value, (list, tuple)):
+            digest.update(b"[%d" % len(value))
+            for item in value:
+                feed(item)
+        else:
+            digest.update(f"{type(value).__name__}:{value!r};".encode())
+
+    feed(list(request))
+    key = hashlib.blake2b(_NOISE_DOMAIN + b"/" + str(int(seed)).encode()).digest()  # 64 bytes, any seed
+    return int.from_bytes(hashlib.blake2b(digest.digest(), key=key, digest_size=8).digest(), "big") >> 1
+
+
 @dataclass
 class PATEResult:
     """The released labels: noisy mean codes and their decoded maps (post-processing of the release)."""
@@ -326,7 +378,12 @@ class PATEAggregator:
         target_epsilon: calibrate z to spend at most this ε.
         accountant: "rdp" (default) or "prv".
         ledger: the ledger to charge (a new patient-level one by default).
-        seed: seed of the noise generator; ``None`` (default) draws one from the OS. Never derived from data.
+        seed: key of the noise generator; ``None`` (default) draws the noise's seed from the OS at every call.
+            A given seed is mixed with the ledger's position, z and a digest of the codes
+            released: two different releases never share noise, even from two aggregators with the same seed
+            on one ledger, and only the identical request on the identical ledger position repeats its noise
+            (the identical release: no new information). The seed is the noise's only source of randomness:
+            with it, the noise is reproducible, so keep it as secret as the data.
 
     Example:
         >>> from lightning_dp.segmentation import PCACompressor
@@ -440,10 +497,10 @@ class PATEAggregator:
         # Every teacher's maps are checked to lie in [0, 1] (the sensitivity bound) before anything is released.
         codes = torch.stack([self.compressor.encode(teacher_maps[i]) for i in range(k)])  # (K, N, l)
         z = self.plan(n)  # raises before anything is drawn or charged if the budget cannot hold the queries
-        release = GaussianRelease(
-            self.ledger, clip_norm=self.sensitivity, sample_rate=None, schedule=z, seed=self._seed
-        )
-        self._seed = None if self._seed is None else self._seed + 1  # a second call never reuses the noise
+        # A user seed is mixed with the request (the codes released, z) and the ledger's position, so two
+        # different releases never share noise, on one ledger or across ledgers and instances.
+        seed = _release_seed(self._seed, "aggregate", self.ledger.steps, z, codes)
+        release = GaussianRelease(self.ledger, clip_norm=self.sensitivity, sample_rate=None, schedule=z, seed=seed)
         summed = codes.sum(0)  # (N, l): Σ_k z_nk
         noisy = torch.stack([release.release(q, summed[q], normalizer=float(k)).update for q in range(n)])
         maps = self.compressor.decode(noisy)

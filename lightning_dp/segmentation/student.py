@@ -18,15 +18,22 @@ a new aggregation over the same private patients (other settings, more queries, 
 charged to the same ledger, so the ε reported grows with every release and is never reset. A damaged
 release file, one of other private data, or a resume that does not find the release its checkpoint was
 trained on is an error, never a silent fresh aggregation.
+
+The release is made when the training loader is first asked for (``train_dataloader``), not in ``setup``:
+Lightning restores a checkpoint's datamodule state (``load_state_dict``) after ``setup``, so only then is it
+known whether this run resumes, and from which release. Under DDP rank 0 alone reads, aggregates and writes
+the release; the other ranks receive its labels by broadcast: one release, whatever the number of processes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import inspect
 import os
-from collections.abc import Sequence
+import tempfile
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +49,7 @@ from lightning_dp.segmentation.pate import (
     _SPENT,
     PATEAggregator,
     PATEReport,
+    _release_seed,
     pate_noise_multiplier,
     thesis_epsilon_of_ledger,
 )
@@ -67,6 +75,10 @@ _SAME = (
 _PRIVATE_DATA = tuple(key for key in _SAME if key not in ("num_teachers", "teacher_seed"))
 #: Format of the release file and of the checkpoint state.
 _RELEASE_FORMAT = 1
+#: The release file's name when ``release_path`` is not given (next to the teachers' checkpoints).
+_DEFAULT_RELEASE = "pate_release.pt"
+#: Errors of rank 0's release that every rank raises as they are (others become a PrivacyStateError).
+_SHARED_ERRORS = (PrivacyConfigError, PrivacyStateError, PrivacyBudgetExceededError)
 
 
 class PATEStudentDataModule(pl.LightningDataModule):
@@ -84,18 +96,22 @@ class PATEStudentDataModule(pl.LightningDataModule):
         atlas_fraction: the fraction of public patients whose masks fit the compressor (their images
             are not queried).
         batch_size: batch size of the student's training loader.
-        seed: seed of the aggregation noise, mixed with the release's position in the release file so that two
-            releases never share noise; ``None`` (default) draws one from the OS.
+        seed: key of the aggregation noise, mixed with a digest of the request (teachers' checkpoint digests,
+            public images, settings) and the ledger's position, so that two different releases never share
+            noise, in one release file or in two; ``None`` (default) draws fresh noise from the OS.
         report_path: where the PATE privacy report is written (text); ``None``: not written.
         release_path: the release file: the noisy labels of every aggregation over these private patients and
             the one ledger they were charged to (SHA-256 checked). An aggregation whose teachers (checkpoint
             file digests), public images and settings match a stored one reuses its labels; any other is
             charged to the stored ledger, so ``target_epsilon`` is the budget of **all** releases in the file.
+            ``None`` (default): ``pate_release.pt`` in the teachers' checkpoints' common parent directory, so
+            the file stays with the teachers whatever the working directory; a path given is used as given.
             Deleting this file forgets what was spent.
 
     Raises:
         PrivacyStateError: the release file is damaged or belongs to other private data, or a resumed run
-            does not find the release its checkpoint was trained on (raised in ``setup``, before any noise).
+            does not find the release its checkpoint was trained on, or its checkpoint has no release state
+            (raised by ``train_dataloader``, before any noise is drawn or any file written).
         PrivacyBudgetExceededError: a new aggregation does not fit under ``target_epsilon`` with the releases
             already in the file.
     """
@@ -112,7 +128,7 @@ class PATEStudentDataModule(pl.LightningDataModule):
         batch_size: int = 32,
         seed: int | None = None,
         report_path: str | None = "pate_privacy_report.txt",
-        release_path: str = "pate_release.pt",
+        release_path: str | None = None,
     ) -> None:
         super().__init__()
         owner = "PATEStudentDataModule"
@@ -139,15 +155,22 @@ class PATEStudentDataModule(pl.LightningDataModule):
             seed,
             report_path,
         )
+        if release_path is None:
+            release_path = _next_to_teachers(self.checkpoints)
         if not isinstance(release_path, (str, os.PathLike)) or not str(release_path):
             raise PrivacyConfigError(
                 f"`{owner}(release_path={release_path!r})`: the released labels must be kept with their ledger, "
-                "found no path. HINT: e.g. release_path='runs/segmentation_pate/pate_release.pt'."
+                "found no path. HINT: e.g. release_path='runs/segmentation_pate/pate_release.pt', or None (next to "
+                "the teachers' checkpoints)."
             )
         self.release_path = str(release_path)
         self.report: PATEReport | None = None
         self._train: TensorDataset | None = None
         self._release_digest: str | None = None
+        self._resumed: str | None = None  # the release a restored checkpoint was trained on (load_state_dict)
+        self._request: dict[str, Any] | None = None  # set by setup: what the release would be made of
+        self._private_data: dict[str, Any] = {}
+        self._queries = self._atlas_masks = torch.empty(0)
 
     def _check_teachers(self) -> dict[str, Any]:
         """Checks that the checkpoints are the K partitions of one split; returns their data settings."""
@@ -203,8 +226,13 @@ class PATEStudentDataModule(pl.LightningDataModule):
 
         return [SegmentationModule.load_from_checkpoint(p, map_location="cpu").eval() for p in self.checkpoints]
 
+    def prepare_data(self) -> None:
+        """Prepares the wrapped data (Lightning calls it on one process per node, before ``setup``)."""
+        self.data.prepare_data()
+
     def setup(self, stage: str | None = None) -> None:
-        if self._train is not None:
+        """Checks the teachers and the data and prepares the queries; releases nothing (see ``train_dataloader``)."""
+        if self._request is not None:
             return
         data: Any = self.data
         if getattr(data, "num_teachers", None) is not None:
@@ -213,7 +241,8 @@ class PATEStudentDataModule(pl.LightningDataModule):
                 "HINT: remove teacher/num_teachers from the student's data."
             )
         reference = self._check_teachers()
-        data.prepare_data()
+        if self.trainer is None:  # under a Trainer, prepare_data ran on one process per node before setup
+            data.prepare_data()
         data.setup(stage)
         public = data.public_dataset
         if public is None:
@@ -245,42 +274,106 @@ class PATEStudentDataModule(pl.LightningDataModule):
             "seed": self.seed,
             "accountant": "rdp",
         }
-        private_data = {key: reference.get(key) for key in _PRIVATE_DATA}
-        store = _read_release(self.release_path, private_data, self.delta)  # validated before anything is drawn
-        entry = next((e for e in store["releases"] if e["request"] == request), None)
-        resumed_from = self._resumed_digest()
-        if resumed_from is not None:
-            if not os.path.isfile(self.release_path):
-                raise PrivacyStateError(
-                    f"`PATEStudentDataModule`: resuming from a checkpoint trained on the PATE release "
-                    f"{resumed_from[:12]}…, but the release file {self.release_path!r} does not exist: a fresh "
-                    "aggregation would draw new noise on a new ledger. Nothing was released. HINT: point release_path "
-                    "at the file the first run wrote."
-                )
-            if entry is None or _entry_digest(entry) != resumed_from:
-                raise PrivacyStateError(
-                    f"`PATEStudentDataModule`: the checkpoint was trained on the PATE release {resumed_from[:12]}…, "
-                    f"but with these teachers, public images and settings {self.release_path!r} "
-                    + ("holds no release" if entry is None else f"holds release {_entry_digest(entry)[:12]}…")
-                    + ". Nothing was released. HINT: resume with the settings of the run that wrote the checkpoint."
-                )
-        ledger = store["ledger"]
-        if entry is None:
-            entry = self._aggregate(request, ledger, queries, atlas_masks, len(store["releases"]))
-            store["releases"].append(entry)
-            _write_release(self.release_path, private_data, ledger, store["releases"])
-        self._release_digest = _entry_digest(entry)
+        self._private_data = {key: reference.get(key) for key in _PRIVATE_DATA}
+        self._queries, self._atlas_masks = queries, atlas_masks
+        self._request = request
+
+    def _release(self) -> None:
+        """Makes or reuses the release (rank 0 alone under DDP) and builds the training set from its labels."""
+        if self._train is not None:
+            return
+        if self._request is None:
+            self.setup("fit")
+        assert self._request is not None
+        trainer = self.trainer
+        resumed = self._resumed
+        if resumed is None and trainer is not None and getattr(trainer, "ckpt_path", None):
+            # Lightning restores the datamodule only when the checkpoint holds its state: none was restored.
+            raise PrivacyStateError(
+                f"`PATEStudentDataModule`: the checkpoint {trainer.ckpt_path!r} has no PATE release state, so which "
+                "released labels it was trained on (and what they cost) is unknown; resuming would release again. "
+                "Nothing was released. HINT: resume from a checkpoint written by PATEStudentDataModule, or start a "
+                "new run without ckpt_path."
+            )
+        world = int(getattr(trainer, "world_size", 1) or 1) if trainer is not None else 1
+        if world == 1:
+            outcome: tuple[Any, ...] = ("ok", *self._release_once(resumed))
+        else:
+            outcome = ("error", "PrivacyStateError", "rank 0 did not answer")
+            error: BaseException | None = None
+            if trainer.global_rank == 0:  # type: ignore[union-attr]
+                try:
+                    outcome = ("ok", *self._release_once(resumed))
+                except Exception as err:  # every rank must learn of it, or the others wait forever
+                    error = err
+                    outcome = ("error", type(err).__name__, str(err))
+            outcome = trainer.strategy.broadcast(outcome, src=0)  # type: ignore[union-attr]
+            if error is not None:
+                raise error
+        if outcome[0] == "error":
+            errors = {cls.__name__: cls for cls in _SHARED_ERRORS}
+            raise errors.get(outcome[1], PrivacyStateError)(
+                outcome[2] if outcome[1] in errors else f"rank 0's PATE release failed: {outcome[1]}: {outcome[2]}"
+            )
+        _, request, digest, maps, report = outcome
+        if request != self._request:
+            raise PrivacyStateError(
+                "`PATEStudentDataModule`: rank 0 released labels for another request (teachers, public images or "
+                "settings) than this rank prepared. HINT: give every rank the same data and settings."
+            )
+        if resumed is not None and digest != resumed:
+            raise PrivacyStateError(
+                f"`PATEStudentDataModule`: the checkpoint was trained on the PATE release {resumed[:12]}…, but rank 0 "
+                f"released {digest[:12]}…. HINT: resume with the settings of the run that wrote the checkpoint."
+            )
+        self._release_digest, self.report = digest, report
+        if trainer is None or trainer.is_global_zero:
+            print(self.report)
+            if self.report_path is not None:
+                Path(self.report_path).write_text(str(self.report) + "\n")
+        self._train = TensorDataset(self._queries, maps.float())
+
+    def _release_once(self, resumed: str | None) -> tuple[dict[str, Any], str, torch.Tensor, PATEReport]:
+        """Reads the release file, reuses or makes the release (charged to the file's ledger) and writes it.
+
+        Runs on one process, under an exclusive lock on the release file (two runs started together see each
+        other's release). With ``resumed`` (the release a restored checkpoint was trained on), a file without
+        that release is an error raised before anything is drawn or written.
+        """
+        assert self._request is not None
+        request = self._request
+        with _locked(self.release_path):
+            store = _read_release(self.release_path, self._private_data, self.delta)  # validated before any draw
+            entry = next((e for e in store["releases"] if e["request"] == request), None)
+            if resumed is not None:
+                if not os.path.isfile(self.release_path):
+                    raise PrivacyStateError(
+                        f"`PATEStudentDataModule`: resuming from a checkpoint trained on the PATE release "
+                        f"{resumed[:12]}…, but the release file {self.release_path!r} does not exist: a fresh "
+                        "aggregation would draw new noise on a new ledger. Nothing was drawn or written. HINT: point "
+                        "release_path at the file the first run wrote (restore it from a backup if it is lost)."
+                    )
+                if entry is None or _entry_digest(entry) != resumed:
+                    raise PrivacyStateError(
+                        f"`PATEStudentDataModule`: the checkpoint was trained on the PATE release {resumed[:12]}…, but "
+                        f"with these teachers, public images and settings {self.release_path!r} "
+                        + ("holds no release" if entry is None else f"holds release {_entry_digest(entry)[:12]}…")
+                        + ". Nothing was drawn or written. HINT: resume with the settings of the run that wrote the "
+                        "checkpoint."
+                    )
+            ledger = store["ledger"]
+            if entry is None:
+                entry = self._aggregate(request, ledger, self._queries, self._atlas_masks, len(store["releases"]))
+                store["releases"].append(entry)
+                _write_release(self.release_path, self._private_data, ledger, store["releases"])
         report = PATEReport(**entry["report"])
-        self.report = dataclasses.replace(
+        report = dataclasses.replace(
             report,
             epsilon=get_accountant(report.accountant).epsilon(ledger),  # type: ignore[arg-type]
             thesis_epsilon=thesis_epsilon_of_ledger(ledger),
             ledger_queries=ledger.steps,
         )
-        print(self.report)
-        if self.report_path is not None:
-            Path(self.report_path).write_text(str(self.report) + "\n")
-        self._train = TensorDataset(queries, entry["maps"].float())
+        return request, _entry_digest(entry), entry["maps"], report
 
     def _aggregate(
         self,
@@ -317,7 +410,7 @@ class PATEStudentDataModule(pl.LightningDataModule):
             delta=self.delta,
             target_epsilon=self.target_epsilon,
             ledger=ledger,
-            seed=_release_seed(self.seed, index),
+            seed=_release_seed(self.seed, "student", request, index, ledger.steps),
         )
         released = aggregator.aggregate(maps)
         return {
@@ -326,22 +419,6 @@ class PATEStudentDataModule(pl.LightningDataModule):
             "maps": released.maps.detach().clone(),
             "report": dataclasses.asdict(released.report),
         }
-
-    def _resumed_digest(self) -> str | None:
-        """The release digest a resumed run's checkpoint was trained on; ``None`` when not resuming."""
-        trainer = getattr(self, "trainer", None)
-        path = getattr(trainer, "ckpt_path", None) if trainer is not None else None
-        if not path:
-            return None
-        checkpoint = torch.load(path, map_location="cpu", weights_only=False)
-        state = checkpoint.get(type(self).__qualname__)
-        if not state:
-            raise PrivacyStateError(
-                f"`PATEStudentDataModule`: the checkpoint {path!r} has no PATE release state, so which released "
-                "labels it was trained on (and what they cost) is unknown; resuming would release again. HINT: "
-                "resume from a checkpoint written by PATEStudentDataModule, or start a new run without ckpt_path."
-            )
-        return _check_state(state)
 
     def state_dict(self) -> dict[str, Any]:
         """The digest of the release the student trains on (checked on resume; the release itself is in its file)."""
@@ -356,14 +433,18 @@ class PATEStudentDataModule(pl.LightningDataModule):
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Remembers the release the checkpoint was trained on; ``train_dataloader`` finds it or raises."""
         digest = _check_state(state_dict)
         if self._release_digest is not None and digest != self._release_digest:
             raise PrivacyStateError(
                 f"`PATEStudentDataModule`: the checkpoint was trained on the PATE release {digest[:12]}…, but this "
                 f"run uses {self._release_digest[:12]}…. HINT: resume with the settings of the run that wrote it."
             )
+        self._resumed = digest
 
     def train_dataloader(self) -> DataLoader[Any]:
+        """The public images with their released labels; the first call makes or reuses the release."""
+        self._release()
         assert self._train is not None
         return DataLoader(self._train, batch_size=self.batch_size, shuffle=True)
 
@@ -387,16 +468,34 @@ def _primitives(obj: Any) -> dict[str, Any]:
     return {n: getattr(obj, n) for n in names if isinstance(getattr(obj, n, None), (bool, int, float, str, type(None)))}
 
 
-def _release_seed(seed: int | None, index: int) -> int | None:
-    """The noise seed of a file's release number ``index``: two releases in one file never share noise.
+def _next_to_teachers(checkpoints: Sequence[str]) -> str:
+    """``pate_release.pt`` in the teachers' checkpoints' common parent directory (absolute)."""
+    folders = [os.path.dirname(os.path.abspath(path)) for path in checkpoints]
+    try:
+        common = os.path.commonpath(folders)
+    except ValueError as err:  # e.g. two drives
+        raise PrivacyConfigError(
+            f"`PATEStudentDataModule(release_path=None)`: the teachers' checkpoints {list(checkpoints)!r} share no "
+            "parent directory to keep the release file in. HINT: give release_path explicitly."
+        ) from err
+    return os.path.join(common, _DEFAULT_RELEASE)
 
-    The same noise under two noise multipliers would cancel in a combination of the two releases and expose the
-    teachers' mean code exactly; so a user ``seed`` is mixed with the release's position in the ledger.
-    """
-    if seed is None:
-        return None
-    digest = hashlib.blake2b(f"lightning-dp/pate-release/{seed}/{index}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "big") >> 1
+
+@contextlib.contextmanager
+def _locked(path: str) -> Iterator[None]:
+    """An exclusive lock on ``{path}.lock`` (POSIX ``flock``; elsewhere none): read, release and write are one step."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not POSIX
+        yield
+        return
+    with open(f"{path}.lock", "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def _file_digest(path: str) -> str:
@@ -475,7 +574,16 @@ def _write_release(path: str, private_data: dict[str, Any], ledger: PrivacyLedge
         "ledger": ledger.state_dict(),
         "releases": releases,
     }
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    tmp = f"{path}.tmp"
-    torch.save({**body, "checksum": state_digest(body)}, tmp)
-    os.replace(tmp, path)
+    folder = Path(path).parent
+    folder.mkdir(parents=True, exist_ok=True)
+    handle, tmp = tempfile.mkstemp(prefix=f"{Path(path).name}.", suffix=".tmp", dir=folder)  # unique per writer
+    try:
+        with os.fdopen(handle, "wb") as f:
+            torch.save({**body, "checksum": state_digest(body)}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise

@@ -47,6 +47,7 @@ def _student(tmp: Path, teachers: list[str], **kwargs: object) -> PATEStudentDat
     data = SyntheticSilhouettesDataModule(root=str(tmp / "data"), **DATA)
     dm = PATEStudentDataModule(data, teachers, PCACompressor(code_dim=4), **settings)  # type: ignore[arg-type]
     dm.setup("fit")
+    dm.train_dataloader()  # the release is made (or reused) when the training loader is first asked for
     return dm
 
 
@@ -75,8 +76,8 @@ def test_rerun_and_resume_reuse_the_release_and_its_ledger(tmp_path: Path) -> No
     assert torch.equal(_labels(again), _labels(first))
     assert again.report == first.report and (tmp_path / "report.txt").read_text() == report
 
-    checkpoint = tmp_path / "student.ckpt"  # what Lightning writes: the datamodule's state under its class name
-    torch.save({"PATEStudentDataModule": first.state_dict()}, checkpoint)
+    # A resume in Lightning's order: setup, then the checkpoint's state, then the training loader (a resume
+    # through a real Trainer is in tests/integration/test_segmentation_pate_resume.py).
     data = SyntheticSilhouettesDataModule(root=str(tmp_path / "data"), **DATA)
     resumed = PATEStudentDataModule(
         data,
@@ -85,9 +86,10 @@ def test_rerun_and_resume_reuse_the_release_and_its_ledger(tmp_path: Path) -> No
         num_queries=6,
         report_path=str(tmp_path / "report.txt"),
     )
-    resumed.trainer = types.SimpleNamespace(ckpt_path=str(checkpoint))  # type: ignore[assignment]
     resumed.setup("fit")
-    resumed.load_state_dict(torch.load(checkpoint, weights_only=True)["PATEStudentDataModule"])
+    assert resumed._train is None and resumed.report is None  # setup releases nothing
+    resumed.load_state_dict(first.state_dict())
+    resumed.train_dataloader()
     assert torch.equal(_labels(resumed), _labels(first)) and resumed.report == first.report
 
 
@@ -129,17 +131,105 @@ def test_a_damaged_release_or_a_lost_one_on_resume_is_an_error(tmp_path: Path) -
     with pytest.raises(PrivacyStateError, match="is corrupt: its SHA-256 checksum.*HINT: restore the file"):
         _student(tmp_path, teachers, seed=0)
 
-    checkpoint = tmp_path / "student.ckpt"
-    torch.save({"PATEStudentDataModule": first.state_dict()}, checkpoint)
     release.unlink()
     data = SyntheticSilhouettesDataModule(root=str(tmp_path / "data"), **DATA)
     resumed = PATEStudentDataModule(
         data, teachers, PCACompressor(code_dim=4), num_queries=6, seed=0, release_path=str(release), report_path=None
     )
-    resumed.trainer = types.SimpleNamespace(ckpt_path=str(checkpoint))  # type: ignore[assignment]
+    resumed.setup("fit")
+    resumed.load_state_dict(first.state_dict())  # Lightning restores the datamodule after setup
     with pytest.raises(PrivacyStateError, match="does not exist: a fresh aggregation would draw new noise"):
-        resumed.setup("fit")
+        resumed.train_dataloader()
     assert not release.exists()  # nothing was drawn or written
-    torch.save({}, checkpoint)  # a checkpoint without the release state
-    with pytest.raises(PrivacyStateError, match="has no PATE release state"):
-        resumed.setup("fit")
+    with pytest.raises(PrivacyStateError, match="damaged or of another format"):
+        resumed.load_state_dict({**first.state_dict(), "release": "0" * 64})
+
+
+def test_the_default_release_path_is_next_to_the_teachers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    teachers = _teachers(tmp_path)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)  # another working directory must not start another release file
+    dm = PATEStudentDataModule(
+        SyntheticSilhouettesDataModule(root=str(tmp_path / "data"), **DATA), teachers, PCACompressor(code_dim=4)
+    )
+    assert dm.release_path == str(tmp_path / "pate_release.pt")
+    explicit = PATEStudentDataModule(
+        SyntheticSilhouettesDataModule(root=str(tmp_path / "data"), **DATA),
+        teachers,
+        PCACompressor(code_dim=4),
+        release_path="runs/release.pt",
+    )
+    assert explicit.release_path == "runs/release.pt"  # a path given is used as given
+
+
+def test_one_seed_never_gives_two_release_files_the_same_noise(tmp_path: Path) -> None:
+    """A second release file over the same teachers (a lost file, another directory): another request under the
+    same seed draws other noise; the identical request draws the identical release (no new information)."""
+    teachers = _teachers(tmp_path)
+    first = _student(tmp_path, teachers, seed=0, release_path=str(tmp_path / "a.pt"))
+    same = _student(tmp_path, teachers, seed=0, release_path=str(tmp_path / "b.pt"))
+    assert torch.equal(_labels(same), _labels(first))
+    other = _student(tmp_path, teachers, seed=0, target_epsilon=3.0, release_path=str(tmp_path / "c.pt"))
+    assert first.report is not None and other.report is not None
+    c1 = torch.load(tmp_path / "a.pt", weights_only=True)["releases"][0]["codes"]
+    c2 = torch.load(tmp_path / "c.pt", weights_only=True)["releases"][0]["codes"]
+    r = other.report.noise_std / first.report.noise_std
+    with torch.no_grad():
+        maps = [SegmentationModule.load_from_checkpoint(t).eval()(_labels_inputs(first)).sigmoid() for t in teachers]
+    mean = torch.stack([first.compressor.encode(m) for m in maps]).mean(0)
+    assert float(((c2 - r * c1) / (1 - r) - mean).abs().max()) > 0.1 * first.report.noise_std
+
+
+class _Strategy:
+    """A fake two-process strategy: ``broadcast`` hands every rank what rank 0 sent (recorded by the test)."""
+
+    def __init__(self, from_rank_0: object = None) -> None:
+        self.from_rank_0, self.sent = from_rank_0, None
+
+    def broadcast(self, obj: object, src: int = 0) -> object:
+        self.sent = obj
+        return obj if self.from_rank_0 is None else self.from_rank_0
+
+
+def _trainer(rank: int, strategy: _Strategy) -> object:
+    return types.SimpleNamespace(
+        world_size=2, global_rank=rank, is_global_zero=rank == 0, ckpt_path=None, strategy=strategy
+    )
+
+
+def test_under_ddp_rank_0_alone_releases_and_the_others_train_on_its_labels(tmp_path: Path) -> None:
+    teachers = _teachers(tmp_path)
+    release = tmp_path / "pate_release.pt"
+    data = SyntheticSilhouettesDataModule(root=str(tmp_path / "data"), **DATA)
+    data.prepare_data()
+
+    def student() -> PATEStudentDataModule:
+        data = SyntheticSilhouettesDataModule(root=str(tmp_path / "data"), **DATA)
+        return PATEStudentDataModule(data, teachers, PCACompressor(code_dim=4), num_queries=6, report_path=None)
+
+    zero, zero_strategy = student(), _Strategy()
+    zero.trainer = _trainer(0, zero_strategy)  # type: ignore[assignment]
+    zero.train_dataloader()
+    assert release.is_file() and zero_strategy.sent is not None and zero_strategy.sent[0] == "ok"  # type: ignore[index]
+    kept = release.read_bytes()
+
+    release.unlink()  # rank 1 must not read, aggregate or write: it trains on what rank 0 broadcast
+    one = student()
+    one.trainer = _trainer(1, _Strategy(from_rank_0=zero_strategy.sent))  # type: ignore[assignment]
+    one.train_dataloader()
+    assert not release.exists() and torch.equal(_labels(one), _labels(zero)) and one.report == zero.report
+    release.write_bytes(kept)
+
+    # An error on rank 0 (here: no room left under the budget) is raised on every rank, not a hang.
+    failing, failing_strategy = student(), _Strategy()
+    failing.target_epsilon, failing.num_queries = 2.0, 5
+    failing.trainer = _trainer(0, failing_strategy)  # type: ignore[assignment]
+    with pytest.raises(PrivacyBudgetExceededError, match="budget of all of them"):
+        failing.train_dataloader()
+    other = student()
+    other.num_queries = 5
+    other.trainer = _trainer(1, _Strategy(from_rank_0=failing_strategy.sent))  # type: ignore[assignment]
+    with pytest.raises(PrivacyBudgetExceededError, match="budget of all of them"):
+        other.train_dataloader()
+    assert release.read_bytes() == kept
