@@ -164,6 +164,8 @@ class DPCallback(pl.Callback):
         self._reading = False
         #: A non-finite validation or test loss was warned about in this fit (or test run): warned once.
         self._warned_nonfinite_loss = False
+        #: Set up by Trainer.validate / test / predict: the callback does nothing but watch the loss (see setup).
+        self._evaluating = False
 
     @property
     def state_key(self) -> str:
@@ -252,7 +254,11 @@ class DPCallback(pl.Callback):
     # ------------------------------------------------------------------ setup and teardown
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._warned_nonfinite_loss = False
-        if stage != "fit":
+        # validate / test / predict train nothing and charge nothing: no take-over, and a checkpoint's privacy state
+        # is neither required nor restored (on_load_checkpoint, load_state_dict), so that the config a model was
+        # trained with evaluates it, from a training checkpoint or from a `publishable_checkpoint` alike.
+        self._evaluating = stage != "fit"
+        if self._evaluating:
             return
         others = [cb for cb in trainer.callbacks if isinstance(cb, DPCallback) and cb is not self]  # type: ignore[attr-defined]
         if others:
@@ -694,6 +700,8 @@ class DPCallback(pl.Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
         self._reading = False
+        if self._evaluating:
+            return
         if not checkpoint.get("callbacks", {}).get(self.state_key):
             raise PrivacyStateError(
                 f"`{self.state_key}`: the checkpoint has no {self.mechanism} privacy state (ledger, sampler and noise "
@@ -717,9 +725,12 @@ class DPCallback(pl.Callback):
             )
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if self._evaluating:
+            return  # evaluation charges nothing: this callback's ledger (if it trained) stays what it trained
         if self.ledger is None or self.release is None:
             raise PrivacyStateError(
-                f"`{self.mechanism}`: privacy state can only be restored after setup (inside trainer.fit)."
+                f"`{self.mechanism}`: privacy state can only be restored after setup (inside trainer.fit). HINT: "
+                "resume with trainer.fit(..., ckpt_path=...); validate / test / predict need no privacy state."
             )
         try:
             assign = self._validated(state_dict)

@@ -5,11 +5,19 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
 import pytorch_lightning as pl
+import torch
+from pytorch_lightning.callbacks import ModelCheckpoint
 from pytorch_lightning.loggers import CSVLogger
+from torch import Tensor, nn
+from torch.utils.data import DataLoader
 
-from lightning_dp.callbacks import P3SGD
+from lightning_dp.callbacks import DPSGD, P3SGD, PrivacyBudget
+from lightning_dp.checkpoints import publishable_checkpoint
+from lightning_dp.errors import PrivacyStateError
 from tests.helpers.patients import TinyClassifier, TinyPatientDataModule, TinyPatientDataset
+from tests.helpers.samples import IndexedSamples, SampleClassifier, SampleDataModule, dpsgd, trainer
 
 
 def _trainer(tmp_path: Path, callbacks: list[pl.Callback], **kwargs: Any) -> pl.Trainer:
@@ -54,3 +62,65 @@ def test_p3sgd_accepts_patient_ids_that_are_not_0_to_n_minus_1(tmp_path: Path) -
     assert cb.rounds == 4 and cb.ledger is not None and cb.ledger.steps == 4
     assert seen, "with q = 0.5 and 12 patients some patient must have been sampled in 4 rounds"
     assert cb.sampler is not None and cb.sampler.num_patients == 12
+
+
+# ---------------------------------------------------------------------- evaluating with the training config
+class _EvalClassifier(SampleClassifier):
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("val/loss", nn.functional.cross_entropy(self(batch[0]), batch[1]))
+
+    def test_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("test/loss", nn.functional.cross_entropy(self(batch[0]), batch[1]))
+
+    def predict_step(self, batch: Any, batch_idx: int) -> Tensor:
+        return self(batch[0]).argmax(-1)
+
+
+class _EvalData(SampleDataModule):
+    def val_dataloader(self) -> DataLoader[Any]:
+        return DataLoader(IndexedSamples(16, seed=1), batch_size=8)
+
+    test_dataloader = predict_dataloader = val_dataloader
+
+
+def _training_callbacks() -> list[pl.Callback]:
+    """What a training config holds: the DP callback and its budget, built afresh (as the CLI builds them)."""
+    return [dpsgd(), PrivacyBudget(target_epsilon=50.0)]
+
+
+@pytest.fixture(scope="module")
+def trained_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("trained")
+    checkpoint = ModelCheckpoint(dirpath=root / "ckpt", save_last=True)
+    fit = trainer(root, [*_training_callbacks(), checkpoint], enable_checkpointing=True, max_steps=2)
+    fit.fit(_EvalClassifier(), _EvalData(num_samples=60))
+    return root / "ckpt" / "last.ckpt"
+
+
+@pytest.mark.parametrize("published", [False, True], ids=["training_checkpoint", "publishable_checkpoint"])
+def test_validate_test_predict_run_with_the_training_callbacks(
+    tmp_path: Path, trained_checkpoint: Path, published: bool
+) -> None:
+    ckpt = trained_checkpoint
+    if published:
+        ckpt = tmp_path / "public.ckpt"
+        assert publishable_checkpoint(trained_checkpoint, ckpt) == ["DPSGD"]
+    expected = torch.load(ckpt, weights_only=True)["state_dict"]
+    for stage in ("validate", "test", "predict"):
+        model = _EvalClassifier()
+        callbacks = _training_callbacks()
+        evaluator = trainer(tmp_path / stage, callbacks, limit_val_batches=None)
+        out = getattr(evaluator, stage)(model, _EvalData(num_samples=60), ckpt_path=str(ckpt))
+        assert out, f"{stage} returned nothing"
+        assert all(torch.equal(v, expected[k]) for k, v in model.state_dict().items()), "the checkpoint's weights"
+        dp = callbacks[0]
+        assert isinstance(dp, DPSGD) and dp.ledger is None, f"{stage} must not restore or start any privacy state"
+        assert "training_step" not in vars(model), f"{stage} must not take the module's step over"
+
+
+def test_resuming_fit_from_a_published_checkpoint_is_still_refused(tmp_path: Path, trained_checkpoint: Path) -> None:
+    public = tmp_path / "public.ckpt"
+    publishable_checkpoint(trained_checkpoint, public)
+    resumed = trainer(tmp_path, _training_callbacks(), max_steps=4)
+    with pytest.raises(PrivacyStateError, match="no DPSGD privacy state"):
+        resumed.fit(_EvalClassifier(), _EvalData(num_samples=60), ckpt_path=str(public))
