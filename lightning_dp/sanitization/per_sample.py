@@ -128,8 +128,10 @@ def trainable_layers(module: nn.Module, strict: bool = True) -> list[tuple[str, 
         name, sub, params, nested = mixed[0]
         raise UnsupportedModelError(
             f"`{name}` ({type(sub).__name__}) holds trainable parameters {params} next to sub-modules with their own "
-            f"parameters ({nested[:3]}), so their per-sample gradients cannot be computed. HINT: move the parameters "
-            "into a small nn.Module of their own (whose forward uses them), or freeze them (requires_grad=False)."
+            f"parameters ({nested[:3]}), so their per-sample gradients cannot be computed. HINT: freeze them "
+            "(model.get_parameter(qualified name).requires_grad_(False); lightning_dp.models.validate_model(model) "
+            "names each), which works on a library's class too; in a class of your own you can instead move them "
+            "into a small nn.Module of their own (whose forward uses them)."
         )
     excluded = {id(sub) for _, sub, _, _ in mixed}
     return [(n, sub) for n, sub in module.named_modules() if _direct_trainable(sub) and id(sub) not in excluded]
