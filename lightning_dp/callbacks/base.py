@@ -166,6 +166,9 @@ class DPCallback(pl.Callback):
         self._warned_nonfinite_loss = False
         #: Set up by Trainer.validate / test / predict: the callback does nothing but watch the loss (see setup).
         self._evaluating = False
+        #: The number of privacy units N of the training data, and the run's planned length (for the report).
+        self._units: int | None = None
+        self._planned_run: int | None = None
 
     @property
     def state_key(self) -> str:
@@ -222,6 +225,44 @@ class DPCallback(pl.Callback):
         raise PrivacyConfigError(
             f"`{self.mechanism}(target_epsilon={target})`: calibrating the noise needs the length of the run, but "
             "the Trainer has neither max_steps nor max_epochs. HINT: set one of them, or give the noise yourself."
+        )
+
+    def _calibrated_length(self) -> int | None:
+        """The run length ``target_epsilon`` was calibrated for (DPSGD's planned_steps, P3SGD's planned_rounds)."""
+        for attribute in ("planned_steps", "planned_rounds"):
+            value = getattr(self, attribute, None)
+            if value is not None:
+                return int(value)
+        return None
+
+    def _planned_length(self, trainer: pl.Trainer) -> int | None:
+        """The steps the Trainer is set to run (the calibrated length, max_steps, or max_epochs × steps per epoch)."""
+        calibrated = self._calibrated_length()
+        if calibrated is not None:
+            return calibrated
+        if trainer.max_steps is not None and trainer.max_steps > 0:
+            return int(trainer.max_steps)
+        if trainer.max_epochs is not None and trainer.max_epochs > 0 and self._loader is not None:
+            try:
+                return int(trainer.max_epochs) * len(self._loader)
+            except TypeError:  # a loader without a length
+                return None
+        return None
+
+    def _warn_calibrated_debug_run(self, trainer: pl.Trainer) -> None:
+        """fast_dev_run with target_epsilon: Lightning makes it a 1-step run, and the calibration spends ε in it."""
+        target = getattr(self, "target_epsilon", None)
+        fast_dev_run = getattr(trainer, "fast_dev_run", False)
+        if target is None or not fast_dev_run:
+            return
+        rank_zero_warn(
+            f"{self.mechanism}(target_epsilon={target}) with Trainer(fast_dev_run={fast_dev_run}): Lightning "
+            f"runs {self._planned_run} step(s), and the noise is calibrated to spend the WHOLE target ε = {target} in "
+            "them: far less noise per step than the real run will add, so this debug run shows neither the real "
+            "run's noise nor its accuracy, and the model it trains has used up the budget. HINT: debug with "
+            "noise_multiplier=... (or noise_scales) instead of target_epsilon, or with max_steps=2 and "
+            "limit_val_batches=1.",
+            category=PrivacyWarning,
         )
 
     def _calibrate(self, schedule: NoiseSchedule, rate: float, steps: int, delta: float) -> NoiseSchedule:
@@ -325,6 +366,9 @@ class DPCallback(pl.Callback):
             )
         self.accepted_ledger = PrivacyLedger(self.unit, delta) if self.acceptance.can_reject else None
         self._loader = self._build(trainer, pl_module, seeds)
+        self._units = units
+        self._planned_run = self._planned_length(trainer)
+        self._warn_calibrated_debug_run(trainer)
         assert self.release is not None
         self.acceptance.seed(seeds[2])
         self.private_step = PrivateStep(self.release, self.acceptance)
@@ -637,6 +681,18 @@ class DPCallback(pl.Callback):
             }
         if self._budget is not None and self._budget.stop_reason:
             extra["stop_reason"] = self._budget.stop_reason
+        extra["num_units"] = self._units
+        extra["planned_steps"] = self._planned_run
+        calibrated = self._calibrated_length()
+        if calibrated is not None and self.ledger.steps < calibrated and not self._stopped_by_budget:
+            target = getattr(self, "target_epsilon", None)
+            note = (
+                f"the noise was calibrated for target_epsilon={target} over {calibrated} steps, and the run stopped "
+                f"after {self.ledger.steps} (limit_train_batches, fast_dev_run, early stopping or an interruption): "
+                "its ε is below the target, and its noise is that of the planned run"
+            )
+            extra["stopped_early"] = note
+            rank_zero_warn(f"{self.state_key}: {note}.", category=PrivacyWarning)
         log_dir = trainer.log_dir or trainer.default_root_dir  # a collective call: every rank must make it
         if trainer.is_global_zero:
             self.report = write_privacy_report(self.ledger, log_dir, self._accounting_mode(), extra)

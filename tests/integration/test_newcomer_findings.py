@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +16,7 @@ from torch.utils.data import DataLoader
 
 from lightning_dp.callbacks import DPSGD, P3SGD, PrivacyBudget
 from lightning_dp.checkpoints import publishable_checkpoint
-from lightning_dp.errors import PrivacyStateError
+from lightning_dp.errors import PrivacyStateError, PrivacyWarning
 from tests.helpers.patients import TinyClassifier, TinyPatientDataModule, TinyPatientDataset
 from tests.helpers.samples import IndexedSamples, SampleClassifier, SampleDataModule, dpsgd, trainer
 
@@ -124,3 +125,38 @@ def test_resuming_fit_from_a_published_checkpoint_is_still_refused(tmp_path: Pat
     resumed = trainer(tmp_path, _training_callbacks(), max_steps=4)
     with pytest.raises(PrivacyStateError, match="no DPSGD privacy state"):
         resumed.fit(_EvalClassifier(), _EvalData(num_samples=60), ckpt_path=str(public))
+
+
+# ---------------------------------------------------------------------- the privacy report
+def test_report_names_the_guarantee_and_the_run_it_describes(tmp_path: Path) -> None:
+    cb = dpsgd()
+    fit = trainer(tmp_path, [cb], max_steps=2)
+    fit.fit(SampleClassifier(), SampleDataModule(num_samples=60))
+    report = json.loads((Path(str(fit.log_dir)) / "privacy_report.json").read_text())
+    text = (Path(str(fit.log_dir)) / "privacy_report.txt").read_text()
+    assert report["headline"]["accountant"] == "rdp" == cb.accountant.name
+    assert report["headline"]["epsilon"] == pytest.approx(float(fit.logged_metrics["privacy/epsilon"]))
+    assert f"epsilon: {report['epsilon']['rdp']:.4f}  <- the guarantee (rdp accountant" in text
+    assert "other accountants, for comparison: prv" in text and "smallest is a valid guarantee too" in text
+    assert report["num_units"] == 60 and "dataset size: N = 60 samples" in text
+    assert "clip norm: 1" in text and f"sample rate (per step): {10 / 60:.4g}" in text
+    assert report["planned_steps"] == 2 and "steps (rounds): 2 of 2 planned" in text
+    assert "stopped_early" not in report
+
+
+def test_a_calibrated_run_cut_short_by_limit_train_batches_says_so(tmp_path: Path) -> None:
+    cb = dpsgd(noise_multiplier=None, target_epsilon=4.0)
+    fit = trainer(tmp_path, [cb], max_steps=-1, max_epochs=1, limit_train_batches=2)
+    with pytest.warns(PrivacyWarning, match="calibrated for target_epsilon=4.0 over 6 steps, and the run stopped"):
+        fit.fit(SampleClassifier(), SampleDataModule(num_samples=60))
+    report = json.loads((Path(str(fit.log_dir)) / "privacy_report.json").read_text())
+    assert cb.ledger is not None and cb.ledger.steps == 2 and report["planned_steps"] == 6
+    assert "after 2" in report["stopped_early"]
+    assert "NOTE: the noise was calibrated" in (Path(str(fit.log_dir)) / "privacy_report.txt").read_text()
+
+
+def test_fast_dev_run_with_target_epsilon_warns_that_it_spends_the_whole_target(tmp_path: Path) -> None:
+    cb = dpsgd(noise_multiplier=None, target_epsilon=4.0)
+    fit = trainer(tmp_path, [cb], fast_dev_run=True)
+    with pytest.warns(PrivacyWarning, match=r"spend the WHOLE target ε = 4.0"):
+        fit.fit(SampleClassifier(), SampleDataModule(num_samples=60))
