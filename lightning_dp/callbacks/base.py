@@ -169,6 +169,8 @@ class DPCallback(pl.Callback):
         #: The number of privacy units N of the training data, and the run's planned length (for the report).
         self._units: int | None = None
         self._planned_run: int | None = None
+        #: The Trainer's log_every_n_steps while this callback has it at 1 (see `_log_every_step`).
+        self._user_log_every: int | None = None
 
     @property
     def state_key(self) -> str:
@@ -387,7 +389,27 @@ class DPCallback(pl.Callback):
 
         self._patch(pl_module, "training_step", private_step)
         self._install_log_filter(trainer, pl_module)
+        self._log_every_step(trainer)
         self._reading = True
+
+    def _log_every_step(self, trainer: pl.Trainer) -> None:
+        """Has Lightning send the privacy metrics to the loggers at every step, whatever log_every_n_steps says.
+
+        Lightning writes a step's ``self.log(..., on_step=True)`` values only every ``log_every_n_steps`` steps
+        (50 by default: two points of privacy/epsilon in a 100-step run). During a DP fit the module's own training
+        logs are dropped (`_install_log_filter`), so logging every step costs one small write per step (of the
+        privacy metrics, and of other callbacks' step metrics such as a LearningRateMonitor's). The user's value
+        comes back at teardown; 0 (logging off) is kept.
+        """
+        every = getattr(trainer, "log_every_n_steps", 1)
+        if not isinstance(every, int) or every <= 1:
+            return
+        self._user_log_every = every
+        trainer.log_every_n_steps = 1  # type: ignore[attr-defined]
+        rank_zero_info(
+            f"{self.state_key}: logs the privacy metrics at every step (Trainer(log_every_n_steps={every}) would keep "
+            f"one step in {every}); log_every_n_steps is back to {every} after fit."
+        )
 
     def _refuse_unsupported_trainer(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Trainer settings and modules that the private step would silently ignore or break, refused up front."""
@@ -501,6 +523,9 @@ class DPCallback(pl.Callback):
             owner, attribute = self._patched.pop()
             delattr(owner, attribute)  # the instance attribute; the class's method shows through again
         self._original_training_step = None
+        if self._user_log_every is not None:
+            trainer.log_every_n_steps = self._user_log_every  # type: ignore[attr-defined]
+            self._user_log_every = None
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._trained_steps:

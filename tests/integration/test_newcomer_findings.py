@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import json
 from pathlib import Path
 from typing import Any
@@ -160,3 +161,21 @@ def test_fast_dev_run_with_target_epsilon_warns_that_it_spends_the_whole_target(
     fit = trainer(tmp_path, [cb], fast_dev_run=True)
     with pytest.warns(PrivacyWarning, match=r"spend the WHOLE target ε = 4.0"):
         fit.fit(SampleClassifier(), SampleDataModule(num_samples=60))
+
+
+# ---------------------------------------------------------------------- logging every step
+@pytest.mark.parametrize("engine", ["DPSGD", "P3SGD"])
+def test_privacy_metrics_are_logged_at_every_step_whatever_log_every_n_steps(tmp_path: Path, engine: str) -> None:
+    steps = 5
+    cb: pl.Callback
+    if engine == "DPSGD":
+        cb, model, data = dpsgd(), SampleClassifier(), SampleDataModule(num_samples=60)
+    else:
+        cb = P3SGD(sample_rate=0.25, clip_norm=1.0, local_lr=0.1, seed=7)
+        model, data = TinyClassifier(), TinyPatientDataModule()
+    fit = trainer(tmp_path, [cb], max_steps=steps, log_every_n_steps=50)  # Lightning's default interval
+    fit.fit(model, data)
+    with open(Path(str(fit.log_dir)) / "metrics.csv") as f:
+        rows = [row for row in csv.DictReader(f) if row.get("privacy/epsilon")]
+    assert [int(row["step"]) for row in rows] == list(range(steps)), "one privacy/epsilon point per step"
+    assert fit.log_every_n_steps == 50, "the user's interval comes back after fit"
