@@ -20,7 +20,9 @@ def publishable_checkpoint(source: str | Path, destination: str | Path) -> list[
     """Writes a copy of a Lightning checkpoint without the DP callbacks' state; returns the keys removed.
 
     The weights, optimizer state (post-processing of noisy updates) and hyper-parameters are kept. The
-    copy cannot resume private training: resuming from it raises the missing-privacy-state error.
+    copy cannot resume private training: resuming from it raises the missing-privacy-state error. It can be
+    evaluated with the config the model was trained with (``lightning-dp test --config ... --ckpt_path``): outside
+    fit the DP callbacks need no privacy state.
 
     Example:
         >>> import os, tempfile, torch

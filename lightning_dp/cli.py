@@ -49,7 +49,12 @@ def _plan_parser() -> argparse.ArgumentParser:
     p.add_argument("--sample-rate", type=float, required=True, help="Poisson sampling rate q (patients or samples).")
     p.add_argument("--noise-multiplier", type=float, help="noise multiplier z (the initial z with --decay).")
     p.add_argument("--steps", type=int, help="number of steps (rounds).")
-    p.add_argument("--delta", type=float, required=True, help="target δ.")
+    p.add_argument(
+        "--delta",
+        type=float,
+        required=True,
+        help="target δ; for N units (patients or samples) use δ ≤ min(1e-5, 1/(10N)) (δ·N > 0.1 is weak).",
+    )
     p.add_argument("--accountant", choices=["rdp", "prv", "moments"], default="rdp", help="default: rdp.")
     p.add_argument(
         "--decay", type=float, help="exponential noise decay R: σ²_{t+1} = R·σ²_t (per --decay-every steps)."
@@ -115,7 +120,7 @@ def _plan(args: argparse.Namespace) -> dict[str, Any]:
     elif args.noise_multiplier is None or args.steps is None:
         raise PrivacyConfigError(
             "`plan`: --noise-multiplier and --steps are required unless --target-epsilon is given. "
-            "HINT: lightning-dp plan --sample-rate 0.1 --noise-multiplier 1.0 --steps 100 --delta 5e-4"
+            "HINT: lightning-dp plan --sample-rate 0.1 --noise-multiplier 1.0 --steps 100 --delta 1e-5"
         )
     schedule = _schedule(args.noise_multiplier, args.decay, args.decay_every)
     epsilon = epsilon_for(args.sample_rate, schedule, args.steps, args.delta, args.accountant)

@@ -164,6 +164,13 @@ class DPCallback(pl.Callback):
         self._reading = False
         #: A non-finite validation or test loss was warned about in this fit (or test run): warned once.
         self._warned_nonfinite_loss = False
+        #: Set up by Trainer.validate / test / predict: the callback does nothing but watch the loss (see setup).
+        self._evaluating = False
+        #: The number of privacy units N of the training data, and the run's planned length (for the report).
+        self._units: int | None = None
+        self._planned_run: int | None = None
+        #: The Trainer's log_every_n_steps while this callback has it at 1 (see `_log_every_step`).
+        self._user_log_every: int | None = None
 
     @property
     def state_key(self) -> str:
@@ -222,6 +229,44 @@ class DPCallback(pl.Callback):
             "the Trainer has neither max_steps nor max_epochs. HINT: set one of them, or give the noise yourself."
         )
 
+    def _calibrated_length(self) -> int | None:
+        """The run length ``target_epsilon`` was calibrated for (DPSGD's planned_steps, P3SGD's planned_rounds)."""
+        for attribute in ("planned_steps", "planned_rounds"):
+            value = getattr(self, attribute, None)
+            if value is not None:
+                return int(value)
+        return None
+
+    def _planned_length(self, trainer: pl.Trainer) -> int | None:
+        """The steps the Trainer is set to run (the calibrated length, max_steps, or max_epochs × steps per epoch)."""
+        calibrated = self._calibrated_length()
+        if calibrated is not None:
+            return calibrated
+        if trainer.max_steps is not None and trainer.max_steps > 0:
+            return int(trainer.max_steps)
+        if trainer.max_epochs is not None and trainer.max_epochs > 0 and self._loader is not None:
+            try:
+                return int(trainer.max_epochs) * len(self._loader)
+            except TypeError:  # a loader without a length
+                return None
+        return None
+
+    def _warn_calibrated_debug_run(self, trainer: pl.Trainer) -> None:
+        """fast_dev_run with target_epsilon: Lightning makes it a 1-step run, and the calibration spends ε in it."""
+        target = getattr(self, "target_epsilon", None)
+        fast_dev_run = getattr(trainer, "fast_dev_run", False)
+        if target is None or not fast_dev_run:
+            return
+        rank_zero_warn(
+            f"{self.mechanism}(target_epsilon={target}) with Trainer(fast_dev_run={fast_dev_run}): Lightning "
+            f"runs {self._planned_run} step(s), and the noise is calibrated to spend the WHOLE target ε = {target} in "
+            "them: far less noise per step than the real run will add, so this debug run shows neither the real "
+            "run's noise nor its accuracy, and the model it trains has used up the budget. HINT: debug with "
+            "noise_multiplier=... (or noise_scales) instead of target_epsilon, or with max_steps=2 and "
+            "limit_val_batches=1.",
+            category=PrivacyWarning,
+        )
+
     def _calibrate(self, schedule: NoiseSchedule, rate: float, steps: int, delta: float) -> NoiseSchedule:
         """``schedule`` scaled so that ``steps`` steps of this callback's step end at ε ≤ target_epsilon.
 
@@ -252,7 +297,11 @@ class DPCallback(pl.Callback):
     # ------------------------------------------------------------------ setup and teardown
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._warned_nonfinite_loss = False
-        if stage != "fit":
+        # validate / test / predict train nothing and charge nothing: no take-over, and a checkpoint's privacy state
+        # is neither required nor restored (on_load_checkpoint, load_state_dict), so that the config a model was
+        # trained with evaluates it, from a training checkpoint or from a `publishable_checkpoint` alike.
+        self._evaluating = stage != "fit"
+        if self._evaluating:
             return
         others = [cb for cb in trainer.callbacks if isinstance(cb, DPCallback) and cb is not self]  # type: ignore[attr-defined]
         if others:
@@ -319,6 +368,9 @@ class DPCallback(pl.Callback):
             )
         self.accepted_ledger = PrivacyLedger(self.unit, delta) if self.acceptance.can_reject else None
         self._loader = self._build(trainer, pl_module, seeds)
+        self._units = units
+        self._planned_run = self._planned_length(trainer)
+        self._warn_calibrated_debug_run(trainer)
         assert self.release is not None
         self.acceptance.seed(seeds[2])
         self.private_step = PrivateStep(self.release, self.acceptance)
@@ -337,7 +389,27 @@ class DPCallback(pl.Callback):
 
         self._patch(pl_module, "training_step", private_step)
         self._install_log_filter(trainer, pl_module)
+        self._log_every_step(trainer)
         self._reading = True
+
+    def _log_every_step(self, trainer: pl.Trainer) -> None:
+        """Has Lightning send the privacy metrics to the loggers at every step, whatever log_every_n_steps says.
+
+        Lightning writes a step's ``self.log(..., on_step=True)`` values only every ``log_every_n_steps`` steps
+        (50 by default: two points of privacy/epsilon in a 100-step run). During a DP fit the module's own training
+        logs are dropped (`_install_log_filter`), so logging every step costs one small write per step (of the
+        privacy metrics, and of other callbacks' step metrics such as a LearningRateMonitor's). The user's value
+        comes back at teardown; 0 (logging off) is kept.
+        """
+        every = getattr(trainer, "log_every_n_steps", 1)
+        if not isinstance(every, int) or every <= 1:
+            return
+        self._user_log_every = every
+        trainer.log_every_n_steps = 1  # type: ignore[attr-defined]
+        rank_zero_info(
+            f"{self.state_key}: logs the privacy metrics at every step (Trainer(log_every_n_steps={every}) would keep "
+            f"one step in {every}); log_every_n_steps is back to {every} after fit."
+        )
 
     def _refuse_unsupported_trainer(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Trainer settings and modules that the private step would silently ignore or break, refused up front."""
@@ -451,6 +523,9 @@ class DPCallback(pl.Callback):
             owner, attribute = self._patched.pop()
             delattr(owner, attribute)  # the instance attribute; the class's method shows through again
         self._original_training_step = None
+        if self._user_log_every is not None:
+            trainer.log_every_n_steps = self._user_log_every  # type: ignore[attr-defined]
+            self._user_log_every = None
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._trained_steps:
@@ -631,6 +706,18 @@ class DPCallback(pl.Callback):
             }
         if self._budget is not None and self._budget.stop_reason:
             extra["stop_reason"] = self._budget.stop_reason
+        extra["num_units"] = self._units
+        extra["planned_steps"] = self._planned_run
+        calibrated = self._calibrated_length()
+        if calibrated is not None and self.ledger.steps < calibrated and not self._stopped_by_budget:
+            target = getattr(self, "target_epsilon", None)
+            note = (
+                f"the noise was calibrated for target_epsilon={target} over {calibrated} steps, and the run stopped "
+                f"after {self.ledger.steps} (limit_train_batches, fast_dev_run, early stopping or an interruption): "
+                "its ε is below the target, and its noise is that of the planned run"
+            )
+            extra["stopped_early"] = note
+            rank_zero_warn(f"{self.state_key}: {note}.", category=PrivacyWarning)
         log_dir = trainer.log_dir or trainer.default_root_dir  # a collective call: every rank must make it
         if trainer.is_global_zero:
             self.report = write_privacy_report(self.ledger, log_dir, self._accounting_mode(), extra)
@@ -694,6 +781,8 @@ class DPCallback(pl.Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
         self._reading = False
+        if self._evaluating:
+            return
         if not checkpoint.get("callbacks", {}).get(self.state_key):
             raise PrivacyStateError(
                 f"`{self.state_key}`: the checkpoint has no {self.mechanism} privacy state (ledger, sampler and noise "
@@ -717,9 +806,12 @@ class DPCallback(pl.Callback):
             )
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if self._evaluating:
+            return  # evaluation charges nothing: this callback's ledger (if it trained) stays what it trained
         if self.ledger is None or self.release is None:
             raise PrivacyStateError(
-                f"`{self.mechanism}`: privacy state can only be restored after setup (inside trainer.fit)."
+                f"`{self.mechanism}`: privacy state can only be restored after setup (inside trainer.fit). HINT: "
+                "resume with trainer.fit(..., ckpt_path=...); validate / test / predict need no privacy state."
             )
         try:
             assign = self._validated(state_dict)

@@ -289,6 +289,8 @@ class P3SGD(DPCallback):
         self.selection_counts = [0] * len(self.noise_scales)
         self.nonfinite_updates = 0
         self._dataset: Any = None
+        #: The images of the k-th patient: the sampler draws positions k, a dataset keys patients by any id.
+        self._patient_groups: list[list[int]] = []
         self._state: ModelState | None = None
         self._tick: torch.nn.Parameter | None = None
         self._collate: Callable[[list[Any]], Any] = default_collate
@@ -313,7 +315,7 @@ class P3SGD(DPCallback):
         # the strategy's layer-sync plugin (Lightning keeps it private; on_train_start checks the converted layers too).
         requested = getattr(trainer.strategy, "_layer_sync", None) is not None
         self._refuse_sync_batchnorm(pl_module, requested)
-        return int(self._dataset.num_patients)
+        return len(self._patient_groups)
 
     @staticmethod
     def _refuse_sync_batchnorm(pl_module: pl.LightningModule, requested: bool = False) -> None:
@@ -353,7 +355,7 @@ class P3SGD(DPCallback):
 
     def _build(self, trainer: pl.Trainer, pl_module: pl.LightningModule, seeds: list[int]) -> DataLoader[Any]:
         assert self.ledger is not None
-        self.sampler = PoissonPatientSampler(int(self._dataset.num_patients), self.sample_rate, seed=seeds[0])
+        self.sampler = PoissonPatientSampler(len(self._patient_groups), self.sample_rate, seed=seeds[0])
         rounds = self.rounds_per_epoch or max(1, round(1 / self.sample_rate))
         if self.target_epsilon is not None:
             self.planned_rounds = self._planned_steps(trainer, rounds)
@@ -399,6 +401,15 @@ class P3SGD(DPCallback):
             raise PrivacyConfigError(
                 f"`P3SGD`: patients {empty[:10]} have no images. HINT: drop them from the training data."
             )
+        # Patients may be keyed by any hashable id (a hospital's "MRN-0042" as well as 0..N-1): the sampler draws
+        # positions 0..N-1, and position k is the k-th id in sorted order (insertion order when the ids do not
+        # sort, e.g. a mix of types). Sorted order makes the positions independent of how the dict was built; for
+        # the ids 0..N-1 position k is patient k.
+        try:
+            keys = sorted(groups)
+        except TypeError:
+            keys = list(groups)
+        self._patient_groups = [[int(i) for i in groups[key]] for key in keys]
         return dataset
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -537,7 +548,7 @@ class P3SGD(DPCallback):
     def _check_training_step_returns_loss(self, pl_module: pl.LightningModule) -> None:
         assert self._state is not None and self._original_training_step is not None
         theta, other = self._state.vector(), self._state.snapshot_other_buffers()
-        first = next(iter(self._dataset.patient_to_indices.values()))[:2]
+        first = self._patient_groups[0][:2]
         out = self._original_training_step(self._batch(first, pl_module), 0)
         self._state.load(theta, other)
         loss = out.get("loss") if isinstance(out, dict) else out
@@ -558,7 +569,7 @@ class P3SGD(DPCallback):
         optimizer = torch.optim.SGD(
             self._state.params, lr=self.local_lr, momentum=self.local_momentum, weight_decay=self.local_weight_decay
         )
-        indices = torch.as_tensor(self._dataset.patient_to_indices[patient])
+        indices = torch.as_tensor(self._patient_groups[patient])
         step = 0
         for _ in range(self.local_epochs):
             order = indices[torch.randperm(len(indices), generator=generator)]
@@ -636,7 +647,7 @@ class P3SGD(DPCallback):
     def _patient_loss(self, patient: int, pl_module: pl.LightningModule) -> tuple[float, int]:
         """(Σ of the per-image losses, number of images) of one patient at the current weights, eval mode."""
         assert self._original_training_step is not None
-        indices = self._dataset.patient_to_indices[patient]
+        indices = self._patient_groups[patient]
         total = 0.0
         with eval_mode(pl_module):  # each module's own mode comes back (a frozen backbone stays in eval mode)
             for start in range(0, len(indices), self.local_batch_size):

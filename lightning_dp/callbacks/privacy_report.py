@@ -41,21 +41,58 @@ def privacy_report(ledger: PrivacyLedger, accounting: str, extra: dict[str, Any]
             "the selection depends on private data, so these ε values are NOT a differential-privacy guarantee."
         )
     report.update(extra or {})
+    headline = report.get("accountant")
+    if not paper and isinstance(headline, str) and isinstance(epsilons.get(headline), float):
+        # Which ε is the guarantee: the callback's own accountant, the one privacy/epsilon and a PrivacyBudget use.
+        report["headline"] = {
+            "accountant": headline,
+            "epsilon": epsilons[headline],
+            "what": "the guarantee: the ε of the callback's accountant, logged as privacy/epsilon and used by a "
+            "PrivacyBudget; the other accountants' ε are shown for comparison (each a valid bound on the same run, so "
+            "the smallest is a valid guarantee too)",
+        }
     return report
 
 
 def _text(report: dict[str, Any]) -> str:
+    unit = report["unit"]
     lines = [
         "Privacy report",
-        f"  unit: {report['unit']} (neighbouring datasets differ by {_NEIGHBOURS.get(report['unit'], report['unit'])})",
-        f"  delta: {report['delta']:.3g}",
-        f"  steps (rounds): {report['steps']}",
-        f"  accounting: {report['accounting']}" + ("" if report["guarantee"] else "  (NOT a guarantee)"),
+        f"  unit: {unit} (neighbouring datasets differ by {_NEIGHBOURS.get(unit, unit)})",
     ]
-    guarantee = "epsilon" in report
-    label = "epsilon" if guarantee else "the paper's epsilon, NOT a guarantee,"
-    for name, eps in report["epsilon" if guarantee else "epsilon_paper_not_a_guarantee"].items():
-        lines.append(f"  {label} [{name}]: {eps:.4f}" if isinstance(eps, float) else f"  {label} [{name}]: {eps}")
+    if report.get("num_units") is not None:
+        lines.append(f"  dataset size: N = {report['num_units']} {unit}s")
+    lines.append(f"  delta: {report['delta']:.3g}")
+    for key, label in (("clip_norm", "clip norm"), ("sample_rate", "sample rate (per step)")):
+        if report.get(key) is not None:
+            lines.append(f"  {label}: {report[key]:.4g}")
+    planned = report.get("planned_steps")
+    lines.append(f"  steps (rounds): {report['steps']}" + ("" if planned is None else f" of {planned} planned"))
+    lines.append(f"  accounting: {report['accounting']}" + ("" if report["guarantee"] else "  (NOT a guarantee)"))
+    headline = report.get("headline")
+    if headline is not None:
+        name = headline["accountant"]
+        lines.append(
+            f"  epsilon: {headline['epsilon']:.4f}  <- the guarantee ({name} accountant: the ε logged as "
+            "privacy/epsilon and used by a PrivacyBudget)"
+        )
+        others = [
+            f"{other} {eps:.4f}" if isinstance(eps, float) else f"{other} {eps}"
+            for other, eps in report["epsilon"].items()
+            if other != name
+        ]
+        if others:
+            lines.append(
+                f"  other accountants, for comparison: {', '.join(others)} (each a valid bound on the same run: the "
+                "smallest is a valid guarantee too)"
+            )
+    else:
+        guarantee = "epsilon" in report
+        label = "epsilon" if guarantee else "the paper's epsilon, NOT a guarantee,"
+        for name, eps in report["epsilon" if guarantee else "epsilon_paper_not_a_guarantee"].items():
+            lines.append(f"  {label} [{name}]: {eps:.4f}" if isinstance(eps, float) else f"  {label} [{name}]: {eps}")
+    if "stopped_early" in report:
+        lines.append(f"  NOTE: {report['stopped_early']}")
     if "warning" in report:
         lines.append(f"  WARNING: {report['warning']}")
     lines.append(

@@ -122,6 +122,12 @@ def group_norm_for(num_channels: int, max_groups: int = 32, **kwargs: Any) -> nn
     return nn.GroupNorm(groups, num_channels, **kwargs)
 
 
+def _is_windowed_attention(module: nn.Module) -> bool:
+    """A Swin transformer's window attention (MONAI's): it runs on images × windows rows, never per image."""
+    kind = type(module)
+    return kind.__name__ == "WindowAttention" and kind.__module__.startswith("monai.")
+
+
 def validate_model(module: nn.Module) -> list[ModelProblem]:
     """Lists what stops ``module`` from being trained with per-sample gradients; empty if nothing does.
 
@@ -140,6 +146,7 @@ def validate_model(module: nn.Module) -> list[ModelProblem]:
     from lightning_dp.sanitization.rules import rule_problem
 
     problems: list[ModelProblem] = []
+    windowed: set[int] = set()
     for name, sub in module.named_modules():
         kind = type(sub).__name__
         if isinstance(sub, _BATCH_NORMS) and not is_eval_batch_norm(sub):
@@ -169,14 +176,35 @@ def validate_model(module: nn.Module) -> list[ModelProblem]:
                     f"use opacus.layers.DP{kind} (a drop-in replacement) or freeze the layer",
                 )
             )
+        elif _is_windowed_attention(sub):
+            windowed.add(id(sub))
+            problems.append(
+                ModelProblem(
+                    name,
+                    kind,
+                    "it folds each image's attention windows into the batch dimension, so the layers inside it see "
+                    "images × windows rows and no gradient can be attributed to one image: per-sample DP-SGD does "
+                    "not support Swin transformers (MONAI's SwinUNETR, SwinTransformer), and freezing these layers "
+                    "would freeze all of its attention",
+                    "train this model with lightning_dp.callbacks.P3SGD (patient-level DP: it needs no per-sample "
+                    "gradients, any model works), or use MONAI's UNETR (freeze its position_embeddings) or UNet "
+                    "with DPSGD",
+                )
+            )
     for name, sub, params, nested in parameters_next_to_children(module):
+        if id(sub) in windowed:
+            continue
+        full = [p if sub is module else f"{name}.{p}" for p in params]
+        freeze = "; ".join(f"model.get_parameter({n!r}).requires_grad_(False)" for n in full[:3])
         problems.append(
             ModelProblem(
                 name,
                 type(sub).__name__,
                 f"it holds trainable parameters {params} next to sub-modules with their own parameters "
                 f"({nested[:3]}), so their per-sample gradients cannot be computed",
-                "move the parameters into a small nn.Module of their own (whose forward uses them), or freeze them",
+                f"freeze them ({freeze}{'; ...' if len(full) > 3 else ''}): this works on a library's class (MONAI's "
+                "UNETR position_embeddings, for one), and they keep their initial or pre-trained values; in a class "
+                "of your own you can instead move them into a small nn.Module of their own (whose forward uses them)",
             )
         )
     for name, sub in trainable_layers(module, strict=False):

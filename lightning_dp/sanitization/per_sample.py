@@ -89,7 +89,18 @@ class NonFiniteGradientsError(ArithmeticError):
 
 
 def _direct_trainable(module: nn.Module) -> list[nn.Parameter]:
-    return [p for p in module.parameters(recurse=False) if p.requires_grad]
+    """The trainable parameters registered on ``module`` itself, less aliases of its sub-modules' parameters.
+
+    An alias (Opacus' ``DPLSTM`` registers ``weight_ih_l0`` on itself for ``l0.ih.weight``, to keep
+    ``nn.LSTM``'s state-dict names) belongs to the sub-module whose forward uses it, and the sub-module's
+    rule computes its per-sample gradient. Were the parent to use it outside the sub-module too, the
+    start-up check's comparison with autograd (`lightning_dp.training.checks`) would refuse the model.
+    """
+    own = [p for p in module.parameters(recurse=False) if p.requires_grad]
+    if not own:
+        return own
+    below = {id(p) for child in module.children() for p in child.parameters()}
+    return [p for p in own if id(p) not in below]
 
 
 def parameters_next_to_children(module: nn.Module) -> list[tuple[str, nn.Module, list[str], list[str]]]:
@@ -106,7 +117,8 @@ def parameters_next_to_children(module: nn.Module) -> list[tuple[str, nn.Module,
             continue
         nested = [n for n, child in sub.named_modules() if child is not sub and _direct_trainable(child)]
         if nested:
-            params = [n for n, p in sub.named_parameters(recurse=False) if p.requires_grad]
+            direct = {id(p) for p in _direct_trainable(sub)}
+            params = [n for n, p in sub.named_parameters(recurse=False) if id(p) in direct]
             found.append((name or type(sub).__name__, sub, params, nested))
     return found
 
@@ -122,8 +134,10 @@ def trainable_layers(module: nn.Module, strict: bool = True) -> list[tuple[str, 
         name, sub, params, nested = mixed[0]
         raise UnsupportedModelError(
             f"`{name}` ({type(sub).__name__}) holds trainable parameters {params} next to sub-modules with their own "
-            f"parameters ({nested[:3]}), so their per-sample gradients cannot be computed. HINT: move the parameters "
-            "into a small nn.Module of their own (whose forward uses them), or freeze them (requires_grad=False)."
+            f"parameters ({nested[:3]}), so their per-sample gradients cannot be computed. HINT: freeze them "
+            "(model.get_parameter(qualified name).requires_grad_(False); lightning_dp.models.validate_model(model) "
+            "names each), which works on a library's class too; in a class of your own you can instead move them "
+            "into a small nn.Module of their own (whose forward uses them)."
         )
     excluded = {id(sub) for _, sub, _, _ in mixed}
     return [(n, sub) for n, sub in module.named_modules() if _direct_trainable(sub) and id(sub) not in excluded]
