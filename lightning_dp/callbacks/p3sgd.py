@@ -439,7 +439,7 @@ class P3SGD(DPCallback):
             return f"local_momentum={self.local_momentum} (only plain SGD is one gradient)"
         if self.local_weight_decay != 0:
             return f"local_weight_decay={self.local_weight_decay} (the clip of Δ_i = −γ(g_i + wd·θ) is not vectorized)"
-        largest = max(len(idx) for idx in self._dataset.patient_to_indices.values())
+        largest = max(len(idx) for idx in self._patient_groups)
         if largest > self.local_batch_size:
             return (
                 f"patients with up to {largest} images need several local steps at local_batch_size="
@@ -596,7 +596,7 @@ class P3SGD(DPCallback):
         """
         assert self._clipper is not None and self._state is not None and self._original_training_step is not None
         clipper, step = self._clipper, self._original_training_step
-        groups = self._dataset.patient_to_indices
+        groups = self._patient_groups  # the sampled position k is the k-th patient (any hashable ids)
         chunks: list[list[int]] = []
         rows = 0
         for patient in patients:

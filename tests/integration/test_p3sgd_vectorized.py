@@ -144,6 +144,24 @@ def test_vectorized_rounds_equal_the_loop(tmp_path: Path, selection: bool) -> No
     assert float((moved_vec - moved_loop).norm()) <= 1e-5 * float(moved_loop.norm())
 
 
+def test_vectorized_rounds_follow_patient_ids_that_are_not_positions(tmp_path: Path) -> None:
+    """Ids "P11".."P00" (the reverse of the images' order): both paths train the k-th id in sorted order."""
+
+    def renamed() -> _Data:
+        data = _Data()
+        groups = data.train_dataset.patient_to_indices
+        data.train_dataset.patient_to_indices = {f"P{len(groups) - 1 - p:02d}": idx for p, idx in groups.items()}
+        return data
+
+    moved = {}
+    for mode in ("auto", False):
+        model, cb = RuleZoo(), _p3sgd(vectorize=mode)
+        start = _state(model)
+        _fit(tmp_path / str(mode), model, cb, rounds=2, data=renamed())
+        moved[mode] = _state(model) - start
+    assert float((moved["auto"] - moved[False]).norm()) <= 1e-5 * float(moved[False].norm())
+
+
 class _Probe(pl.Callback):
     """After P3SGD's start-up: each patient's clipped update by the loop and by the batched pass, alone and together."""
 
