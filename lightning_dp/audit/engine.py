@@ -264,7 +264,7 @@ class CallbackAudit:
         trainer_kwargs: more arguments for the Trainer (e.g. ``precision``).
 
     Example:
-        >>> from lightning_dp import DPSGD
+        >>> from lightning_dp.callbacks import DPSGD
         >>> x, y = torch.randn(8, 4), torch.randint(0, 2, (8,))
         >>> audit = CallbackAudit(
         ...     lambda seed: DPSGD(sample_rate=1.0, noise_multiplier=1.0, clip_norm=1.0, delta=1e-5, seed=seed),

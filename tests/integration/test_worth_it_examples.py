@@ -43,7 +43,7 @@ def test_domain_shift_reports_every_method_a_plot_and_calibrated_epsilons(
         assert run["epsilon"] <= run["epsilon_target"] * (1 + 1e-6)
         assert run["epsilon"] >= 0.9 * run["epsilon_target"]
         assert run["delta"] <= 1e-5 and run["rounds"] == 3
-        assert "epsilon [rdp]" in Path(run["report"]).read_text()
+        assert "<- the guarantee (rdp accountant" in Path(run["report"]).read_text()
     # A larger ε means less noise.
     by_target = {r["epsilon_target"]: r["noise_multiplier"] for r in stored["runs"] if r["seed"] == 0}
     assert by_target[8.0] < by_target[2.0]

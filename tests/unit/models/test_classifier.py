@@ -100,7 +100,7 @@ def test_a_selection_that_trains_nothing_is_refused(monkeypatch: pytest.MonkeyPa
         ImageClassifier(arch="small_cnn", trainable=[])
     import lightning_dp.models.classifier as classifier
 
-    def no_norms_no_biases(arch: Any, num_classes: int, norm: Any = "batch") -> nn.Module:
+    def no_norms_no_biases(arch: Any, num_classes: int, norm: Any = "batch", in_channels: int = 3) -> nn.Module:
         return nn.Sequential(nn.Flatten(), nn.Linear(12, num_classes, bias=False))
 
     monkeypatch.setattr(classifier, "build_backbone", no_norms_no_biases)
