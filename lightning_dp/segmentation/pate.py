@@ -30,6 +30,7 @@ import torch
 from torch import Tensor
 
 from lightning_dp.accounting import AccountantName, GaussianEvent, PrivacyLedger, calibrate_factor, get_accountant
+from lightning_dp.callbacks.base import state_digest
 from lightning_dp.errors import (
     PrivacyBudgetExceededError,
     PrivacyConfigError,
@@ -328,28 +329,9 @@ def _release_seed(seed: int | None, *request: object) -> int | None:
     """
     if seed is None:
         return None
-    digest = hashlib.sha256()
-
-    def feed(value: object) -> None:
-        if isinstance(value, Tensor):
-            flat = value.detach().cpu().contiguous().reshape(-1)
-            digest.update(f"T{flat.dtype}{tuple(value.shape)}".encode())
-            digest.update(flat.view(torch.uint8).numpy().tobytes())
-        elif isinstance(value, Mapping):
-            digest.update(b"{%d" % len(value))
-            for key in sorted(value, key=repr):
-                feed(key)
-                feed(value[key])
-        elif isinstance(value, (list, tuple)):
-            digest.update(b"[%d" % len(value))
-            for item in value:
-                feed(item)
-        else:
-            digest.update(f"{type(value).__name__}:{value!r};".encode())
-
-    feed(list(request))
+    digest = bytes.fromhex(state_digest(list(request)))
     key = hashlib.blake2b(_NOISE_DOMAIN + b"/" + str(int(seed)).encode()).digest()  # 64 bytes, any seed
-    return int.from_bytes(hashlib.blake2b(digest.digest(), key=key, digest_size=8).digest(), "big") >> 1
+    return int.from_bytes(hashlib.blake2b(digest, key=key, digest_size=8).digest(), "big") >> 1
 
 
 @dataclass
