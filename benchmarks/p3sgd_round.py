@@ -25,13 +25,23 @@ from lightning_dp.models import ImageClassifier
 from lightning_dp.sampling import PoissonPatientSampler
 
 
-class _Data(pl.LightningDataModule):
+class PatientData(pl.LightningDataModule):
     def __init__(self, dataset: PatientImageDataset) -> None:
         super().__init__()
         self.train_dataset = dataset
 
     def train_dataloader(self) -> DataLoader:  # type: ignore[type-arg]
         return DataLoader(self.train_dataset, batch_size=16)
+
+
+def random_patients(patients: int, images_per_patient: int, size: int) -> PatientImageDataset:
+    """Random RGB images with random labels, ``images_per_patient`` per patient (the benchmarks' data)."""
+    rng = np.random.default_rng(0)
+    n = patients * images_per_patient
+    images = rng.random((n, size, size, 3), dtype=np.float32)
+    labels = rng.integers(0, 2, n).tolist()
+    ids = [f"p{i // images_per_patient}" for i in range(n)]
+    return PatientImageDataset.from_arrays(images, labels, ids)
 
 
 class _RoundTimer(pl.Callback):
@@ -55,12 +65,7 @@ def main() -> None:
     parser.add_argument("--size", type=int, default=32)
     args = parser.parse_args()
     torch.set_num_threads(max(1, torch.get_num_threads()))
-    rng = np.random.default_rng(0)
-    n = args.patients * args.images_per_patient
-    images = rng.random((n, args.size, args.size, 3), dtype=np.float32)
-    labels = rng.integers(0, 2, n).tolist()
-    patients = [f"p{i // args.images_per_patient}" for i in range(n)]
-    dataset = PatientImageDataset.from_arrays(images, labels, patients)
+    dataset = random_patients(args.patients, args.images_per_patient, args.size)
     rate, local_batch, scales = 0.1, 16, (3.0, 1.0)
 
     # P3SGD inside a Trainer.
@@ -77,7 +82,7 @@ def main() -> None:
         enable_checkpointing=False,
         default_root_dir=tempfile.mkdtemp(prefix="p3sgd_bench_"),
     )
-    trainer.fit(model, _Data(dataset))
+    trainer.fit(model, PatientData(dataset))
     p3sgd = float(np.mean(timer.times[1:]))  # the first round warms up
 
     # The floor: the same patients (same sampler seed), local SGD and selection forward passes, nothing else,

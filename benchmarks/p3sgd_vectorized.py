@@ -19,20 +19,10 @@ from typing import Any
 import numpy as np
 import pytorch_lightning as pl
 import torch
-from torch.utils.data import DataLoader
+from p3sgd_round import PatientData, random_patients
 
 from lightning_dp.callbacks import P3SGD
-from lightning_dp.data import PatientImageDataset
 from lightning_dp.models import ImageClassifier
-
-
-class _Data(pl.LightningDataModule):
-    def __init__(self, dataset: PatientImageDataset) -> None:
-        super().__init__()
-        self.train_dataset = dataset
-
-    def train_dataloader(self) -> DataLoader:  # type: ignore[type-arg]
-        return DataLoader(self.train_dataset, batch_size=16)
 
 
 class _Alternate(pl.Callback):
@@ -94,15 +84,10 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    rng = np.random.default_rng(0)
-    n = args.patients * args.images_per_patient
-    images = rng.random((n, args.size, args.size, 3), dtype=np.float32)
-    labels = rng.integers(0, 2, n).tolist()
-    patients = [f"p{i // args.images_per_patient}" for i in range(n)]
-    dataset = PatientImageDataset.from_arrays(images, labels, patients)
+    dataset = random_patients(args.patients, args.images_per_patient, args.size)
     torch.manual_seed(0)
     model = ImageClassifier(arch="small_cnn")
-    p3sgd = P3SGD(0.1, 5.0, (1.0,), local_batch_size=32, local_epochs=1, seed=0)
+    p3sgd = P3SGD(0.1, 5.0, (1.0,), local_batch_size=32, local_epochs=1, vectorize="auto", seed=0)
     warmup = 2  # one pair of rounds
     timer = _Alternate(p3sgd, warmup)
     trainer = pl.Trainer(
@@ -116,7 +101,7 @@ def main() -> None:
         enable_checkpointing=False,
         default_root_dir=tempfile.mkdtemp(prefix="p3sgd_vec_bench_"),
     )
-    trainer.fit(model, _Data(dataset))
+    trainer.fit(model, PatientData(dataset))
     loop, vec = np.array(timer.times["loop"]), np.array(timer.times["vectorized"])
     ratios = loop / vec
     q25, q50, q75 = np.percentile(ratios, [25, 50, 75])
