@@ -175,7 +175,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "clip at 10·C",
         "sanitization/per_sample.py: clip_coefficients",
         "per-sample clip bound 10× too large",
-        ("DPSGD",),
+        ("DPSGD", "P3SGD-vectorized"),
         _clip_10x,
         steps=20,
     ),

@@ -86,6 +86,11 @@ def _mlp() -> nn.Module:
     return nn.Sequential(_ImageCounter(), nn.Flatten(), nn.Linear(64, 16), nn.ReLU(), nn.Linear(16, 2))
 
 
+def _plain_mlp() -> nn.Module:
+    """The MLP without the counter: the vectorized round refuses a training_step that changes buffers."""
+    return nn.Sequential(nn.Flatten(), nn.Linear(64, 16), nn.ReLU(), nn.Linear(16, 2))
+
+
 def _images(count: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return torch.randn(count, 1, 8, 8, generator=g), torch.randint(0, 2, (count,), generator=g)
@@ -132,9 +137,14 @@ def p3sgd_audit(
     clip_norm: float = 0.5,
     patients: int = 10,
     images_per_patient: int = 3,
+    vectorize: Literal["auto", False] = False,
     seed: int = 0,
 ) -> CallbackAudit:
-    """A full-batch `P3SGD` audit: patients of ``images_per_patient`` images, ``local_steps`` local SGD steps."""
+    """A full-batch `P3SGD` audit: patients of ``images_per_patient`` images, ``local_steps`` local SGD steps.
+
+    ``vectorize="auto"`` audits the batched round (one local step: every patient's gradient in one pass of the
+    per-sample engine) instead of the patient-by-patient loop.
+    """
     x, y = _images((patients + 1) * images_per_patient, seed)
     ids = torch.arange(patients).repeat_interleave(images_per_patient)
     k = images_per_patient
@@ -148,11 +158,12 @@ def p3sgd_audit(
             local_batch_size=k,
             local_epochs=local_steps,
             server_lr=0.1,
+            vectorize=vectorize,
             delta=1e-5,
             seed=s,
             **selection,  # type: ignore[arg-type]
         ),
-        model=_mlp,
+        model=_mlp if vectorize is False else _plain_mlp,
         population=(x[k:], y[k:], ids),
         canary=(x[:k], 1 - y[:k]),
         canary_weight=CANARY_WEIGHT / 2,

@@ -24,6 +24,7 @@ SCENARIOS = {
     "DPSGD-transpose": lambda steps: dpsgd_audit("transpose", steps=steps),
     "P3SGD": lambda steps: p3sgd_audit(steps=steps),
     "P3SGD-selection": lambda steps: p3sgd_audit(noise_scales=(0.5, 1.0), local_steps=3, steps=steps),
+    "P3SGD-vectorized": lambda steps: p3sgd_audit(vectorize="auto", steps=steps),
 }
 
 
@@ -87,3 +88,8 @@ def test_subsampled_runs_and_unfollowable_local_batches_are_refused_with_a_hint(
             population=(x, y, torch.tensor([0, 0, 0, 1, 1, 1])),
             canary=(x[:3], y[:3]),
         )
+
+
+def test_the_vectorized_scenario_audits_the_batched_round():
+    callback, _, _ = p3sgd_audit(vectorize="auto", steps=2).fit(with_canary=True)
+    assert callback.vectorize_fallback is None and callback.vectorized_rounds == 2
