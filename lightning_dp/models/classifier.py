@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, Literal, get_args
 
 import pytorch_lightning as pl
@@ -155,6 +156,62 @@ def _reading(conv: nn.Conv2d, in_channels: int) -> nn.Conv2d:
     )
 
 
+def load_public_weights(path: str | Path, net: nn.Module) -> dict[str, Tensor]:
+    """The backbone state dict in ``path``, checked against ``net`` (keys and shapes), ready to load.
+
+    ``path`` holds a Lightning checkpoint (its ``state_dict``, keys ``net.…``) or a plain state dict
+    (keys ``net.…`` or the backbone's own). Only tensors are read (``torch.load(weights_only=True)``).
+
+    Raises:
+        PrivacyConfigError: no such file, a file that is not a checkpoint or state dict, or keys or shapes
+            that differ from ``net``'s (the first few are named, with a hint).
+    """
+    where = f"`ImageClassifier(init_weights={str(path)!r})`"
+    file = Path(path)
+    if not file.is_file():
+        raise PrivacyConfigError(
+            f"{where}: no such file. HINT: it is the public model to start from; make it with a non-private run on "
+            "public data first, e.g. `lightning-dp fit --config configs/public_pretrain_synthetic.yaml` (it writes "
+            "runs/public_resnet18_synthetic/public.ckpt)."
+        )
+    try:
+        loaded = torch.load(file, map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - any unpickling failure is the same user error
+        raise PrivacyConfigError(
+            f"{where}: not a checkpoint or state dict readable with torch.load(weights_only=True): {exc}. HINT: "
+            "save the public weights with torch.save(model.state_dict(), path) or a Lightning ModelCheckpoint."
+        ) from None
+    state = loaded.get("state_dict", loaded) if isinstance(loaded, dict) else None
+    if not isinstance(state, dict) or not all(isinstance(v, Tensor) for v in state.values()):
+        raise PrivacyConfigError(
+            f"{where}: found no state dict of tensors in the file. HINT: save it with torch.save(model.state_dict(), "
+            "path) or a Lightning ModelCheckpoint."
+        )
+    if any(str(k).startswith("net.") for k in state):
+        state = {k[len("net.") :]: v for k, v in state.items() if k.startswith("net.")}
+    expected = net.state_dict()
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    shapes = [
+        f"{k}: {tuple(state[k].shape)} in the file, {tuple(v.shape)} here"
+        for k, v in expected.items()
+        if k in state and state[k].shape != v.shape
+    ]
+    if missing or unexpected or shapes:
+        parts = []
+        if missing:
+            parts.append(f"{len(missing)} key(s) missing (e.g. {missing[:3]})")
+        if unexpected:
+            parts.append(f"{len(unexpected)} unexpected (e.g. {unexpected[:3]})")
+        if shapes:
+            parts.append(f"{len(shapes)} of another shape (e.g. {shapes[:2]})")
+        raise PrivacyConfigError(
+            f"{where}: the weights do not fit this network: {'; '.join(parts)}. HINT: use the arch, norm, "
+            "num_classes and in_channels the public model was trained with."
+        )
+    return state
+
+
 class ImageClassifier(pl.LightningModule):
     """Image classification with torchmetrics accuracy and AUROC.
 
@@ -180,6 +237,13 @@ class ImageClassifier(pl.LightningModule):
             normalizes with its running statistics, which are never updated: no statistic of the private
             data is released, and per-sample DP-SGD can train a BatchNorm's affine (parameter-efficient
             private fine-tuning, e.g. ``["norm", "head"]``).
+        init_weights: a file of *public* weights to start from (no privacy cost: they must not come from
+            the private patients): a Lightning checkpoint of an ``ImageClassifier`` with the same ``arch``,
+            ``norm``, ``num_classes`` and ``in_channels`` (e.g. the last checkpoint of a non-private run on
+            public data: ``configs/public_pretrain_synthetic.yaml``), or a ``state_dict`` saved with
+            ``torch.save`` (of the module or of its backbone ``net``). Loaded in full, before any
+            training; a missing file or a mismatched key or shape is refused with the keys and a hint.
+            Resuming from a checkpoint (``ckpt_path``) then replaces these weights by the checkpoint's.
 
     Raises:
         PrivacyConfigError: an unknown group (the message lists the valid ones), a selection that trains
@@ -206,6 +270,7 @@ class ImageClassifier(pl.LightningModule):
         freeze_backbone: bool = False,
         trainable: list[TrainableGroup] | None = None,
         in_channels: int = 3,
+        init_weights: str | None = None,
     ) -> None:
         super().__init__()
         check_finite_positive("ImageClassifier", "lr", lr, "e.g. 0.05 for SGD, 1e-3 for Adam.")
@@ -217,6 +282,8 @@ class ImageClassifier(pl.LightningModule):
         groups = _resolve_trainable(trainable, freeze_backbone)
         self.save_hyperparameters()
         self.net = build_backbone(arch, num_classes, norm, in_channels)
+        if init_weights is not None:
+            self.net.load_state_dict(load_public_weights(init_weights, self.net))
         self.in_channels = in_channels
         self.freeze_backbone = freeze_backbone
         #: The groups trained (resolved: freeze_backbone=True is ("head",), nothing given is ("all",)).
