@@ -6,13 +6,14 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
+import yaml
 
 from lightning_dp.cli import main
+from lightning_dp.models import ImageClassifier
 
 # PATE's two configs (K teachers, then the student on their checkpoints) run in test_segmentation_pate.py.
-CONFIGS = sorted(
-    c for c in (Path(__file__).resolve().parents[2] / "configs").glob("*.yaml") if "_pate_" not in c.stem
-)
+CONFIGS = sorted(c for c in (Path(__file__).resolve().parents[2] / "configs").glob("*.yaml") if "_pate_" not in c.stem)
 SEGMENTATION = [c for c in CONFIGS if "SyntheticSilhouettesDataModule" in c.read_text()]
 
 
@@ -60,7 +61,16 @@ def _fit_and_check_report(config: Path, tmp_path: Path, overrides: list[str]) ->
     ids=[c.stem for c in CONFIGS],
 )
 def test_config_trains_and_reports(config: Path, tmp_path: Path) -> None:
-    _fit_and_check_report(config, tmp_path, _data_overrides(config, tmp_path / "data"))
+    overrides = _data_overrides(config, tmp_path / "data")
+    parsed = yaml.safe_load(config.read_text())
+    if parsed["model"]["init_args"].get("init_weights"):
+        # Step 2 of a two-step recipe: a stand-in for step 1's public checkpoint (the two configs run together, to a
+        # model that learns, in test_released_statistics.py).
+        model_args = {k: v for k, v in parsed["model"]["init_args"].items() if k != "init_weights"}
+        public = tmp_path / "public.pt"
+        torch.save(ImageClassifier(**model_args).state_dict(), public)
+        overrides.append(f"--model.init_args.init_weights={public}")
+    _fit_and_check_report(config, tmp_path, overrides)
 
 
 # DPSGD's start-up checks cost ~16 s of CPU even on the tiny network (~30 s wall on a busy 2-core machine): slow.
