@@ -18,7 +18,7 @@ demo: $(STAMP)
 	$(PY) examples/domain_shift.py --quick
 
 test: $(STAMP)
-	$(PY) -m pytest -q -p no:cacheprovider --durations=15
+	$(PY) -m pytest -q -p no:cacheprovider -n 2 --durations=15
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -10,6 +10,20 @@ import numpy as np
 import pytest
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Under pytest-xdist (``-n 2``), each worker takes its share of the cores: 2 workers × 2 torch threads on 2
+    cores would oversubscribe them and slow every test."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        import torch
+
+        threads = max(1, (os.cpu_count() or 1) // workers)
+        # The subprocesses a test starts (DDP ranks, a killed run) inherit the count through the environment: a run
+        # compared bit for bit with an in-process one must reduce in the same order.
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+        torch.set_num_threads(threads)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     try:
         import torch
