@@ -1,10 +1,15 @@
-"""Time of a P3SGD round against its floor, measured in one run.
+"""Time of a P3SGD round against its floor, measured in one run, alternately.
 
 The floor is the work a round cannot avoid: the same local SGD steps on the same patients' images
 done non-privately, plus the selection's extra forward passes (one per candidate over the round's
 images). The ratio shows what clipping, noise, accounting and the Lightning plumbing add.
 
-Run: .venv/bin/python benchmarks/p3sgd_round.py [--arch small_cnn|resnet18] [--rounds 6]
+Each P3SGD round is followed at once by a floor round on the same patients (same sampler seed and
+draws), in the same process, so a change of machine load hits both sides of a pair alike. Printed:
+the median of the pairs' ratios, its quartiles and range (an earlier version timed all rounds first
+and the floor afterwards, and gave ratios from 0.82 to 17.4 on one busy machine).
+
+Run: .venv/bin/python benchmarks/p3sgd_round.py [--arch small_cnn|resnet18] [--rounds 20]
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from __future__ import annotations
 import argparse
 import tempfile
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -44,79 +50,89 @@ def random_patients(patients: int, images_per_patient: int, size: int) -> Patien
     return PatientImageDataset.from_arrays(images, labels, ids)
 
 
-class _RoundTimer(pl.Callback):
-    def __init__(self) -> None:
-        self.times: list[float] = []
+class _Floor:
+    """The work a round cannot avoid, for the patients P3SGD samples (a sampler with P3SGD's seed and draws)."""
+
+    def __init__(self, arch: str, dataset: PatientImageDataset, rate: float, local_batch: int, scales: tuple) -> None:
+        self.net = ImageClassifier(arch=arch)
+        self.dataset, self.local_batch, self.scales = dataset, local_batch, scales
+        self.sampler = PoissonPatientSampler(dataset.num_patients, rate, seed=0)
+
+    def _batches(self, patient: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        idx = self.dataset.patient_to_indices[patient]
+        for s in range(0, len(idx), self.local_batch):
+            x, y, _ = default_collate([self.dataset[i] for i in idx[s : s + self.local_batch]])
+            yield x, y
+
+    def round(self) -> float:
+        chosen = self.sampler.sample().tolist()
+        torch.randint(2**62, (1,), generator=self.sampler.generator)  # P3SGD draws its local-shuffle seed here
+        start = time.perf_counter()
+        self.net.train()
+        for p in chosen:
+            opt = torch.optim.SGD(self.net.parameters(), lr=0.05)
+            for x, y in self._batches(p):
+                opt.zero_grad()
+                torch.nn.functional.cross_entropy(self.net(x), y).backward()
+                opt.step()
+        self.net.eval()
+        with torch.no_grad():
+            for _c in self.scales:
+                for p in chosen:
+                    for x, y in self._batches(p):
+                        torch.nn.functional.cross_entropy(self.net(x), y)
+        return time.perf_counter() - start
+
+
+class _Alternate(pl.Callback):
+    """Times each P3SGD round, then a floor round on the same patients right after it, in the same process."""
+
+    def __init__(self, floor: _Floor) -> None:
+        self.floor = floor
+        self.rounds: list[float] = []
+        self.floors: list[float] = []
         self._start = 0.0
 
     def on_train_batch_start(self, *args: Any) -> None:
         self._start = time.perf_counter()
 
     def on_train_batch_end(self, *args: Any) -> None:
-        self.times.append(time.perf_counter() - self._start)
+        self.rounds.append(time.perf_counter() - self._start)
+        self.floors.append(self.floor.round())
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--arch", default="small_cnn", choices=["small_cnn", "resnet18"])
-    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--rounds", type=int, default=20, help="timed (round, floor) pairs after one warm-up pair")
     parser.add_argument("--patients", type=int, default=100)
     parser.add_argument("--images-per-patient", type=int, default=20)
     parser.add_argument("--size", type=int, default=32)
     args = parser.parse_args()
-    torch.set_num_threads(max(1, torch.get_num_threads()))
     dataset = random_patients(args.patients, args.images_per_patient, args.size)
     rate, local_batch, scales = 0.1, 16, (3.0, 1.0)
 
-    # P3SGD inside a Trainer.
-    model = ImageClassifier(arch=args.arch)
-    timer = _RoundTimer()
+    alternate = _Alternate(_Floor(args.arch, dataset, rate, local_batch, scales))
     cb = P3SGD(rate, 5.0, scales, selection_epsilon=0.316, loss_bound=3.0, local_batch_size=local_batch, seed=0)
     trainer = pl.Trainer(
         accelerator="cpu",
         max_steps=args.rounds + 1,
-        callbacks=[cb, timer],
+        callbacks=[cb, alternate],
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
         enable_checkpointing=False,
         default_root_dir=tempfile.mkdtemp(prefix="p3sgd_bench_"),
     )
-    trainer.fit(model, PatientData(dataset))
-    p3sgd = float(np.mean(timer.times[1:]))  # the first round warms up
-
-    # The floor: the same patients (same sampler seed), local SGD and selection forward passes, nothing else,
-    # with denormals flushed as P3SGD does during fit.
-    torch.set_flush_denormal(True)
-    sampler = PoissonPatientSampler(dataset.num_patients, rate, seed=0)
-    net = ImageClassifier(arch=args.arch)
-    floor_times = []
-    for _ in range(args.rounds + 1):
-        chosen = sampler.sample().tolist()
-        torch.randint(2**62, (1,), generator=sampler.generator)  # P3SGD draws its local-shuffle seed here
-        start = time.perf_counter()
-        net.train()
-        for p in chosen:
-            opt = torch.optim.SGD(net.parameters(), lr=0.05)
-            idx = dataset.patient_to_indices[p]
-            for s in range(0, len(idx), local_batch):
-                x, y, _ = default_collate([dataset[i] for i in idx[s : s + local_batch]])
-                opt.zero_grad()
-                torch.nn.functional.cross_entropy(net(x), y).backward()
-                opt.step()
-        net.eval()
-        with torch.no_grad():
-            for _c in scales:
-                for p in chosen:
-                    idx = dataset.patient_to_indices[p]
-                    for s in range(0, len(idx), local_batch):
-                        x, y, _ = default_collate([dataset[i] for i in idx[s : s + local_batch]])
-                        torch.nn.functional.cross_entropy(net(x), y)
-        floor_times.append(time.perf_counter() - start)
-    floor = float(np.mean(floor_times[1:]))
+    trainer.fit(ImageClassifier(arch=args.arch), PatientData(dataset))
+    rounds, floors = np.array(alternate.rounds[1:]), np.array(alternate.floors[1:])  # the first pair warms up
+    ratios = rounds / floors
+    q25, q50, q75 = np.percentile(ratios, [25, 50, 75])
     print(
         f"{args.arch} {args.size}x{args.size}, {args.patients} patients x {args.images_per_patient} images, q={rate}, "
-        f"scales={scales}: P3SGD round {p3sgd * 1000:.0f} ms, floor {floor * 1000:.0f} ms, ratio {p3sgd / floor:.2f}"
+        f"scales={scales}: P3SGD round {np.median(rounds) * 1000:.0f} ms, floor {np.median(floors) * 1000:.0f} ms "
+        f"(medians of {len(ratios)} alternated pairs); ratio {q50:.2f} (median of the pairs' ratios; "
+        f"quartiles {q25:.2f}–{q75:.2f}, range {ratios.min():.2f}–{ratios.max():.2f})"
     )
 
 
