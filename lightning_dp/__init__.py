@@ -8,6 +8,7 @@ from lightning_dp.accounting import (
     get_accountant,
 )
 from lightning_dp.checkpoints import publishable_checkpoint
+from lightning_dp.epsilon import get_epsilon
 from lightning_dp.errors import (
     PrivacyBudgetExceededError,
     PrivacyConfigError,
@@ -30,5 +31,6 @@ __all__ = [
     "calibrate_noise_multiplier",
     "calibrate_steps",
     "get_accountant",
+    "get_epsilon",
     "publishable_checkpoint",
 ]
