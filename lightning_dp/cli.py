@@ -244,6 +244,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     from pytorch_lightning.cli import LightningCLI
 
+    from lightning_dp._quiet import drop_lightning_tips
+
+    drop_lightning_tips()
     LightningCLI(
         subclass_mode_model=True,
         subclass_mode_data=True,

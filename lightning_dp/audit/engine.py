@@ -441,9 +441,7 @@ class CallbackAudit:
                 current[k] = current[k] - callback.local_lr * d
         return torch.cat([(current[k] - params[k]).reshape(-1) for k in params])
 
-    def _projections(
-        self, callback: Any, observer: _Observer, data: _Units
-    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    def _projections(self, callback: Any, observer: _Observer, data: _Units) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """Per step, in units of C: canary projection, squared noise, canary norm, noise correlation.
 
         y_t is the canary projection; the correlation is that of the step's noise with the previous step's.

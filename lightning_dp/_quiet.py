@@ -1,0 +1,43 @@
+"""Silencing Lightning's warnings about what this library does on purpose — only those, only while they can arise.
+
+Never a privacy warning: a `WarningWindow` matches one message of Lightning's, and only between the hooks that
+open and close it (e.g. ``on_fit_start`` → ``on_train_start``, where Lightning checks the loaders and module modes).
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from typing import Any
+
+
+class WarningWindow:
+    """Ignores warnings whose message matches ``message`` (a regex matched at the start) between `open` and `close`."""
+
+    def __init__(self, message: str) -> None:
+        self.message = message
+        self._entry: Any = None
+
+    def open(self) -> None:
+        if self._entry is None:
+            warnings.filterwarnings("ignore", message=self.message)
+            self._entry = warnings.filters[0]
+
+    def close(self) -> None:
+        if self._entry is not None:
+            if self._entry in warnings.filters:
+                warnings.filters.remove(self._entry)  # type: ignore[attr-defined]
+                getattr(warnings, "_filters_mutated", lambda: None)()  # invalidate the per-module caches
+            self._entry = None
+
+
+class _DropTips(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.getMessage()).startswith("💡 Tip")
+
+
+def drop_lightning_tips() -> None:
+    """Drops Lightning's advertising tips (e.g. "💡 Tip: … litlogger …") from its rank-zero log (idempotent)."""
+    log = logging.getLogger("pytorch_lightning.utilities.rank_zero")
+    if not any(isinstance(f, _DropTips) for f in log.filters):
+        log.addFilter(_DropTips())

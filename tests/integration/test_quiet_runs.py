@@ -1,0 +1,90 @@
+"""Lightning's chatter about what the library does on purpose is silenced — only that, and only while it applies."""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from pathlib import Path
+
+import pytest
+import pytorch_lightning as pl
+
+from lightning_dp.callbacks import P3SGD
+from lightning_dp.cli import main
+from lightning_dp.models import ImageClassifier
+from tests.helpers.patients import TinyClassifier, TinyPatientDataModule
+
+ITERABLE = "Your `IterableDataset` has `__len__` defined"
+EVAL_MODE = "in eval mode at the start of training"
+
+
+def _messages(caught: list[warnings.WarningMessage]) -> list[str]:
+    return [str(w.message) for w in caught]
+
+
+def test_p3sgds_round_loader_does_not_trip_lightnings_iterable_dataset_warning(tmp_path: Path) -> None:
+    cb = P3SGD(sample_rate=0.25, clip_norm=1.0, local_lr=0.1, seed=0)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_steps=2,
+        callbacks=[cb],
+        logger=False,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        limit_val_batches=0,
+        default_root_dir=tmp_path,
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(TinyClassifier(), TinyPatientDataModule())
+        assert not [m for m in _messages(caught) if ITERABLE in m]
+        # The window is closed after setup: the same warning about a user's own data set still shows.
+        warnings.warn(f"{ITERABLE}. In combination with multi-process data loading", UserWarning, stacklevel=1)
+    assert [m for m in _messages(caught) if ITERABLE in m]
+
+
+@pytest.mark.parametrize("trainable", [["head"], ["all"]])
+def test_a_frozen_backbone_in_eval_mode_is_not_reported_as_a_surprise(trainable: list[str], tmp_path: Path) -> None:
+    class Images(pl.LightningDataModule):
+        def train_dataloader(self):  # type: ignore[no-untyped-def]
+            import torch
+
+            x, y = torch.randn(8, 3, 16, 16), torch.randint(0, 2, (8,))
+            return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=4)
+
+    model = ImageClassifier(arch="small_cnn", trainable=trainable)  # type: ignore[list-item]
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_steps=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        default_root_dir=tmp_path,
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(model, Images())
+    assert not [m for m in _messages(caught) if EVAL_MODE in m]
+    assert not [f for f in warnings.filters if f[1] is not None and "eval mode" in f[1].pattern], "window left open"
+
+
+def test_the_cli_drops_lightnings_advertising_tip(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    config = Path(__file__).resolve().parents[2] / "configs" / "baseline_synthetic_pathology.yaml"
+    args = [
+        "fit",
+        "--config",
+        str(config),
+        f"--trainer.default_root_dir={tmp_path}",
+        "--trainer.max_steps=1",
+        "--trainer.limit_val_batches=0",
+        "--trainer.enable_progress_bar=false",
+        "--trainer.callbacks=null",
+        f"--data.init_args.root={tmp_path / 'data'}",
+        "--data.init_args.num_patients=6",
+        "--data.init_args.patches_per_patient=4",
+        "--model.init_args.arch=small_cnn",
+    ]
+    with caplog.at_level(logging.INFO):
+        assert main(args) == 0
+    assert "max_steps=1" in caplog.text, "Lightning's own info lines still show"
+    assert "💡 Tip" not in caplog.text
