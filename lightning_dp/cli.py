@@ -19,6 +19,7 @@ from lightning_dp.accounting import (
     epsilon_for,
     tcdp_plan_unchecked,
 )
+from lightning_dp.callbacks.base import default_delta
 from lightning_dp.errors import PrivacyConfigError, check_count, check_finite_positive, check_in_interval
 from lightning_dp.schedules import ConstantNoise, ExponentialDecay, NoiseSchedule
 
@@ -46,14 +47,21 @@ def _plan_parser() -> argparse.ArgumentParser:
         prog="lightning-dp plan",
         description=PLAN_DESCRIPTION,
     )
-    p.add_argument("--sample-rate", type=float, required=True, help="Poisson sampling rate q (patients or samples).")
+    p.add_argument(
+        "--units",
+        type=int,
+        help="N, the training set's size in privacy units (patients for P3SGD, samples for DPSGD): sets the default "
+        "δ = min(1e-5, 1/(10N)) and, with --batch-size and --epochs, q and the steps.",
+    )
+    p.add_argument("--batch-size", type=int, help="expected batch (patients per round): q = batch size / N.")
+    p.add_argument("--epochs", type=float, help="passes over the data: steps = round(epochs / q).")
+    p.add_argument("--sample-rate", type=float, help="Poisson sampling rate q (or --units with --batch-size).")
     p.add_argument("--noise-multiplier", type=float, help="noise multiplier z (the initial z with --decay).")
-    p.add_argument("--steps", type=int, help="number of steps (rounds).")
+    p.add_argument("--steps", type=int, help="number of steps (rounds), or --epochs.")
     p.add_argument(
         "--delta",
         type=float,
-        required=True,
-        help="target δ; for N units (patients or samples) use δ ≤ min(1e-5, 1/(10N)) (δ·N > 0.1 is weak).",
+        help="target δ; default: the library's, min(1e-5, 1/(10N)) with --units, else 1e-5 (δ·N > 0.1 is weak).",
     )
     p.add_argument("--accountant", choices=["rdp", "prv", "moments"], default="rdp", help="default: rdp.")
     p.add_argument(
@@ -71,8 +79,46 @@ def _schedule(noise: float, decay: float | None, every: int) -> NoiseSchedule:
     return ExponentialDecay(initial=noise, decay=decay, every=every)
 
 
+def _derive(args: argparse.Namespace) -> None:
+    """Fills --sample-rate, --steps and --delta from --units, --batch-size and --epochs, and refuses conflicts."""
+    owner = "lightning-dp plan"
+    if args.units is not None:
+        check_count(owner, "--units", args.units, "the number of patients (P3SGD) or samples (DPSGD).", minimum=1)
+    if args.batch_size is not None:
+        if args.units is None:
+            raise PrivacyConfigError(f"`{owner}(--batch-size)`: needs --units N, since q = batch size / N.")
+        check_count(owner, "--batch-size", args.batch_size, "the expected patients (or samples) per step.", minimum=1)
+        if args.sample_rate is not None:
+            raise PrivacyConfigError(
+                f"`{owner}`: give --sample-rate or --batch-size with --units, not both. HINT: q = batch size / N."
+            )
+        if args.batch_size > args.units:
+            raise PrivacyConfigError(
+                f"`{owner}(--batch-size={args.batch_size})`: larger than --units={args.units}. HINT: the expected "
+                "batch is a part of the data set."
+            )
+        args.sample_rate = args.batch_size / args.units
+    if args.sample_rate is None:
+        raise PrivacyConfigError(
+            f"`{owner}`: give --sample-rate q, or --units N with --batch-size B (q = B/N). HINT: lightning-dp plan "
+            "--units 700 --batch-size 70 --epochs 10 --noise-multiplier 1.0"
+        )
+    if args.epochs is not None:
+        check_finite_positive(owner, "--epochs", args.epochs, "e.g. 10.")
+        if args.steps is not None:
+            raise PrivacyConfigError(f"`{owner}`: give --steps or --epochs, not both. HINT: steps = epochs / q.")
+        args.steps = max(1, round(args.epochs / args.sample_rate))
+    args.delta_source = "given"
+    if args.delta is None:
+        args.delta = default_delta(args.units) if args.units is not None else 1e-5
+        args.delta_source = (
+            "the default for N: min(1e-5, 1/(10N))" if args.units is not None else "the default; give --units N"
+        )
+
+
 def _check_flags(args: argparse.Namespace) -> None:
     owner = "lightning-dp plan"
+    _derive(args)
     rate_hint = "the expected batch size divided by the number of patients (or samples)."
     check_in_interval(
         owner, "--sample-rate", args.sample_rate, 0.0, 1.0, low_closed=False, high_closed=True, hint=rate_hint
@@ -119,7 +165,7 @@ def _plan(args: argparse.Namespace) -> dict[str, Any]:
             solved = "steps"
     elif args.noise_multiplier is None or args.steps is None:
         raise PrivacyConfigError(
-            "`plan`: --noise-multiplier and --steps are required unless --target-epsilon is given. "
+            "`plan`: --noise-multiplier and --steps (or --epochs) are required unless --target-epsilon is given. "
             "HINT: lightning-dp plan --sample-rate 0.1 --noise-multiplier 1.0 --steps 100 --delta 1e-5"
         )
     schedule = _schedule(args.noise_multiplier, args.decay, args.decay_every)
@@ -135,6 +181,8 @@ def _plan(args: argparse.Namespace) -> dict[str, Any]:
         "decay_every": args.decay_every if args.decay is not None else None,
         "solved_for": solved,
         "target_epsilon": args.target_epsilon,
+        "units": args.units,
+        "delta_source": args.delta_source,
     }
     if args.decay is not None and args.decay < 1.0 and args.steps >= 1:
         tcdp = tcdp_plan_unchecked(args.sample_rate, args.noise_multiplier, args.decay, args.steps, args.delta)
@@ -147,7 +195,8 @@ def _plan(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _print_table(r: dict[str, Any]) -> None:
-    rows = [
+    rows = [("units N", f"{r['units']}")] if r["units"] is not None else []
+    rows += [
         ("sample rate q", f"{r['sample_rate']:g}"),
         ("noise multiplier z" + (" (initial)" if r["decay"] is not None else ""), f"{r['noise_multiplier']:.4g}"),
     ]
@@ -155,7 +204,7 @@ def _print_table(r: dict[str, Any]) -> None:
         rows.append(("decay R (every steps)", f"{r['decay']:g} (every {r['decay_every']})"))
     rows += [
         ("steps", f"{r['steps']}"),
-        ("delta", f"{r['delta']:g}"),
+        ("delta", f"{r['delta']:g}" + ("" if r["delta_source"] == "given" else f" ({r['delta_source']})")),
         ("accountant", r["accountant"]),
         ("epsilon", f"{r['epsilon']:.4f}"),
     ]

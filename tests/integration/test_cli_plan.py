@@ -118,3 +118,32 @@ def test_plan_bad_arguments_exit_2_with_one_line(args: list[str], needle: str) -
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1, proc.stderr
     assert needle in lines[0]
+
+
+def test_plan_from_the_data_sets_size_batch_and_epochs(capsys: pytest.CaptureFixture[str]) -> None:
+    # 700 patients, 70 per round, 10 epochs: q = 0.1, 100 rounds, δ = min(1e-5, 1/7000) = 1e-5 (the library default).
+    out = _plan_json(capsys, "--units", "700", "--batch-size", "70", "--epochs", "10", "--noise-multiplier", "1.0")
+    assert (out["sample_rate"], out["steps"], out["delta"], out["units"]) == (0.1, 100, 1e-5, 700)
+    assert out["epsilon"] == pytest.approx(_opacus_rdp(0.1, 1.0, 100, 1e-5), rel=1e-3)
+    big = _plan_json(capsys, "--units", "200000", "--batch-size", "256", "--steps", "10", "--noise-multiplier", "1")
+    assert big["delta"] == pytest.approx(5e-7) and "default for N" in big["delta_source"]
+    bare = _plan_json(capsys, "--sample-rate", "0.1", "--steps", "10", "--noise-multiplier", "1")
+    assert bare["delta"] == 1e-5 and "give --units" in bare["delta_source"]
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--batch-size", "8", "--steps", "10", "--noise-multiplier", "1"], "needs --units"),
+        (["--units", "10", "--batch-size", "20", "--steps", "10", "--noise-multiplier", "1"], "larger than --units"),
+        (["--units", "100", "--batch-size", "10", "--sample-rate", "0.1", "--steps", "5"], "not both"),
+        (["--sample-rate", "0.1", "--steps", "5", "--epochs", "2", "--noise-multiplier", "1"], "--steps or --epochs"),
+        (["--steps", "5", "--noise-multiplier", "1"], "give --sample-rate q, or --units N"),
+    ],
+)
+def test_plan_refuses_conflicting_sizes_in_one_line(
+    args: list[str], needle: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["plan", *args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and needle in err[0], err
