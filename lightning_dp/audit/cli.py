@@ -160,6 +160,9 @@ def from_config(path: Path) -> dict[str, Any]:
             notes += _acceptance_notes(path, name, args.get("acceptance"))
             found["notes"] = notes
             found["sample_rate"] = args.get("sample_rate")
+            if name == "DPSGD" and args.get("sample_rate") is None and args.get("batch_size") is not None:
+                found["batch_size"] = args["batch_size"]  # q = batch_size / N: N from the config's data module
+                found["data"] = config.get("data")
             found["delta"] = args.get("delta")
             found["accountant"] = args.get("accountant")
             found["target_epsilon"] = args.get("target_epsilon")
@@ -171,6 +174,28 @@ def from_config(path: Path) -> dict[str, Any]:
     return found
 
 
+def _sample_rate_from_data(path: Path, batch_size: int, data: Any) -> float:
+    """q = batch_size / N, N the training samples of the config's data module (set up as fit would)."""
+    hint = "pass --sample-rate (batch_size / number of training samples)."
+    if not (isinstance(data, dict) and "class_path" in data):
+        _refuse(
+            path,
+            f"DPSGD(batch_size={batch_size}) needs the data set's size, and the config names no data module.",
+            hint,
+        )
+    sys.stderr.write(f"lightning-dp audit: reading N from {data['class_path']} (q = batch_size / N)\n")
+    try:
+        module = _instantiate(data)
+        module.prepare_data()
+        module.setup("fit")
+        samples = len(module.train_dataloader().dataset)
+    except Exception as err:  # noqa: BLE001 - any failure to build the data is reported with the hint
+        _refuse(path, f"could not set up the data module to count its training samples ({err!r}).", hint)
+    if samples < batch_size:
+        _refuse(path, f"DPSGD(batch_size={batch_size}) is larger than the {samples} training samples.", hint)
+    return batch_size / samples
+
+
 def _resolve(args: argparse.Namespace) -> dict[str, Any]:
     cfg = from_config(args.config) if args.config else {}
     if cfg.get("target_epsilon") is not None and args.noise_multiplier is None:
@@ -178,6 +203,12 @@ def _resolve(args: argparse.Namespace) -> dict[str, Any]:
             f"`lightning-dp audit --config {args.config}`: the noise is calibrated at fit time "
             f"(target_epsilon={cfg['target_epsilon']}). HINT: pass the calibrated --noise-multiplier (the privacy "
             "report and `lightning-dp plan --target-epsilon` print it)."
+        )
+    if args.sample_rate is None and cfg.get("sample_rate") is None and cfg.get("batch_size") is not None:
+        cfg["sample_rate"] = _sample_rate_from_data(args.config, int(cfg["batch_size"]), cfg.get("data"))
+        cfg.setdefault("notes", []).append(
+            f"q = batch_size / N = {cfg['batch_size']} / {round(cfg['batch_size'] / cfg['sample_rate'])} training "
+            "samples of the config's data module"
         )
     values = {
         "level": args.level or cfg.get("level") or "sample",

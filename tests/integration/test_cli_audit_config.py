@@ -85,3 +85,40 @@ def test_paper_accounting_is_refused(tmp_path: Path, capsys: Any) -> None:
     args = {"sample_rate": 0.5, "noise_scales": [1.0], "selection_epsilon": 0.316, "accounting": "paper"}
     assert _audit(_config(tmp_path, "P3SGD", args), tmp_path / "out") == 2
     assert "accounting='paper'" in capsys.readouterr().err
+
+
+def test_a_dpsgd_config_with_a_batch_size_reads_n_from_its_data_module(tmp_path: Path, capsys: Any) -> None:
+    # Newcomer finding (issue 23): `audit --config` could not read a DPSGD config without --sample-rate. N comes from
+    # the config's own data module: 10 patients, 2 held out for test, 8 × 4 = 32 training images; q = 8 / 32.
+    config = {
+        "trainer": {
+            "max_steps": 2,
+            "callbacks": [
+                {
+                    "class_path": "lightning_dp.callbacks.DPSGD",
+                    "init_args": {"clip_norm": 1.0, "noise_multiplier": 1.0, "batch_size": 8},
+                }
+            ],
+        },
+        "data": {
+            "class_path": "lightning_dp.data.SyntheticPathologyDataModule",
+            "init_args": {
+                "root": str(tmp_path / "data"),
+                "num_patients": 10,
+                "patches_per_patient": 4,
+                "image_size": 16,
+                "val_fraction": 0.0,
+                "test_fraction": 0.2,
+            },
+        },
+    }
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    assert _audit(path, tmp_path / "out") == 0
+    report = json.loads((tmp_path / "out" / "audit.json").read_text())["whitebox"]
+    assert report["sample_rate"] == pytest.approx(8 / 32)
+    assert "8 / 32 training samples" in capsys.readouterr().out
+    config["data"] = None
+    path.write_text(yaml.safe_dump(config))
+    assert _audit(path, tmp_path / "out2") == 2
+    assert "names no data module" in capsys.readouterr().err
