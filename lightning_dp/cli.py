@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import json
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn
@@ -296,16 +297,40 @@ def main(argv: Sequence[str] | None = None) -> int:
     from lightning_dp._quiet import drop_lightning_tips
 
     drop_lightning_tips()
-    LightningCLI(
-        subclass_mode_model=True,
-        subclass_mode_data=True,
-        # From the console, LightningCLI reads sys.argv itself: given args as well, it warns that both were given.
-        args=None if from_command_line else argv,
-        parser_kwargs={"prog": "lightning-dp"},
-        save_config_kwargs={"overwrite": True},
-        auto_configure_optimizers=False,
-    )
+    try:
+        LightningCLI(
+            subclass_mode_model=True,
+            subclass_mode_data=True,
+            # From the console, LightningCLI reads sys.argv itself: given args as well, it warns that both were given.
+            args=None if from_command_line else argv,
+            parser_kwargs={"prog": "lightning-dp"},
+            save_config_kwargs={"overwrite": True},
+            auto_configure_optimizers=False,
+        )
+    except Exception as err:
+        ours = _library_error(err)
+        if ours is None or os.environ.get("LIGHTNING_DP_TRACEBACK"):
+            raise
+        print(
+            f"lightning-dp {command}: error: {ours}\n(the full traceback: set LIGHTNING_DP_TRACEBACK=1)",
+            file=sys.stderr,
+        )
+        return 2
     return 0
+
+
+def _library_error(err: BaseException) -> BaseException | None:
+    """The library's own configuration or state error behind ``err`` (jsonargparse wraps what __init__ raises)."""
+    from lightning_dp.errors import PrivacyStateError
+
+    seen: set[int] = set()
+    current: BaseException | None = err
+    while current is not None and id(current) not in seen:
+        if isinstance(current, (PrivacyConfigError, PrivacyStateError)):
+            return current
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return None
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -84,3 +84,21 @@ def test_plan_and_audit_help_are_their_own_parsers(
     out = capsys.readouterr().out
     assert out.startswith(f"usage: lightning-dp {command} [-h]")
     assert description in out.replace("\n", " ")
+
+
+def test_a_bad_config_value_is_one_error_line_not_a_traceback(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Newcomer finding (issue 23): the library's one-line message sat at line 72 of 81 lines of LightningCLI output.
+    config = Path(__file__).resolve().parents[2] / "configs" / "baseline_synthetic_pathology.yaml"
+    args = ["fit", "--config", str(config), "--model.init_args.lr=-1", f"--trainer.default_root_dir={tmp_path}"]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[0] == (
+        "lightning-dp fit: error: `ImageClassifier(lr=-1.0)`: lr must be a finite number > 0, found -1.0. "
+        "HINT: e.g. 0.05 for SGD, 1e-3 for Adam."
+    )
+    assert len(err) == 2 and "LIGHTNING_DP_TRACEBACK" in err[1]
+    monkeypatch.setenv("LIGHTNING_DP_TRACEBACK", "1")
+    with pytest.raises(ValueError, match="lr must be a finite number"):
+        main(args)
