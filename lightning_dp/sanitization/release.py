@@ -282,7 +282,10 @@ class SelectedRelease(Release):
     Poisson-subsampled *joint* mechanism of Gaussian(z_min) and the selection (ALGORITHMS.md §1).
 
     Args:
-        ledger, clip_norm, sample_rate, seed: as for `Release`.
+        ledger: as for `Release`.
+        clip_norm: as for `Release`.
+        sample_rate: as for `Release`.
+        seed: as for `Release`.
         noise_scales: Ω_z, the candidates' scales (two or more), multiplied by the schedule.
         selection: ε′ and the loss bound C_o of the exponential mechanism.
         schedule: multiplies every scale (default 1: the scales are the multipliers).

@@ -231,7 +231,9 @@ class ThresholdAcceptance(_EnergyRule):
 
     Args:
         threshold: β; a step is kept when ΔE < β (0: only improvements, up to the noise).
-        energy, energy_clip, energy_noise_multiplier: as for `AnnealedAcceptance`.
+        energy: as for `AnnealedAcceptance`.
+        energy_clip: as for `AnnealedAcceptance`.
+        energy_noise_multiplier: as for `AnnealedAcceptance`.
 
     Example:
         >>> rule = ThresholdAcceptance(threshold=0.0, energy="public")
