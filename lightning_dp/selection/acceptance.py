@@ -3,8 +3,9 @@
 An acceptance rule sees only what is safe to look at: an energy change ΔE = J(w_new) − J(w_t) that is
 either computed on data the user declares public (then deciding is post-processing) or released
 with noise and charged with the step it judges (`EnergyNoise`: per-unit losses clipped, summed on
-the step's own Poisson sample, Gaussian noise; ALGORITHMS.md §4). Every proposal is charged, accepted
-or not. The decision's randomness comes from a generator no data seeds, the same on every rank.
+the step's own Poisson sample, Gaussian noise; docs/algorithms/annealing.md, 'Privacy argument'). Every
+proposal is charged, accepted or not. The decision's randomness comes from a generator no data seeds, the
+same on every rank.
 """
 
 from __future__ import annotations
