@@ -1,10 +1,11 @@
 # The README's two commands: `make demo` and `make test`. Each creates .venv if it is missing.
+# `make docs` builds the documentation site strictly (every warning an error) into site/.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test docs lint bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -20,6 +21,10 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider -n 2 --durations=15
 
+docs: $(STAMP)
+	$(PY) -c "import mkdocs, material, mkdocstrings" 2>/dev/null || $(PY) -m pip install -q -e ".[docs]"
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
+
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
@@ -30,4 +35,4 @@ bench: $(STAMP)
 	$(PY) benchmarks/p3sgd_round.py
 
 clean:
-	rm -rf $(VENV) lightning_logs data/synthetic_pathology
+	rm -rf $(VENV) lightning_logs data/synthetic_pathology site

@@ -1,4 +1,4 @@
-"""Sample-level vs patient-level ε for the same run length: the table in the README.
+"""Sample-level vs patient-level ε for the same run length: the table in docs/concepts.md.
 
 DP-SGD protects one image. A patient with k images is protected only as a group of k; for DP-SGD
 with Poisson sampling the group's privacy loss is dominated by the mixture-of-Gaussians mechanism

@@ -1,6 +1,6 @@
 """PATE for segmentation with compressed teacher votes, beside DP-SGD and P3SGD on the same U-Net.
 
-The shape of the thesis' Table 4.1 (ALGORITHMS.md §5) on synthetic silhouettes (SiSI-like, target
+The shape of the thesis' Table 4.1 (docs/algorithms/pate.md) on synthetic silhouettes (SiSI-like, target
 "dog", `SyntheticSilhouettesDataModule`), at reduced scale for 2 CPU cores:
 
 * a non-private U-Net on all private training patients;

@@ -62,9 +62,9 @@ class PoissonSampledEvent:
     Everything inside ``event`` reads the same sample, and is amplified *together*: a Gaussian
     release and a selection computed on the same sampled units are
     ``PoissonSampledEvent(q, ComposedEvent((GaussianEvent(z), ExponentialMechanismEvent(ε′, k))))``, whose
-    cost is that of the subsampled joint mechanism (ALGORITHMS.md §1). Two ``PoissonSampledEvent`` s
-    composed side by side claim two *independent* samples. ``event`` is a `GaussianEvent`, an
-    `ExponentialMechanismEvent`, or a `ComposedEvent` of those.
+    cost is that of the subsampled joint mechanism (docs/algorithms/p3sgd.md, 'Privacy argument'). Two
+    ``PoissonSampledEvent`` s composed side by side claim two *independent* samples. ``event`` is a
+    `GaussianEvent`, an `ExponentialMechanismEvent`, or a `ComposedEvent` of those.
 
     Example:
         >>> PoissonSampledEvent(0.01, GaussianEvent(1.0)).sample_rate

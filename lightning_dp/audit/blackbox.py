@@ -126,7 +126,9 @@ class MembershipAudit:
             shared by every run).
         features: input dimension of the toy task.
         hidden: width of the MLP's hidden layer.
-        delta, accountant, significance: as for `StepAudit`.
+        delta: as for `StepAudit`.
+        accountant: as for `StepAudit`.
+        significance: as for `StepAudit`.
         seed: public seed of the data, the coins, the samplers and the noise (``None``: from the OS).
         progress: called with (run, runs) after each model.
 

@@ -33,7 +33,7 @@ canary alone.
 What it does not see: subsampling (q < 1 is refused here: the simulated `StepAudit` covers the sampler
 with Clopper–Pearson bounds), an accountant that is wrong only for q < 1, and anything that leaks without
 moving the mean or the spread of the canary's projection. A passing audit is a lower bound from one
-attack, not a proof; a leaking bug can pass it (the mutation table in the README lists what it catches).
+attack, not a proof; a leaking bug can pass it (the mutation table in docs/results/audit.md lists what it catches).
 """
 
 from __future__ import annotations

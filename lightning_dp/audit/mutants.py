@@ -1,7 +1,7 @@
 """Planted privacy bugs ("mutants"): does the audit catch a wrong clip, noise, rate or accountant in the code?
 
 Each `Mutant` patches one place of the library for the duration of a ``with`` block and restores it on
-exit. They are what the audit's mutation table (README, "Auditing") is measured with, and what the test
+exit. They are what the audit's mutation table (docs/results/audit.md) is measured with, and what the test
 suite runs the `CallbackAudit` against: every mutant in `MUTANTS` must be caught, the correct code must
 pass. A mutant is a bug that leaks more than the ledger says; a bug that only adds noise or scales the
 whole release (post-processing) is not one.
@@ -169,7 +169,7 @@ def _selection_charged_at_largest() -> Any:
     )
 
 
-#: The mutants the test suite's audit must catch (README: "The audit's mutation table").
+#: The mutants the test suite's audit must catch (docs/results/audit.md, 'The mutation table').
 MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "clip at 10·C",

@@ -44,7 +44,8 @@ __all__ = ["EPSILON_KEY", "PAPER_EPSILON_KEY", "DPAccountantName", "DPCallback",
 
 DPAccountantName = Literal["rdp", "prv"]
 _LIGHTNING_DEFAULT_EPOCHS = 1000  # what Trainer() sets when neither max_epochs nor max_steps is given
-#: Above this δ·N a guarantee allows exposing some unit with non-negligible probability (ALGORITHMS.md §0).
+#: Above this δ·N a guarantee allows exposing some unit with non-negligible probability
+#: (docs/concepts.md, 'Choosing δ').
 MAX_SAFE_DELTA_TIMES_N = 0.1
 #: The logged ε (one scalar per step, also on the progress bar): the ε of the callback's one accountant at
 #: the ledger's δ. The key names no accountant (the privacy report and a message at setup do) and no
@@ -56,7 +57,7 @@ PAPER_EPSILON_KEY = "privacy/epsilon_paper_not_a_guarantee"
 
 
 def default_delta(units: int) -> float:
-    """The default δ for N units: min(1e-5, 1/(10N)), far below 1/N (ALGORITHMS.md §0).
+    """The default δ for N units: min(1e-5, 1/(10N)), far below 1/N (docs/concepts.md, 'Choosing δ').
 
     Example:
         >>> default_delta(42), default_delta(1_000_000)

@@ -114,7 +114,7 @@ class P3SGD(DPCallback):
 
     The guarantee is (ε, δ)-DP for **add/remove all images of one patient**. By default every
     round is charged Gaussian(z_min) + the exponential mechanism's ε′ amplified by sampling
-    (ALGORITHMS.md §1): valid whatever scale is selected.
+    (docs/algorithms/p3sgd.md, 'Privacy argument'): valid whatever scale is selected.
 
     Args:
         sample_rate: q, the probability that a patient joins a round.

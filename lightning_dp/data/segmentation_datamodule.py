@@ -429,7 +429,9 @@ class SyntheticSilhouettesDataModule(SegmentationDataModule):
         split_seed: as in `SegmentationDataModule`.
         num_workers: as in `SegmentationDataModule`.
         augment: as in `SegmentationDataModule`.
-        teacher, num_teachers, teacher_seed: as in `SegmentationDataModule` (PATE teachers).
+        teacher: as in `SegmentationDataModule` (PATE teachers).
+        num_teachers: as in `SegmentationDataModule` (PATE teachers).
+        teacher_seed: as in `SegmentationDataModule` (PATE teachers).
 
     Example:
         >>> import tempfile

@@ -115,7 +115,7 @@ class EnergyNoise:
     """A private energy released with a step: Σ_units clip(e_i, [−C_E, C_E]) + N(0, (z_E·C_E)²), divided by n.
 
     Computed on the step's own Poisson sample, it is one more Gaussian in the step's joint mechanism
-    (ALGORITHMS.md §4): its sensitivity is C_E per unit and its multiplier z_E.
+    (docs/algorithms/annealing.md, 'Privacy argument'): its sensitivity is C_E per unit and its multiplier z_E.
 
     Args:
         clip: C_E, the bound on one unit's energy change.
@@ -279,10 +279,14 @@ class SelectedRelease(Release):
     is drawn first and every other one is made from it by adding independent extra noise
     N(0, (z² − z_min²)(C/n)²): every candidate is post-processing of one Gaussian release at z_min, and
     the selection scores the candidates on the round's sampled units, so a step costs the
-    Poisson-subsampled *joint* mechanism of Gaussian(z_min) and the selection (ALGORITHMS.md §1).
+    Poisson-subsampled *joint* mechanism of Gaussian(z_min) and the selection (docs/algorithms/p3sgd.md,
+    'Privacy argument').
 
     Args:
-        ledger, clip_norm, sample_rate, seed: as for `Release`.
+        ledger: as for `Release`.
+        clip_norm: as for `Release`.
+        sample_rate: as for `Release`.
+        seed: as for `Release`.
         noise_scales: Ω_z, the candidates' scales (two or more), multiplied by the schedule.
         selection: ε′ and the loss bound C_o of the exponential mechanism.
         schedule: multiplies every scale (default 1: the scales are the multipliers).

@@ -1,4 +1,4 @@
-"""Private segmentation: PATE with compressed teacher predictions (ALGORITHMS.md §5).
+"""Private segmentation: PATE with compressed teacher predictions (docs/algorithms/pate.md).
 
 DP-SGD and P3SGD train segmentation models through the ordinary callbacks (`lightning_dp.callbacks`);
 this package adds the PATE route: teachers on disjoint patient partitions, compression of their maps

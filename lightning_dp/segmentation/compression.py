@@ -1,7 +1,7 @@
 """Compression of teacher segmentation maps for PATE: one interface, PCA and an autoencoder.
 
 A segmentation map has as many values as the image has pixels (d); voting per pixel would need noise
-on every one of them. The thesis behind ALGORITHMS.md §5 compresses each teacher's map to l ≪ d
+on every one of them. The thesis behind docs/algorithms/pate.md compresses each teacher's map to l ≪ d
 numbers first and noises the mean of the K compressed maps. What makes that private is a bound on
 how far **one** teacher can move the sum of the codes, whatever it predicts — the compressor's
 `sensitivity`:

@@ -1,4 +1,4 @@
-"""PATE for segmentation with compressed teacher votes (ALGORITHMS.md §5).
+"""PATE for segmentation with compressed teacher votes (docs/algorithms/pate.md).
 
 K teachers are trained on **disjoint partitions of the patients** (ordinary, non-private Lightning
 runs; the teachers are never released). For each of N public inputs x_n, every teacher's map

@@ -3,8 +3,9 @@
 An acceptance rule sees only what is safe to look at: an energy change ΔE = J(w_new) − J(w_t) that is
 either computed on data the user declares public (then deciding is post-processing) or released
 with noise and charged with the step it judges (`EnergyNoise`: per-unit losses clipped, summed on
-the step's own Poisson sample, Gaussian noise; ALGORITHMS.md §4). Every proposal is charged, accepted
-or not. The decision's randomness comes from a generator no data seeds, the same on every rank.
+the step's own Poisson sample, Gaussian noise; docs/algorithms/annealing.md, 'Privacy argument'). Every
+proposal is charged, accepted or not. The decision's randomness comes from a generator no data seeds, the
+same on every rank.
 """
 
 from __future__ import annotations
@@ -231,7 +232,9 @@ class ThresholdAcceptance(_EnergyRule):
 
     Args:
         threshold: β; a step is kept when ΔE < β (0: only improvements, up to the noise).
-        energy, energy_clip, energy_noise_multiplier: as for `AnnealedAcceptance`.
+        energy: as for `AnnealedAcceptance`.
+        energy_clip: as for `AnnealedAcceptance`.
+        energy_noise_multiplier: as for `AnnealedAcceptance`.
 
     Example:
         >>> rule = ThresholdAcceptance(threshold=0.0, energy="public")

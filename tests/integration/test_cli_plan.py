@@ -73,7 +73,8 @@ def test_plan_refuses_invalid_tcdp_closed_form(capsys: pytest.CaptureFixture[str
         "0.99",
     ]
     out = _plan_json(capsys, *args)
-    # ALGORITHMS.md §3: outside its conditions the closed form reads 8.0 while RDP gives 37.0.
+    # docs/algorithms/decay.md, 'The closed form, and where it is not valid': outside its conditions the closed
+    # form reads 8.0 while RDP gives 37.0.
     assert out["tcdp"]["valid"] is False and out["tcdp"]["epsilon"] is None
     assert any("rho_t" in c for c in out["tcdp"]["failed_conditions"])
     assert out["epsilon"] == pytest.approx(37.0, abs=0.1)

@@ -1,4 +1,7 @@
-"""Every shipped config follows the δ advice it would otherwise warn about: δ·N ≤ 0.1 (ALGORITHMS.md §0)."""
+"""Every shipped config follows the δ advice it would otherwise warn about: δ·N ≤ 0.1.
+
+See docs/concepts.md, 'Choosing δ'.
+"""
 
 from __future__ import annotations
 

@@ -1,8 +1,9 @@
-"""Issue 22: the README's P3SGD snippet and the P3SGD config pair train a finite model above the majority class.
+"""Issue 22: the docs' P3SGD snippet and the P3SGD config pair train a finite model above the majority class.
 
 Both once trained ResNet-18 from scratch with all 11M weights released and ended with a NaN validation loss at the
 majority class. Both now follow the recipe that works (public pre-training, then P3SGD fine-tuning of the head);
-these tests run the README's own code and the shipped configs, at a small size, to the end.
+these tests run the documented code (docs/algorithms/p3sgd.md, "Train a model") and the shipped configs, at a small
+size, to the end.
 
 Tolerance: 180 test images in each test (snippet: 20 test patients × 9, configs: 30 × 6). A model that predicts
 the majority class (what the NaN runs did) scores exactly the majority share; a chance-level model scores
@@ -29,7 +30,7 @@ from lightning_dp.cli import main
 from lightning_dp.data import SyntheticPathologyDataModule
 
 ROOT = Path(__file__).resolve().parents[2]
-README = ROOT / "README.md"
+P3SGD_PAGE = ROOT / "docs" / "algorithms" / "p3sgd.md"
 PUBLIC_CONFIG = ROOT / "configs" / "public_pretrain_synthetic.yaml"
 P3SGD_CONFIG = ROOT / "configs" / "p3sgd_resnet18_synthetic.yaml"
 MARGIN = 0.06
@@ -40,19 +41,19 @@ def _majority_share(data: SyntheticPathologyDataModule) -> tuple[float, int]:
     return max(labels.mean().item(), 1.0 - labels.mean().item()), labels.numel()
 
 
-def readme_p3sgd_snippet() -> str:
-    """The first Python block under the README's "Patient-level DP training: P3SGD" heading."""
-    text = README.read_text()
-    section = text[text.index("## Patient-level DP training: P3SGD") :]
+def docs_p3sgd_snippet() -> str:
+    """The first Python block under the "Train a model" heading of the P3SGD page (the README's, before the docs)."""
+    text = P3SGD_PAGE.read_text()
+    section = text[text.index("## Train a model") :]
     match = re.search(r"```python\n(.*?)```", section, flags=re.S)
-    assert match is not None, "the README's P3SGD section has no Python block"
+    assert match is not None, "the P3SGD page's 'Train a model' section has no Python block"
     return match.group(1)
 
 
-def test_the_readme_p3sgd_snippet_trains_a_finite_model_above_the_majority_class(
+def test_the_docs_p3sgd_snippet_trains_a_finite_model_above_the_majority_class(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # The README's code, verbatim, with its Trainers and data sets shrunk (public: 80 patients × 10 patches, 5 epochs;
+    # The page's code, verbatim, with its Trainers and data sets shrunk (public: 80 patients × 10 patches, 5 epochs;
     # private: 100 patients × 9 patches, 10 rounds) and everything it writes kept in tmp_path.
     made: list[SyntheticPathologyDataModule] = []
 
@@ -76,7 +77,7 @@ def test_the_readme_p3sgd_snippet_trains_a_finite_model_above_the_majority_class
     monkeypatch.setattr(lightning_dp.data, "SyntheticPathologyDataModule", SmallData)
     monkeypatch.setattr(pl, "Trainer", SmallTrainer)
     namespace: dict[str, Any] = {}
-    exec(compile(readme_p3sgd_snippet(), str(README), "exec"), namespace)  # noqa: S102 - the README's own code
+    exec(compile(docs_p3sgd_snippet(), str(P3SGD_PAGE), "exec"), namespace)  # noqa: S102 - the docs' own code
 
     trainer, model = namespace["trainer"], namespace["model"]
     assert trainer.global_step == 10, "the private run must reach its rounds (no budget stop at this size)"
@@ -85,7 +86,7 @@ def test_the_readme_p3sgd_snippet_trains_a_finite_model_above_the_majority_class
     private = made[-1]
     majority, n = _majority_share(private)
     accuracy = evaluate_accuracy(model, private.test_dataloader())
-    print(f"README snippet: test accuracy {accuracy:.3f}, majority class {majority:.3f}")
+    print(f"docs snippet: test accuracy {accuracy:.3f}, majority class {majority:.3f}")
     assert accuracy >= majority + MARGIN, f"test accuracy {accuracy:.3f} vs majority class {majority:.3f} ({n} images)"
 
 

@@ -208,7 +208,8 @@ def test_epsilon_for_zero_steps_is_zero() -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# The tCDP planner (Zhang et al.'s closed form), ALGORITHMS.md §3.
+# The tCDP planner (Zhang et al.'s closed form): docs/algorithms/decay.md, 'The closed form, and where it is not
+# valid'.
 # --------------------------------------------------------------------------------------------
 
 PAPER = {"sample_ratio": 0.01, "sigma0": 2.8, "decay": 0.99, "delta": 1e-4, "clip_norm": 1.0}
@@ -218,13 +219,13 @@ PAPER = {"sample_ratio": 0.01, "sigma0": 2.8, "decay": 0.99, "delta": 1e-4, "cli
 def test_tcdp_closed_form_reproduces_reference(steps: int, reference: float) -> None:
     plan = tcdp_plan_unchecked(steps=steps, **PAPER)
     assert plan.epsilon == pytest.approx(reference, abs=0.01), (
-        f"T={steps}: closed-form tCDP ε = {plan.epsilon}, ALGORITHMS.md §3 gives {reference} (±0.01)"
+        f"T={steps}: closed-form tCDP ε = {plan.epsilon}, docs/algorithms/decay.md gives {reference} (±0.01)"
     )
 
 
 @pytest.mark.parametrize(("steps", "reference", "rel"), [(100, 0.23, 0.03), (500, 37.0, 0.01)])
 def test_rdp_of_paper_schedule_matches_reference(steps: int, reference: float, rel: float) -> None:
-    # ALGORITHMS.md §3, measured with independent accountants: RDP 0.23 at T = 100 and 37.0 at T = 500
+    # docs/algorithms/decay.md, measured with independent accountants: RDP 0.23 at T = 100 and 37.0 at T = 500
     # (σ_t read as the multiplier). Tolerance: the precision the reference was quoted at.
     eps = epsilon_for(PAPER["sample_ratio"], ExponentialDecay(PAPER["sigma0"], PAPER["decay"]), steps, PAPER["delta"])
     assert eps == pytest.approx(reference, rel=rel), f"T={steps}: RDP ε = {eps}, reference {reference} ({rel:.0%})"

@@ -160,8 +160,8 @@ def test_rdp_accountant_custom_orders_match_dp_accounting(orders: np.ndarray) ->
 
 
 def test_tf_privacy_mnist_value() -> None:
-    # TF Privacy's tutorial number (ALGORITHMS.md §6): n = 60000, b = 150, σ = 1.3, 15 epochs, δ = 1e-5
-    # → ε = 0.7242 at order 19. dp-accounting computes it the same way; we check the reference, then ours.
+    # TF Privacy's tutorial number (docs/concepts.md, 'Accountants'): n = 60000, b = 150, σ = 1.3, 15 epochs,
+    # δ = 1e-5 → ε = 0.7242 at order 19. dp-accounting computes it the same way; we check the reference, then ours.
     q, steps, delta = 150 / 60_000, 15 * 60_000 // 150, 1e-5
     reference = RdpAccountant(orders=list(DEFAULT_ORDERS))
     reference.compose(_dp_event(q, 1.3), steps)
@@ -261,7 +261,8 @@ def test_moments_brackets_p3sgd_table2_adaptive_rows(scales: tuple[float, float]
 
 
 def test_p3sgd_gaussian_part_moments_and_pld() -> None:
-    # ALGORITHMS.md §1: the Gaussian part of {1.0} is 6.97 by the moments accountant and 5.15 by PLD.
+    # docs/algorithms/p3sgd.md, "Where the paper's accounting is not valid": the Gaussian part of {1.0} is 6.97 by
+    # the moments accountant and 5.15 by PLD.
     history = [(P3SGD_RATE, 1.0, P3SGD_ROUNDS)]
     moments = MomentsAccountant().epsilon(_ledger(history, P3SGD_DELTA, unit="patient"))
     assert moments == pytest.approx(6.97, abs=0.02), f"moments ε = {moments}, reference 6.97 (±0.02)"
@@ -408,13 +409,13 @@ def test_separate_amplification_under_reports_the_review_example() -> None:
 
 
 def test_p3sgd_adaptive_rounds_at_the_papers_settings_cost_6_15() -> None:
-    # ALGORITHMS.md §1: at the paper's {3.0, 1.0} (q = 0.1, T = 100, ε′² = 0.1, δ = 1/1000^1.1) the joint charge
-    # is 6.15 by RDP.
+    # docs/algorithms/p3sgd.md, 'Privacy argument': at the paper's {3.0, 1.0} (q = 0.1, T = 100, ε′² = 0.1,
+    # δ = 1/1000^1.1) the joint charge is 6.15 by RDP.
     selection = ExponentialMechanismEvent(math.sqrt(P3SGD_EPS_SQ), candidates=2)
     ledger = PrivacyLedger(unit="patient", delta=P3SGD_DELTA)
     ledger.record(PoissonSampledEvent(P3SGD_RATE, ComposedEvent((GaussianEvent(1.0), selection))), P3SGD_ROUNDS)
     eps = RDPAccountant().epsilon(ledger)
-    assert eps == pytest.approx(6.15, abs=0.01), f"joint RDP ε = {eps}, ALGORITHMS.md 6.15 (±0.01)"
+    assert eps == pytest.approx(6.15, abs=0.01), f"joint RDP ε = {eps}, docs/algorithms/p3sgd.md 6.15 (±0.01)"
 
 
 @pytest.mark.parametrize(("q", "sigma"), [(0.01, 0.6), (0.1, 1.0), (0.5, 2.0), (0.9, 0.8), (0.3, 5.0)])
