@@ -8,8 +8,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Union
 
-import torch
-
 from lightning_dp.accounting import PrivacyLedger, get_accountant
 from lightning_dp.accounting.accountants import AccountantName
 from lightning_dp.errors import PrivacyConfigError, PrivacyStateError
@@ -64,6 +62,8 @@ def get_epsilon(source: Source, delta: float | None = None, accountant: Accounta
         path = Path(source)
         if not path.is_file():
             raise PrivacyConfigError(f"`get_epsilon({str(source)!r})`: no such file. HINT: pass a checkpoint's path.")
+        import torch  # here, not at module level: `import lightning_dp` stays torch-free
+
         ledger = _ledger_of_checkpoint(torch.load(path, map_location="cpu", weights_only=False), repr(str(source)))
     elif isinstance(source, dict):
         ledger = _ledger_of_checkpoint(source, "checkpoint")
