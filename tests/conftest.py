@@ -66,3 +66,30 @@ def _seed_everything() -> Iterator[None]:
             dist.destroy_process_group()
     except ImportError:  # pragma: no cover
         pass
+
+
+@pytest.fixture(autouse=True)
+def _restore_process_state() -> Iterator[None]:
+    """Puts back what an example run in-process changes for the whole process (examples/_shared.quiet_lightning
+    raises Lightning's log level and flushes denormal floats; a test may change torch's thread count or dtype): a
+    later test on the same xdist worker must not train or log differently because of which test ran before it."""
+    import logging
+
+    try:
+        import torch
+    except ImportError:  # pragma: no cover
+        yield
+        return
+    loggers = {name: logging.getLogger(name) for name in ("pytorch_lightning", "lightning.pytorch", "lightning_fabric")}
+    levels = {name: logger.level for name, logger in loggers.items()}
+    threads = torch.get_num_threads()
+    dtype = torch.get_default_dtype()
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    yield
+    for name, logger in loggers.items():
+        logger.setLevel(levels[name])
+    torch.set_flush_denormal(False)
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+    torch.set_default_dtype(dtype)
+    torch.use_deterministic_algorithms(deterministic)

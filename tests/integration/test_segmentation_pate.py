@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from lightning_dp.cli import main
-from lightning_dp.errors import PrivacyConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ["--model.init_args.monai_channels=[4, 8]", "--model.init_args.monai_res_units=0"]
@@ -70,7 +69,7 @@ def _student(tmp: Path, checkpoints: list[Path], extra: tuple[str, ...] = ()) ->
     )
 
 
-def test_teachers_then_student_release_patient_level_labels(tmp_path: Path) -> None:
+def test_teachers_then_student_release_patient_level_labels(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     checkpoints = [_teacher(k, tmp_path) for k in range(2)]
     assert _student(tmp_path, checkpoints) == 0
     report = (tmp_path / "report.txt").read_text()
@@ -88,12 +87,12 @@ def test_teachers_then_student_release_patient_level_labels(tmp_path: Path) -> N
     assert (tmp_path / "release.pt").read_bytes() == released
 
     # The same partition twice: one patient would change two teachers.
-    with pytest.raises(PrivacyConfigError, match="both trained on teacher partition 0"):
-        _student(tmp_path, [checkpoints[0], checkpoints[0]])
+    assert _student(tmp_path, [checkpoints[0], checkpoints[0]]) == 2
+    assert "both trained on teacher partition 0" in capsys.readouterr().err
     # A teacher trained on another split of the patients: the partitions may overlap.
     other = _teacher(1, tmp_path / "other", ("--data.init_args.split_seed=1",))
-    with pytest.raises(PrivacyConfigError, match="split_seed: 1 vs 0"):
-        _student(tmp_path, [checkpoints[0], other])
+    assert _student(tmp_path, [checkpoints[0], other]) == 2
+    assert "split_seed: 1 vs 0" in capsys.readouterr().err
 
 
 @pytest.mark.slow
