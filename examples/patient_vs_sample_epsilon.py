@@ -38,7 +38,7 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--patient-rate", type=float, default=0.1, help="P3SGD's q")
     parser.add_argument("--steps", type=int, default=100)
-    parser.add_argument("--delta", type=float, default=5e-4)
+    parser.add_argument("--delta", type=float, default=1e-5, help="the library's default for these sizes")
     args = parser.parse_args()
     q = args.batch_size / args.images
     print(f"{args.steps} steps, δ = {args.delta:g}, {args.per_patient} images per patient")
