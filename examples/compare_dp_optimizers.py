@@ -183,9 +183,10 @@ def _summary(results: dict[str, dict[float, list[dict[str, float]]]]) -> list[st
         cells = []
         for eps, runs in by_eps.items():
             accs = [r["test_acc"] for r in runs]
-            std = statistics.stdev(accs) if len(accs) > 1 else 0.0
+            # One seed has no spread to show: "± 0.0" would claim one.
+            spread = f" ± {statistics.stdev(accs):4.1f}" if len(accs) > 1 else ""
             accepted = statistics.mean(r["accepted_fraction"] for r in runs)
-            cells.append(f"ε={eps:g}: {statistics.mean(accs):5.1f} ± {std:4.1f} (kept {100 * accepted:3.0f} %)")
+            cells.append(f"ε={eps:g}: {statistics.mean(accs):5.1f}{spread} (kept {100 * accepted:3.0f} %)")
         lines.append(f"  {method:<22} " + "   ".join(cells))
     return lines
 
@@ -196,17 +197,36 @@ def _plot(path: Path, panels: dict[str, dict[str, dict[float, list[dict[str, flo
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    markers = "osD^vP*Xh<>"
     fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.2))
     for ax, (title, results) in zip(axes if len(panels) > 1 else [axes], panels.items()):
-        for method, by_eps in results.items():
+        lows, highs = [], []
+        for k, (method, by_eps) in enumerate(results.items()):
             eps = sorted(by_eps)
             means = [statistics.mean(r["test_acc"] for r in by_eps[e]) for e in eps]
             stds = [statistics.stdev([r["test_acc"] for r in by_eps[e]]) if len(by_eps[e]) > 1 else 0.0 for e in eps]
-            ax.errorbar(eps, means, yerr=stds, marker="o", capsize=3, label=method)
+            # Each method a little to the side of the ε it ran at (log axis), with its own marker and line:
+            # methods that land on the same accuracy no longer hide each other.
+            dodge = 1.06 ** (k - (len(results) - 1) / 2)
+            ax.errorbar(
+                [e * dodge for e in eps],
+                means,
+                yerr=stds if any(stds) else None,
+                marker=markers[k % len(markers)],
+                linestyle=["-", "--", ":", "-."][k % 4],
+                capsize=3,
+                label=method,
+            )
+            lows += [m - s for m, s in zip(means, stds)]
+            highs += [m + s for m, s in zip(means, stds)]
+        if lows:  # at least 10 points of accuracy on the axis: a 1-point spread is not drawn as a cliff
+            middle, span = (min(lows) + max(highs)) / 2, max(max(highs) - min(lows), 10.0) * 0.6
+            ax.set_ylim(middle - span, middle + span)
         ax.set_xscale("log")
-        ax.set_xlabel("ε (δ = 1e-5)")
+        ax.set_xlabel("ε (δ = 1e-5); methods drawn side by side at each ε")
         ax.set_ylabel("test accuracy (%)")
-        ax.set_title(title)
+        seeds = {len(runs) for by_eps in results.values() for runs in by_eps.values()}
+        ax.set_title(f"{title} ({'one seed' if seeds == {1} else 'mean ± std over seeds'})")
         ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

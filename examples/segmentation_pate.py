@@ -121,23 +121,41 @@ def _stack(dataset: Any) -> tuple[Tensor, Tensor]:
     return torch.stack([it[0] for it in items]), torch.stack([it[1] for it in items])
 
 
-def _grid(path: Path, images: Tensor, masks: Tensor, preds: dict[str, Tensor], rows: int = 4) -> None:
+def _grid(
+    path: Path, images: Tensor, masks: Tensor, preds: dict[str, Tensor], scores: dict[str, float], rows: int = 4
+) -> None:
+    """Input, truth and each route's mask for ``rows`` test images; every prediction titled with its own Dice, every
+    column with the route's test Dice (``scores``), and a legend line saying what white and black are."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     cols = ["input", "ground truth", *preds]
-    fig, axes = plt.subplots(rows, len(cols), figsize=(1.6 * len(cols), 1.6 * rows))
+    fig, axes = plt.subplots(rows, len(cols), figsize=(1.7 * len(cols), 1.75 * rows + 0.6))
     for r in range(rows):
-        panels = [images[r].permute(1, 2, 0), masks[r, 0]] + [p[r, 0] for p in preds.values()]
+        truth = masks[r, 0]
+        panels = [images[r].permute(1, 2, 0), truth] + [p[r, 0] for p in preds.values()]
         for c, (title, panel) in enumerate(zip(cols, panels)):
             ax = axes[r, c]
             ax.imshow(panel.numpy(), cmap=None if c == 0 else "gray", vmin=0, vmax=1)
             ax.set_xticks([])
             ax.set_yticks([])
+            label = ""
+            if c >= 2:  # this image's Dice under the route's prediction (thresholded at 0.5)
+                hard = (panel > 0.5).float()
+                total = float(hard.sum() + (truth > 0.5).float().sum())
+                label = f"Dice {2 * float((hard * (truth > 0.5).float()).sum()) / total:.2f}" if total else "Dice —"
             if r == 0:
-                ax.set_title(title, fontsize=7)
+                header = title if c < 2 else f"{title}\n(test Dice {scores[title]:.3f})" if title in scores else title
+                ax.set_title(header + (f"\n{label}" if label else ""), fontsize=6)
+            elif label:
+                ax.set_title(label, fontsize=6)
+    fig.suptitle(
+        "ground truth: white = the target, black = background; routes: the predicted probability of the target "
+        "(white = 1); Dice of the mask thresholded at 0.5",
+        fontsize=7,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -294,7 +312,14 @@ def main() -> None:
     text = "\n".join(lines)
     print(text)
     (out / "results.txt").write_text(text + "\n")
-    _grid(out / "predictions.png", test_images, test_masks, preds)
+    routes = {
+        "non-private": "non-private U-Net",
+        "DP-SGD": "DP-SGD (sample-level ε)",
+        "P3SGD": "P3SGD (patient-level ε)",
+    }
+    routes.update({f"{name}-PATE": f"{name}-PATE student" for name in reports})
+    scores = {column: results[row][1] for column, row in routes.items() if row in results}
+    _grid(out / "predictions.png", test_images, test_masks, preds, scores)
     print(f"wrote {out / 'results.txt'} and {out / 'predictions.png'}")
 
 

@@ -269,8 +269,24 @@ def _plot(result: StepAuditResult, path: Path) -> bool:
         ax.loglog(grid, np.minimum(1, np.exp(eps) * grid + result.delta), style, label=f"{name} = {eps:.2f} allows")
     ax.set_xlabel("false-positive rate")
     ax.set_ylabel("true-positive rate")
-    ax.set_title(f"white-box step audit ({result.level}-level, {result.steps} steps)")
+    ax.set_title(f"white-box step audit ({result.level}-level, {result.steps} steps)", fontsize=10)
     ax.legend(loc="lower right", fontsize=8)
+    # The verdict on the figure itself: a PNG shared without its JSON still says whether the audit passed.
+    verdict = (
+        f"PASSED: ε_lower {result.epsilon_lower:.2f} ≤ ε_upper {result.epsilon_upper:.2f}"
+        if result.passed
+        else f"FAILED: ε_lower {result.epsilon_lower:.2f} > ε_upper {result.epsilon_upper:.2f}"
+    )
+    ax.text(
+        0.03,
+        0.97,
+        verdict,
+        transform=ax.transAxes,
+        va="top",
+        fontsize=9,
+        fontweight="bold",
+        color="tab:green" if result.passed else "tab:red",
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
