@@ -12,7 +12,8 @@ For each model the script times, on the same batch and from the same weights:
 Models (``--models``): ``resnet18`` (classification, batch 32), and segmentation networks on
 per-pixel BCE (batch 8): ``unet``, ``fpn``, ``deeplabv3`` (smp, ResNet-18 encoder, random weights,
 BatchNorm replaced by GroupNorm) and ``monai_unet`` (MONAI's UNet, channels 16-256, two residual
-units per level: ConvTranspose2d, PReLU, InstanceNorm). ``--size`` is the image side (default 64;
+units per level: ConvTranspose2d, PReLU, InstanceNorm), ``monai_unet3d`` (the 3-D configs' UNet, channels
+8-32, one residual unit per level, on 8 patches of ``size``³ voxels). ``--size`` is the image side (default 64;
 the issue's target is U-Net at 128: DP step ≤ 1.5× the non-private time and memory).
 
 Each variant runs in a fresh subprocess. Peak memory is the peak resident set size during its
@@ -60,7 +61,7 @@ from lightning_dp.training.step import OptimizerTarget, PrivateStep
 CLIP, NOISE, LR = 1.0, 1.0, 0.05
 
 
-MODELS = ("resnet18", "unet", "fpn", "deeplabv3", "monai_unet")
+MODELS = ("resnet18", "unet", "fpn", "deeplabv3", "monai_unet", "monai_unet3d")
 
 
 def _model(name: str, size: int) -> tuple[nn.Module, tuple[int, ...], str]:
@@ -85,6 +86,11 @@ def _model(name: str, size: int) -> tuple[nn.Module, tuple[int, ...], str]:
             num_res_units=2,
         )
         return net, (8, 1, size, size), "seg"
+    if name == "monai_unet3d":  # configs/segmentation_*_unet3d.yaml's network on a batch of 8 patches of size³
+        from monai.networks.nets import UNet
+
+        net = UNet(spatial_dims=3, in_channels=1, out_channels=1, channels=(8, 16, 32), strides=(2, 2), num_res_units=1)
+        return net, (8, 1, size, size, size), "seg"
     raise SystemExit(f"unknown model {name!r}: use one of {', '.join(MODELS)}")
 
 

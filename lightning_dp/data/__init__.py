@@ -32,6 +32,7 @@ from lightning_dp.data.synthetic import (
     render_synthetic_patient,
     site_style,
 )
+from lightning_dp.data.volumes import VOLUME_SITES, SyntheticVolumesDataModule, VolumeSite, generate_synthetic_volumes
 
 __all__ = [
     "DataError",
@@ -48,8 +49,12 @@ __all__ = [
     "SegmentationRow",
     "SyntheticPathologyDataModule",
     "SyntheticSilhouettesDataModule",
+    "SyntheticVolumesDataModule",
+    "VOLUME_SITES",
+    "VolumeSite",
     "generate_synthetic_pathology",
     "generate_synthetic_silhouettes",
+    "generate_synthetic_volumes",
     "load_image",
     "read_manifest",
     "read_segmentation_manifest",

@@ -15,9 +15,19 @@ from lightning_dp.models import ImageClassifier
 # PATE's two configs (K teachers, then the student on their checkpoints) run in test_segmentation_pate.py.
 CONFIGS = sorted(c for c in (Path(__file__).resolve().parents[2] / "configs").glob("*.yaml") if "_pate_" not in c.stem)
 SEGMENTATION = [c for c in CONFIGS if "SyntheticSilhouettesDataModule" in c.read_text()]
+VOLUMES = [c for c in CONFIGS if "SyntheticVolumesDataModule" in c.read_text()]
 
 
 def _data_overrides(config: Path, root: Path, image_size: int = 32) -> list[str]:
+    if config in VOLUMES:  # 10 volumes of 16³ in patches of 8³, and a 3-D U-Net of two levels
+        return [
+            f"--data.init_args.root={root}",
+            "--data.init_args.num_patients=10",
+            "--data.init_args.volume_size=16",
+            "--data.init_args.patch_size=8",
+            "--model.init_args.monai_channels=[4, 8]",
+            "--model.init_args.monai_res_units=0",
+        ]
     if config in SEGMENTATION:
         return [
             f"--data.init_args.root={root}",
