@@ -56,6 +56,7 @@ from torch.utils.data import Dataset
 
 from lightning_dp.data.errors import DataError
 from lightning_dp.data.manifest import describe_range, load_image
+from lightning_dp.data.patients import PatientGroups, require_rows
 from lightning_dp.errors import PrivacyConfigError
 
 __all__ = [
@@ -548,12 +549,11 @@ def _check_options(
     return patch
 
 
-class _PatientItems:
-    """Items (images, slices or patches) of sources grouped by patient: the patient interface of the DP callbacks."""
+class _PatientItems(PatientGroups):
+    """Items (images, slices or patches) of sources, grouped by patient (`PatientGroups`)."""
 
     _store: _Store
     _items: list[tuple[int, tuple[int, ...]]]
-    _patients: list[str]
     _positive: list[bool]
     items: Items
     slice_axis: int
@@ -628,15 +628,8 @@ class _PatientItems:
 
     def _init(self, entries: list[tuple[int, tuple[int, ...]]], patients: list[str], positive: list[bool]) -> None:
         self._items = entries
-        self._patients = patients
         self._positive = positive
-        self._patient_ids = sorted(set(patients))
-        position = {patient: k for k, patient in enumerate(self._patient_ids)}
-        self._patient_index = torch.tensor([position[p] for p in patients], dtype=torch.int64)
-        groups: dict[int, list[int]] = {k: [] for k in range(len(self._patient_ids))}
-        for i, patient in enumerate(patients):
-            groups[position[patient]].append(i)
-        self._patient_to_indices = groups
+        self._group(patients)
 
     def _view(self, keep: list[int]) -> Any:
         """A new object of this type over the items ``keep``, sharing the store."""
@@ -657,26 +650,6 @@ class _PatientItems:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(num_items={len(self)}, num_patients={self.num_patients}, items={self.items!r})"
-
-    @property
-    def patient_ids(self) -> list[str]:
-        """The sorted unique patient ids; an item's ``patient`` indexes this list."""
-        return list(self._patient_ids)
-
-    @property
-    def num_patients(self) -> int:
-        """The number of patients (every one has at least one item)."""
-        return len(self._patient_ids)
-
-    @property
-    def patient_to_indices(self) -> dict[int, list[int]]:
-        """Patient index -> the indices of that patient's items (in dataset order)."""
-        return {patient: list(indices) for patient, indices in self._patient_to_indices.items()}
-
-    @property
-    def patient_index(self) -> Tensor:
-        """The patient index of every item, an int64 tensor of shape (N,)."""
-        return self._patient_index.clone()
 
     @property
     def positive(self) -> Tensor:
@@ -708,25 +681,12 @@ class _PatientItems:
         Raises:
             PrivacyConfigError: no ids are given, or an id does not occur in this dataset.
         """
-        wanted = {str(patient) for patient in patient_ids}
-        unknown = sorted(wanted - set(self._patient_ids))
-        if unknown or not wanted:
-            found = f"unknown id(s) {unknown[:10]}{' …' if len(unknown) > 10 else ''}" if unknown else "none"
-            raise PrivacyConfigError(
-                f"`{type(self).__name__}.subset_by_patients(patient_ids=...)`: patient_ids must be a non-empty set of "
-                f"ids of this dataset ({self.num_patients} patients), found {found}. "
-                "HINT: take ids from dataset.patient_ids."
-            )
-        return self._view([i for i, patient in enumerate(self._patients) if patient in wanted])
+        return self._view(self._kept_items(patient_ids, type(self).__name__))
 
 
 def _sources_from_rows(rows: Sequence[SegmentationRow], owner: str, need_masks: bool) -> list[_Source]:
     rows = list(rows)
-    if not rows:
-        raise PrivacyConfigError(
-            f"`{owner}(rows=[])`: rows must list at least one image (and so one patient), found none. "
-            "HINT: check the manifest or the patient ids the dataset was subset to."
-        )
+    require_rows(rows, owner)
     sources = []
     for row in rows:
         where = f"`{owner}`: {row.where} (image {row.image.name!r})"
