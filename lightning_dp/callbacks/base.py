@@ -32,6 +32,7 @@ from lightning_dp.accounting import (
 )
 from lightning_dp.callbacks.budget import PrivacyBudget
 from lightning_dp.callbacks.privacy_report import write_privacy_report
+from lightning_dp.callbacks.weight_averaging import averages_weights
 from lightning_dp.errors import PrivacyConfigError, PrivacyStateError, PrivacyWarning, check_in_interval
 from lightning_dp.sampling.patients import secure_seed
 from lightning_dp.sanitization import EnergyNoise, Release
@@ -791,10 +792,8 @@ class DPCallback(pl.Callback):
                 f"written by a run that used {self.mechanism} with the same `name`, or start a new run without "
                 "ckpt_path."
             )
-        from lightning_dp.callbacks.averaging import ReleasedWeightAveraging, is_lightning_weight_averaging
-
         averaging = any(  # ours, or Lightning's WeightAveraging (which writes the same two states)
-            isinstance(cb, ReleasedWeightAveraging) or is_lightning_weight_averaging(cb)
+            averages_weights(cb)
             for cb in trainer.callbacks  # type: ignore[attr-defined]
         )
         if "current_model_state" in checkpoint and not averaging:

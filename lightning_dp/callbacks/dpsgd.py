@@ -28,8 +28,8 @@ from pytorch_lightning.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, SequentialSampler
 
 from lightning_dp.accounting import PrivacyLedger, calibrate_noise_multiplier
-from lightning_dp.callbacks.averaging import is_lightning_weight_averaging
 from lightning_dp.callbacks.base import DPAccountantName, DPCallback
+from lightning_dp.callbacks.weight_averaging import is_lightning_weight_averaging
 from lightning_dp.errors import (
     PrivacyConfigError,
     PrivacyStateError,
