@@ -11,7 +11,6 @@ describe). Metrics the module logs while the callback computes on private data a
 from __future__ import annotations
 
 import copy
-import hashlib
 import math
 from collections.abc import Callable
 from typing import Any, ClassVar, Literal, get_args
@@ -25,79 +24,33 @@ from torch.utils.data import DataLoader
 from lightning_dp.accounting import (
     PrivacyLedger,
     PrivacyUnit,
-    calibrate_factor,
     get_accountant,
-    tcdp_mismatch,
-    tcdp_plan_unchecked,
 )
 from lightning_dp.callbacks.budget import PrivacyBudget
 from lightning_dp.callbacks.privacy_report import write_privacy_report
 from lightning_dp.callbacks.weight_averaging import averages_weights
 from lightning_dp.errors import PrivacyConfigError, PrivacyStateError, PrivacyWarning, check_in_interval
 from lightning_dp.sampling.patients import secure_seed
-from lightning_dp.sanitization import EnergyNoise, Release
-from lightning_dp.schedules import ExponentialDecay, NoiseSchedule
+from lightning_dp.sanitization import Release
+from lightning_dp.schedules import NoiseSchedule
 from lightning_dp.selection import AlwaysAccept, StepAcceptance
 from lightning_dp.training.checks import eval_mode
+from lightning_dp.training.privacy import (
+    EPSILON_KEY,
+    MAX_SAFE_DELTA_TIMES_N,
+    PAPER_EPSILON_KEY,
+    calibrate_schedule,
+    check_state_checksum,
+    default_delta,
+    schedule_report,
+    state_digest,
+)
 from lightning_dp.training.step import PrivateStep, StepResult
 
 __all__ = ["EPSILON_KEY", "PAPER_EPSILON_KEY", "DPAccountantName", "DPCallback", "default_delta", "state_digest"]
 
 DPAccountantName = Literal["rdp", "prv"]
 _LIGHTNING_DEFAULT_EPOCHS = 1000  # what Trainer() sets when neither max_epochs nor max_steps is given
-#: Above this δ·N a guarantee allows exposing some unit with non-negligible probability
-#: (docs/concepts.md, 'Choosing δ').
-MAX_SAFE_DELTA_TIMES_N = 0.1
-#: The logged ε (one scalar per step, also on the progress bar): the ε of the callback's one accountant at
-#: the ledger's δ. The key names no accountant (the privacy report and a message at setup do) and no
-#: callback ``name``: a Trainer runs one DP callback (a second one is refused in setup), so keys cannot collide.
-EPSILON_KEY = "privacy/epsilon"
-#: The ε a paper-reproduction mode logs instead (``P3SGD(accounting="paper")``): the paper's own count, NOT a
-#: guarantee, so never under `EPSILON_KEY`, the key every rigorous run and every dashboard reads as the guarantee.
-PAPER_EPSILON_KEY = "privacy/epsilon_paper_not_a_guarantee"
-
-
-def default_delta(units: int) -> float:
-    """The default δ for N units: min(1e-5, 1/(10N)), far below 1/N (docs/concepts.md, 'Choosing δ').
-
-    Example:
-        >>> default_delta(42), default_delta(1_000_000)
-        (1e-05, 1e-07)
-    """
-    return min(1e-5, 1.0 / (10 * units))
-
-
-def state_digest(state: Any) -> str:
-    """SHA-256 of a checkpoint state built from dicts, lists, tuples, strings, numbers, None and tensors.
-
-    Stored with the DP callbacks' state and checked on resume: ``torch.load`` verifies no checksum, so a
-    flipped bit in a ledger entry, a counter or a generator state would otherwise load silently.
-
-    Example:
-        >>> state_digest({"counts": [3]}) == state_digest({"counts": [3]}) != state_digest({"counts": [2]})
-        True
-    """
-    digest = hashlib.sha256()
-
-    def feed(value: Any) -> None:
-        if isinstance(value, dict):
-            digest.update(b"{%d" % len(value))
-            for key in sorted(value, key=repr):
-                feed(key)
-                feed(value[key])
-        elif isinstance(value, (list, tuple)):
-            digest.update(b"[%d" % len(value))
-            for item in value:
-                feed(item)
-        elif isinstance(value, torch.Tensor):
-            flat = value.detach().cpu().contiguous().reshape(-1)
-            digest.update(f"T{flat.dtype}{tuple(value.shape)}".encode())
-            digest.update(flat.view(torch.uint8).numpy().tobytes())
-        else:
-            digest.update(f"{type(value).__name__}:{value!r};".encode())
-
-    feed(state)
-    return digest.hexdigest()
 
 
 class DPCallback(pl.Callback):
@@ -272,29 +225,13 @@ class DPCallback(pl.Callback):
     def _calibrate(self, schedule: NoiseSchedule, rate: float, steps: int, delta: float) -> NoiseSchedule:
         """``schedule`` scaled so that ``steps`` steps of this callback's step end at ε ≤ target_epsilon.
 
-        With a private energy the energy's noise multiplier is scaled by the same factor (their ratio, a
-        hyper-parameter of the rule, is kept): both are noise of the same steps.
+        See `lightning_dp.training.privacy.calibrate_schedule` (the energy noise is scaled with it).
         """
         target = getattr(self, "target_epsilon", None)
         assert target is not None
-        energy = self.acceptance.energy_noise
-        probe = PrivacyLedger(self.unit, delta)
-        schedule.multipliers(steps)  # a bad multiplier anywhere in the run is an error before any search
-
-        def ledger_at(factor: float) -> PrivacyLedger:
-            release = self._new_release(probe, seed=0, schedule=schedule.scaled(factor))
-            scaled = None if energy is None else EnergyNoise(energy.clip, energy.noise_multiplier * factor)
-            ledger = PrivacyLedger(self.unit, delta)
-            if schedule.is_constant:
-                ledger.record(release.event(0, scaled), steps)
-            else:
-                for step in range(steps):
-                    ledger.record(release.event(step, scaled))
-            return ledger
-
-        factor = calibrate_factor(target, ledger_at, self.accountant.name, what=f"{schedule!r} and the energy noise")
-        self.acceptance.scale_energy(factor)
-        return schedule.scaled(factor)
+        return calibrate_schedule(
+            schedule, steps, delta, target, self.unit, self.acceptance, self.accountant.name, self._new_release
+        )
 
     # ------------------------------------------------------------------ setup and teardown
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -734,33 +671,7 @@ class DPCallback(pl.Callback):
     def _schedule_report(self) -> dict[str, Any]:
         """The noise schedule and, for per-step exponential decay, Zhang et al.'s tCDP closed form with its verdict."""
         assert self.release is not None and self.ledger is not None
-        schedule = self.release.schedule
-        out: dict[str, Any] = {"noise_schedule": schedule.describe()}
-        rate, steps = self.release.sample_rate, self.ledger.steps
-        if not isinstance(schedule, ExponentialDecay) or schedule.every != 1 or schedule.decay >= 1 or not rate:
-            return out
-        if steps < 1:
-            return out
-        # The formula describes a run only if every step is that one subsampled Gaussian: an acceptance energy or a
-        # selection on the step's sample costs more than it counts (0.020 "valid" was printed for a true ε ≥ 5.5).
-        mismatch = tcdp_mismatch(self.ledger.entries, rate, [self.release.noise_multiplier(t) for t in range(steps)])
-        if mismatch is not None:
-            out["tcdp_closed_form"] = {
-                "epsilon": None,
-                "valid": False,
-                "not_shown": "the closed form models each step as one Poisson-subsampled Gaussian at the decaying "
-                f"multiplier, and this run's ledger does not: {mismatch}. Its ε would not bound this run.",
-            }
-            return out
-        plan = tcdp_plan_unchecked(rate, self.release.noise_multiplier(0), schedule.decay, steps, self.ledger.delta)
-        out["tcdp_closed_form"] = {
-            "epsilon": plan.epsilon,
-            "valid": plan.valid,
-            "failed_conditions": [f"{c.name} ({c.detail})" for c in plan.conditions if not c.holds],
-            "what": "Zhang et al.'s closed form for this decay, a planning formula; the guarantee is the "
-            f"{self.accountant.name} ε above, computed from the multiplier each step used.",
-        }
-        return out
+        return schedule_report(self.release, self.ledger, self.accountant.name)
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
@@ -825,20 +736,11 @@ class DPCallback(pl.Callback):
         self._trained_steps = 0  # resumed: the checkpoint's ledger describes the model
 
     def _check_checksum(self, state_dict: dict[str, Any]) -> None:
-        stored = state_dict.get("checksum")
-        if stored is None:
+        if not check_state_checksum(self.state_key, state_dict):
             rank_zero_warn(
                 f"{self.state_key}: the checkpoint's privacy state has no checksum (written by an earlier "
                 "lightning-dp): it is resumed without an integrity check.",
                 category=PrivacyWarning,
-            )
-            return
-        if stored != state_digest({k: v for k, v in state_dict.items() if k != "checksum"}):
-            raise PrivacyStateError(
-                f"`{self.state_key}`: the checkpoint's privacy state is corrupt: its checksum does not match its "
-                "content (a damaged or edited file; torch.load verifies no checksum). Resuming from it could charge "
-                "the steps already taken at another ε or draw other noise and samples. Nothing was restored. HINT: "
-                "resume from an earlier checkpoint (ModelCheckpoint(save_top_k=-1) keeps every one it writes)."
             )
 
     def _validated(self, state_dict: dict[str, Any]) -> Callable[[], None]:
