@@ -28,8 +28,8 @@ from pytorch_lightning.utilities import rank_zero_warn
 from torch import Tensor
 
 from lightning_dp.callbacks.base import DPCallback
-from lightning_dp.callbacks.weight_averaging import AveragesReleasedWeights, is_lightning_weight_averaging
 from lightning_dp.errors import PrivacyConfigError, PrivacyStateError, PrivacyWarning, check_count, check_in_interval
+from lightning_dp.training.weight_averaging import AveragesReleasedWeights, is_lightning_weight_averaging
 
 __all__ = ["ReleasedWeightAveraging"]
 

@@ -17,7 +17,6 @@ from typing import Any, ClassVar, Literal, get_args
 
 import pytorch_lightning as pl
 import torch
-from pytorch_lightning.callbacks import BatchSizeFinder, LearningRateFinder, StochasticWeightAveraging
 from pytorch_lightning.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader
 
@@ -28,7 +27,6 @@ from lightning_dp.accounting import (
 )
 from lightning_dp.callbacks.budget import PrivacyBudget
 from lightning_dp.callbacks.privacy_report import write_privacy_report
-from lightning_dp.callbacks.weight_averaging import averages_weights
 from lightning_dp.errors import PrivacyConfigError, PrivacyStateError, PrivacyWarning, check_in_interval
 from lightning_dp.sampling.patients import secure_seed
 from lightning_dp.sanitization import Release
@@ -37,7 +35,6 @@ from lightning_dp.selection import AlwaysAccept, StepAcceptance
 from lightning_dp.training.checks import eval_mode
 from lightning_dp.training.privacy import (
     EPSILON_KEY,
-    MAX_SAFE_DELTA_TIMES_N,
     PAPER_EPSILON_KEY,
     calibrate_schedule,
     check_state_checksum,
@@ -45,12 +42,27 @@ from lightning_dp.training.privacy import (
     schedule_report,
     state_digest,
 )
+from lightning_dp.training.privacy import MAX_SAFE_DELTA_TIMES_N as MAX_SAFE_DELTA_TIMES_N  # re-exported
 from lightning_dp.training.step import PrivateStep, StepResult
+from lightning_dp.training.trainer import (
+    check_loader_in_use,
+    check_public_energy,
+    install_log_filter,
+    nonfinite_losses,
+    planned_length,
+    planned_steps,
+    refuse_batch_norm_reset,
+    refuse_budget_conflicts,
+    refuse_unsupported_trainer,
+    resolve_delta,
+    step_optimizers,
+    warn_calibrated_debug_run,
+)
+from lightning_dp.training.weight_averaging import averages_weights
 
 __all__ = ["EPSILON_KEY", "PAPER_EPSILON_KEY", "DPAccountantName", "DPCallback", "default_delta", "state_digest"]
 
 DPAccountantName = Literal["rdp", "prv"]
-_LIGHTNING_DEFAULT_EPOCHS = 1000  # what Trainer() sets when neither max_epochs nor max_steps is given
 
 
 class DPCallback(pl.Callback):
@@ -166,23 +178,7 @@ class DPCallback(pl.Callback):
 
     def _planned_steps(self, trainer: pl.Trainer, steps_per_epoch: int) -> int:
         """The length of the run that ``target_epsilon`` is calibrated for (max_steps, or max_epochs × steps)."""
-        target = getattr(self, "target_epsilon", None)
-        if trainer.max_steps is not None and trainer.max_steps > 0:
-            return int(trainer.max_steps)
-        if trainer.max_epochs is not None and trainer.max_epochs > 0:
-            if trainer.max_epochs == _LIGHTNING_DEFAULT_EPOCHS:
-                rank_zero_warn(
-                    f"{self.mechanism}(target_epsilon={target}) calibrates the noise for max_epochs="
-                    f"{trainer.max_epochs} ({trainer.max_epochs * steps_per_epoch} steps), Lightning's default when no "
-                    "run length is set: the noise will be much larger than a shorter run needs. HINT: set the "
-                    "Trainer's max_steps or max_epochs.",
-                    category=PrivacyWarning,
-                )
-            return int(trainer.max_epochs) * steps_per_epoch
-        raise PrivacyConfigError(
-            f"`{self.mechanism}(target_epsilon={target})`: calibrating the noise needs the length of the run, but "
-            "the Trainer has neither max_steps nor max_epochs. HINT: set one of them, or give the noise yourself."
-        )
+        return planned_steps(trainer, steps_per_epoch, self.mechanism, getattr(self, "target_epsilon", None))
 
     def _calibrated_length(self) -> int | None:
         """The run length ``target_epsilon`` was calibrated for (DPSGD's planned_steps, P3SGD's planned_rounds)."""
@@ -194,33 +190,7 @@ class DPCallback(pl.Callback):
 
     def _planned_length(self, trainer: pl.Trainer) -> int | None:
         """The steps the Trainer is set to run (the calibrated length, max_steps, or max_epochs × steps per epoch)."""
-        calibrated = self._calibrated_length()
-        if calibrated is not None:
-            return calibrated
-        if trainer.max_steps is not None and trainer.max_steps > 0:
-            return int(trainer.max_steps)
-        if trainer.max_epochs is not None and trainer.max_epochs > 0 and self._loader is not None:
-            try:
-                return int(trainer.max_epochs) * len(self._loader)
-            except TypeError:  # a loader without a length
-                return None
-        return None
-
-    def _warn_calibrated_debug_run(self, trainer: pl.Trainer) -> None:
-        """fast_dev_run with target_epsilon: Lightning makes it a 1-step run, and the calibration spends ε in it."""
-        target = getattr(self, "target_epsilon", None)
-        fast_dev_run = getattr(trainer, "fast_dev_run", False)
-        if target is None or not fast_dev_run:
-            return
-        rank_zero_warn(
-            f"{self.mechanism}(target_epsilon={target}) with Trainer(fast_dev_run={fast_dev_run}): Lightning "
-            f"runs {self._planned_run} step(s), and the noise is calibrated to spend the WHOLE target ε = {target} in "
-            "them: far less noise per step than the real run will add, so this debug run shows neither the real "
-            "run's noise nor its accuracy, and the model it trains has used up the budget. HINT: debug with "
-            "noise_multiplier=... (or noise_scales) instead of target_epsilon, or with max_steps=2 and "
-            "limit_val_batches=1.",
-            category=PrivacyWarning,
-        )
+        return planned_length(trainer, self._calibrated_length(), self._loader)
 
     def _calibrate(self, schedule: NoiseSchedule, rate: float, steps: int, delta: float) -> NoiseSchedule:
         """``schedule`` scaled so that ``steps`` steps of this callback's step end at ε ≤ target_epsilon.
@@ -254,44 +224,14 @@ class DPCallback(pl.Callback):
         if self.ledger is not None and self.ledger.steps > self._trained_steps:
             self._trained_steps = self.ledger.steps
             self._trained_ledgers = (self.ledger, self.accepted_ledger)
-        self._refuse_unsupported_trainer(trainer, pl_module)
-        self._check_public_energy(trainer)
+        refuse_unsupported_trainer(trainer, pl_module, self.mechanism, self.unit)
+        check_public_energy(trainer, self.mechanism, self.acceptance)
         units = self._prepare(trainer, pl_module)
         for budget in (cb for cb in trainer.callbacks if isinstance(cb, PrivacyBudget)):  # type: ignore[attr-defined]
             if self._budget is None:
                 self.attach_budget(budget)
-        minimum = {"min_steps": trainer.min_steps, "min_epochs": trainer.min_epochs}
-        if self._budget is not None and any((value or 0) > 0 for value in minimum.values()):
-            given = ", ".join(f"{key}={value}" for key, value in minimum.items() if (value or 0) > 0)
-            raise PrivacyConfigError(
-                f"`{self.mechanism}` with `PrivacyBudget`: Trainer({given}) would keep training past the budget's "
-                "stop, which is a hard stop before the step that would exceed the target ε. HINT: drop min_steps / "
-                "min_epochs; plan the run with lightning-dp plan so that the budget allows the steps you want."
-            )
-        if self._budget is not None and self._accounting_mode() == "paper":
-            raise PrivacyConfigError(
-                f"`{self.mechanism}(accounting='paper')` with `PrivacyBudget(target_epsilon="
-                f"{self._budget.target_epsilon:g})`: the paper's ε is not a differential-privacy guarantee, so a "
-                "budget stop on it would promise a bound that does not hold. HINT: accounting='rigorous' (the "
-                "default) with the budget, or accounting='paper' without it."
-            )
-        delta = self.delta
-        if self._budget is not None and self._budget.delta is not None:
-            if delta is not None and not math.isclose(delta, self._budget.delta):
-                raise PrivacyConfigError(
-                    f"`{self.mechanism}(delta={delta})` and `PrivacyBudget(delta={self._budget.delta})` disagree. "
-                    "HINT: set δ in one place."
-                )
-            delta = self._budget.delta
-        if delta is None:
-            delta = self._default_delta(units)
-        if delta * units > MAX_SAFE_DELTA_TIMES_N:
-            rank_zero_warn(
-                f"{self.mechanism}: δ = {delta:.3g} with N = {units} {self.unit}s gives δ·N = {delta * units:.2f} > "
-                f"{MAX_SAFE_DELTA_TIMES_N}: the guarantee allows exposing some {self.unit} entirely with probability "
-                f"up to about δ·N. HINT: use δ ≤ {default_delta(units):.2g} (the default when delta is not set).",
-                category=PrivacyWarning,
-            )
+        refuse_budget_conflicts(trainer, self.mechanism, self._budget, self._accounting_mode())
+        delta = resolve_delta(self.mechanism, self.unit, self.delta, self._budget, units, self._default_delta)
         seeds = [secure_seed() for _ in range(3)] if self.seed is None else [self.seed + k for k in range(3)]
         seeds = trainer.strategy.broadcast(seeds, src=0)  # every rank samples, noises and decides identically
         self.ledger = PrivacyLedger(self.unit, delta)
@@ -309,7 +249,7 @@ class DPCallback(pl.Callback):
         self._loader = self._build(trainer, pl_module, seeds)
         self._units = units
         self._planned_run = self._planned_length(trainer)
-        self._warn_calibrated_debug_run(trainer)
+        warn_calibrated_debug_run(trainer, self.mechanism, getattr(self, "target_epsilon", None), self._planned_run)
         assert self.release is not None
         self.acceptance.seed(seeds[2])
         self.private_step = PrivateStep(self.release, self.acceptance)
@@ -327,7 +267,7 @@ class DPCallback(pl.Callback):
             self._private_step(trainer, pl_module, batch)
 
         self._patch(pl_module, "training_step", private_step)
-        self._install_log_filter(trainer, pl_module)
+        install_log_filter(trainer, pl_module, self.mechanism, lambda: self._logging, self._patch)
         self._log_every_step(trainer)
         self._reading = True
 
@@ -349,62 +289,6 @@ class DPCallback(pl.Callback):
             f"{self.state_key}: logs the privacy metrics at every step (Trainer(log_every_n_steps={every}) would keep "
             f"one step in {every}); log_every_n_steps is back to {every} after fit."
         )
-
-    def _refuse_unsupported_trainer(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Trainer settings and modules that the private step would silently ignore or break, refused up front."""
-        name = self.mechanism
-        if trainer.accumulate_grad_batches != 1:
-            raise PrivacyConfigError(
-                f"`{name}`: Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches}) would be ignored: every "
-                f"optimizer step is one private step of its own Poisson sample. HINT: for larger steps raise "
-                f"{'batch_size' if self.unit == 'sample' else 'sample_rate'} (DPSGD's max_physical_batch_size keeps "
-                "the memory bounded)."
-            )
-        if trainer.gradient_clip_val is not None:
-            raise PrivacyConfigError(
-                f"`{name}`: Trainer(gradient_clip_val={trainer.gradient_clip_val}) would be ignored: the private step "
-                f"clips every {self.unit}'s contribution itself. HINT: set {name}(clip_norm=...) instead and leave "
-                "gradient_clip_val unset."
-            )
-        if not pl_module.automatic_optimization and not getattr(pl_module, "_lightning_dp_step", False):
-            raise PrivacyConfigError(
-                f"`{name}`: {type(pl_module).__name__} uses manual optimization (automatic_optimization=False); "
-                f"{name} takes over the optimization step and would bypass your training_step's optimizer calls. "
-                "HINT: return the loss from training_step with automatic optimization and let the callback step."
-            )
-        callbacks: list[pl.Callback] = trainer.callbacks  # type: ignore[attr-defined]
-        finders = [type(cb).__name__ for cb in callbacks if isinstance(cb, (LearningRateFinder, BatchSizeFinder))]
-        if finders:
-            raise PrivacyConfigError(
-                f"`{name}`: {finders[0]} (Tuner.lr_find / scale_batch_size) runs training steps on the private data "
-                "that would each be charged, and fails part-way. HINT: tune on public or synthetic data without the "
-                "DP callback, then train with the values found."
-            )
-
-    def _refuse_batch_norm_reset(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        swa = any(isinstance(cb, StochasticWeightAveraging) for cb in trainer.callbacks)  # type: ignore[attr-defined]
-        norms = [n for n, m in pl_module.named_modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
-        if swa and norms:
-            raise PrivacyConfigError(
-                f"`{self.mechanism}`: StochasticWeightAveraging recomputes the statistics of BatchNorm layers "
-                f"({norms[:3]}) with one more pass over the training data after its last epoch: under "
-                f"{self.mechanism} that pass is extra private steps, charged without being asked for (and a frozen "
-                "BatchNorm's pre-trained statistics are reset). HINT: use EMAWeightAveraging or WeightAveraging "
-                "(averaging released weights is post-processing), or a model with GroupNorm."
-            )
-
-    def _check_public_energy(self, trainer: pl.Trainer) -> None:
-        """An acceptance rule with a public energy needs a loader the user declares public."""
-        if self.acceptance.energy != "public":
-            return
-        datamodule = getattr(trainer, "datamodule", None)
-        if not callable(getattr(datamodule, "public_dataloader", None)):
-            raise PrivacyConfigError(
-                f"`{self.mechanism}(acceptance={self.acceptance!r})`: a public energy is computed on data you declare "
-                f"public, by giving the datamodule a public_dataloader() method; {type(datamodule).__name__} has "
-                "none. HINT: add public_dataloader() returning data you may use without privacy (a public or "
-                "held-out public set), or use energy='private' (noised and charged)."
-            )
 
     @torch.no_grad()
     def _public_loss(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> float:
@@ -475,17 +359,9 @@ class DPCallback(pl.Callback):
                 "would no longer bound it. HINT: resume with trainer.fit(..., ckpt_path=...), or use a new callback "
                 "for a new model."
             )
-        self._refuse_batch_norm_reset(trainer, pl_module)
-        loader = trainer.train_dataloader
-        loaders = loader if isinstance(loader, (list, tuple)) else [loader]
+        refuse_batch_norm_reset(trainer, pl_module, self.mechanism)
         assert self._loader is not None
-        ours = self._loader.dataset
-        if not any(getattr(dl, "dataset", None) is ours for dl in loaders):
-            raise PrivacyConfigError(
-                f"`{self.mechanism}`: the training dataloader in use is not {self.mechanism}'s Poisson-sampled loader, "
-                "so the batches would not be what the accountant assumes. HINT: do not pass train_dataloaders to "
-                "trainer.fit; pass a datamodule, or define train_dataloader() in the LightningModule."
-            )
+        check_loader_in_use(trainer, self._loader, self.mechanism)
 
     # ------------------------------------------------------------------ evaluation
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -510,15 +386,7 @@ class DPCallback(pl.Callback):
         """
         if self._warned_nonfinite_loss:
             return
-        bad = sorted(
-            name
-            for name, value in trainer.callback_metrics.items()
-            if "loss" in name.lower()
-            and not name.startswith(("privacy/", "private_diagnostics/"))
-            and isinstance(value, torch.Tensor)
-            and value.numel() == 1
-            and not bool(torch.isfinite(value))
-        )
+        bad = nonfinite_losses(trainer)
         if not bad:
             return
         self._warned_nonfinite_loss = True
@@ -532,39 +400,6 @@ class DPCallback(pl.Callback):
         )
 
     # ------------------------------------------------------------------ logging
-    def _install_log_filter(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Drops the module's own `log`/`log_dict` calls while training.
-
-        They are computed from private data and not sanitized (a loss logged in training_step or in
-        on_train_epoch_end alike). Validation and test logging pass. During training only the
-        callback's sanitized ``privacy/*`` metrics are logged.
-        """
-        log, log_dict = pl_module.log, pl_module.log_dict
-        dropped: set[str] = set()
-
-        def blocked(names: list[str]) -> bool:
-            if not trainer.training or self._logging:
-                return False
-            fresh = sorted(set(names) - dropped)
-            if fresh:
-                dropped.update(fresh)
-                rank_zero_info(
-                    f"{self.mechanism}: not logging {fresh} during training: computed from private training data and "
-                    "not sanitized. Validation and test metrics are logged as usual."
-                )
-            return True
-
-        def filtered_log(name: str, *args: Any, **kwargs: Any) -> None:
-            if not blocked([name]):
-                log(name, *args, **kwargs)
-
-        def filtered_log_dict(dictionary: Any, *args: Any, **kwargs: Any) -> None:
-            if not blocked([str(k) for k in dictionary]):
-                log_dict(dictionary, *args, **kwargs)
-
-        self._patch(pl_module, "log", filtered_log)
-        self._patch(pl_module, "log_dict", filtered_log_dict)
-
     def _budget_allows(self, trainer: pl.Trainer, step: int) -> bool:
         """False (and the trainer stops) if what ``step`` would charge (its event) exceeds the PrivacyBudget."""
         assert self.ledger is not None and self.private_step is not None
@@ -801,10 +636,4 @@ class DPCallback(pl.Callback):
         (fp16) is set to scale 1 so that it neither divides them again nor fails for want of a
         ``scale(loss)`` call.
         """
-        scaler = getattr(trainer.precision_plugin, "scaler", None)
-        if scaler is not None and scaler.is_enabled() and scaler.get_scale() != 1.0:
-            scaler.scale(torch.ones((), device=pl_module.device))  # initializes the scale tensor if needed
-            scaler.update(new_scale=1.0)
-        for optimizer in self._optimizers(pl_module):
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+        step_optimizers(trainer, pl_module, self._optimizers(pl_module))

@@ -29,7 +29,6 @@ from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSa
 
 from lightning_dp.accounting import PrivacyLedger, calibrate_noise_multiplier
 from lightning_dp.callbacks.base import DPAccountantName, DPCallback
-from lightning_dp.callbacks.weight_averaging import is_lightning_weight_averaging
 from lightning_dp.errors import (
     PrivacyConfigError,
     PrivacyStateError,
@@ -70,6 +69,7 @@ from lightning_dp.training.checks import (
     with_targets_rolled,
 )
 from lightning_dp.training.step import OptimizerTarget
+from lightning_dp.training.weight_averaging import is_lightning_weight_averaging
 
 __all__ = ["DPSGD"]
 

@@ -3,8 +3,9 @@
 `DPCallback` asks it when it reads a checkpoint written with weight averaging, and `DPSGD` when it
 converts BatchNorm after an averaging callback copied the model; `ReleasedWeightAveraging` asks it to
 refuse Lightning's own averaging beside it. It imports neither side, so that the DP callbacks
-(``base.py``) and the averaging callback (``averaging.py``, which needs `DPCallback`) do not import
-each other.
+(``callbacks/base.py``) and the averaging callback (``callbacks/averaging.py``, which needs
+`DPCallback`) do not import each other, and ``lightning_dp.training`` imports nothing of
+``lightning_dp.callbacks``.
 
 Example:
     >>> import pytorch_lightning as pl
