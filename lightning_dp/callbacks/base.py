@@ -32,7 +32,6 @@ from lightning_dp.sampling.patients import secure_seed
 from lightning_dp.sanitization import Release
 from lightning_dp.schedules import NoiseSchedule
 from lightning_dp.selection import AlwaysAccept, StepAcceptance
-from lightning_dp.training.checks import eval_mode
 from lightning_dp.training.privacy import (
     EPSILON_KEY,
     PAPER_EPSILON_KEY,
@@ -48,9 +47,11 @@ from lightning_dp.training.trainer import (
     check_loader_in_use,
     check_public_energy,
     install_log_filter,
+    log_every_step,
     nonfinite_losses,
     planned_length,
     planned_steps,
+    public_loss,
     refuse_batch_norm_reset,
     refuse_budget_conflicts,
     refuse_unsupported_trainer,
@@ -136,7 +137,7 @@ class DPCallback(pl.Callback):
         #: The number of privacy units N of the training data, and the run's planned length (for the report).
         self._units: int | None = None
         self._planned_run: int | None = None
-        #: The Trainer's log_every_n_steps while this callback has it at 1 (see `_log_every_step`).
+        #: The Trainer's log_every_n_steps while this callback has it at 1 (see `training.trainer.log_every_step`).
         self._user_log_every: int | None = None
 
     @property
@@ -268,44 +269,15 @@ class DPCallback(pl.Callback):
 
         self._patch(pl_module, "training_step", private_step)
         install_log_filter(trainer, pl_module, self.mechanism, lambda: self._logging, self._patch)
-        self._log_every_step(trainer)
+        user_log_every = log_every_step(trainer, self.state_key)
+        if user_log_every is not None:
+            self._user_log_every = user_log_every
         self._reading = True
 
-    def _log_every_step(self, trainer: pl.Trainer) -> None:
-        """Has Lightning send the privacy metrics to the loggers at every step, whatever log_every_n_steps says.
-
-        Lightning writes a step's ``self.log(..., on_step=True)`` values only every ``log_every_n_steps`` steps
-        (50 by default: two points of privacy/epsilon in a 100-step run). During a DP fit the module's own training
-        logs are dropped (`_install_log_filter`), so logging every step costs one small write per step (of the
-        privacy metrics, and of other callbacks' step metrics such as a LearningRateMonitor's). The user's value
-        comes back at teardown; 0 (logging off) is kept.
-        """
-        every = getattr(trainer, "log_every_n_steps", 1)
-        if not isinstance(every, int) or every <= 1:
-            return
-        self._user_log_every = every
-        trainer.log_every_n_steps = 1  # type: ignore[attr-defined]
-        rank_zero_info(
-            f"{self.state_key}: logs the privacy metrics at every step (Trainer(log_every_n_steps={every}) would keep "
-            f"one step in {every}); log_every_n_steps is back to {every} after fit."
-        )
-
-    @torch.no_grad()
     def _public_loss(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> float:
         """The mean training loss over the datamodule's public_dataloader() at the current weights (eval mode)."""
         assert self._original_training_step is not None
-        loader = trainer.datamodule.public_dataloader()  # type: ignore[attr-defined]
-        total, count = 0.0, 0
-        with eval_mode(pl_module):
-            for index, batch in enumerate(loader):
-                batch = pl_module.transfer_batch_to_device(batch, pl_module.device, 0)
-                out = self._original_training_step(batch, index)
-                loss = out["loss"] if isinstance(out, dict) else out
-                total += float(loss.detach().double().mean())
-                count += 1
-        if count == 0:
-            raise PrivacyConfigError(f"`{self.mechanism}`: public_dataloader() yielded no batch.")
-        return total / count
+        return public_loss(trainer, pl_module, self._original_training_step, self.mechanism)
 
     def _patch(self, owner: Any, attribute: str, value: Any) -> None:
         setattr(owner, attribute, value)

@@ -31,6 +31,7 @@ from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSa
 from lightning_dp.accounting import PrivacyUnit
 from lightning_dp.errors import PrivacyConfigError, PrivacyWarning
 from lightning_dp.selection import StepAcceptance
+from lightning_dp.training.checks import eval_mode
 from lightning_dp.training.privacy import MAX_SAFE_DELTA_TIMES_N, default_delta
 from lightning_dp.training.weight_averaging import is_lightning_weight_averaging
 
@@ -41,10 +42,12 @@ __all__ = [
     "check_loader_in_use",
     "check_public_energy",
     "install_log_filter",
+    "log_every_step",
     "map_style_training_data",
     "nonfinite_losses",
     "planned_length",
     "planned_steps",
+    "public_loss",
     "refuse_averaging_before_conversion",
     "refuse_batch_norm_reset",
     "refuse_budget_conflicts",
@@ -354,6 +357,49 @@ def install_log_filter(
 
     patch(pl_module, "log", filtered_log)
     patch(pl_module, "log_dict", filtered_log_dict)
+
+
+def log_every_step(trainer: pl.Trainer, state_key: str) -> int | None:
+    """Has Lightning send the privacy metrics to the loggers at every step, whatever log_every_n_steps says.
+
+    Lightning writes a step's ``self.log(..., on_step=True)`` values only every ``log_every_n_steps`` steps
+    (50 by default: two points of privacy/epsilon in a 100-step run). During a DP fit the module's own training
+    logs are dropped (`install_log_filter`), so logging every step costs one small write per step (of the
+    privacy metrics, and of other callbacks' step metrics such as a LearningRateMonitor's). Returns the user's
+    value, which the callback puts back at teardown (None when it was left alone); 0 (logging off) is kept.
+    """
+    every = getattr(trainer, "log_every_n_steps", 1)
+    if not isinstance(every, int) or every <= 1:
+        return None
+    trainer.log_every_n_steps = 1  # type: ignore[attr-defined]
+    rank_zero_info(
+        f"{state_key}: logs the privacy metrics at every step (Trainer(log_every_n_steps={every}) would keep "
+        f"one step in {every}); log_every_n_steps is back to {every} after fit."
+    )
+    return every
+
+
+@torch.no_grad()
+def public_loss(
+    trainer: pl.Trainer, pl_module: pl.LightningModule, training_step: Callable[..., Any], mechanism: str
+) -> float:
+    """The mean training loss over the datamodule's public_dataloader() at the current weights (eval mode).
+
+    ``training_step`` is the module's own (the callback has routed ``pl_module.training_step`` through the
+    private step).
+    """
+    loader = trainer.datamodule.public_dataloader()  # type: ignore[attr-defined]
+    total, count = 0.0, 0
+    with eval_mode(pl_module):
+        for index, batch in enumerate(loader):
+            batch = pl_module.transfer_batch_to_device(batch, pl_module.device, 0)
+            out = training_step(batch, index)
+            loss = out["loss"] if isinstance(out, dict) else out
+            total += float(loss.detach().double().mean())
+            count += 1
+    if count == 0:
+        raise PrivacyConfigError(f"`{mechanism}`: public_dataloader() yielded no batch.")
+    return total / count
 
 
 def step_optimizers(trainer: pl.Trainer, pl_module: pl.LightningModule, optimizers: list[Any]) -> None:
