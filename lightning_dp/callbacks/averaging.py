@@ -29,11 +29,12 @@ from torch import Tensor
 
 from lightning_dp.callbacks.base import DPCallback
 from lightning_dp.errors import PrivacyConfigError, PrivacyStateError, PrivacyWarning, check_count, check_in_interval
+from lightning_dp.training.weight_averaging import AveragesReleasedWeights, is_lightning_weight_averaging
 
 __all__ = ["ReleasedWeightAveraging"]
 
 
-class ReleasedWeightAveraging(pl.Callback):
+class ReleasedWeightAveraging(AveragesReleasedWeights, pl.Callback):
     """EMA of the weights released by the Trainer's DP callback (`DPSGD` or `P3SGD`); post-processing, no ε.
 
     After released step t (0-based, counted by the DP callback's ledger) with t ≥ ``start_step``:
@@ -268,12 +269,3 @@ def _average_copy(tensor: Tensor) -> Tensor:
     """A detached copy to average in: float32 for half-precision tensors (an EMA in bf16 loses the small updates)."""
     copy = tensor.detach().clone()
     return copy.float() if copy.dtype in (torch.float16, torch.bfloat16) else copy
-
-
-def is_lightning_weight_averaging(callback: pl.Callback) -> bool:
-    """Whether ``callback`` is Lightning's `WeightAveraging` or `EMAWeightAveraging` (Lightning ≥ 2.5 has them)."""
-    try:
-        from pytorch_lightning.callbacks import WeightAveraging
-    except ImportError:  # pragma: no cover - an older Lightning
-        return False
-    return isinstance(callback, WeightAveraging)

@@ -11,92 +11,59 @@ describe). Metrics the module logs while the callback computes on private data a
 from __future__ import annotations
 
 import copy
-import hashlib
 import math
 from collections.abc import Callable
 from typing import Any, ClassVar, Literal, get_args
 
 import pytorch_lightning as pl
 import torch
-from pytorch_lightning.callbacks import BatchSizeFinder, LearningRateFinder, StochasticWeightAveraging
 from pytorch_lightning.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader
 
 from lightning_dp.accounting import (
     PrivacyLedger,
     PrivacyUnit,
-    calibrate_factor,
     get_accountant,
-    tcdp_mismatch,
-    tcdp_plan_unchecked,
 )
 from lightning_dp.callbacks.budget import PrivacyBudget
 from lightning_dp.callbacks.privacy_report import write_privacy_report
 from lightning_dp.errors import PrivacyConfigError, PrivacyStateError, PrivacyWarning, check_in_interval
 from lightning_dp.sampling.patients import secure_seed
-from lightning_dp.sanitization import EnergyNoise, Release
-from lightning_dp.schedules import ExponentialDecay, NoiseSchedule
+from lightning_dp.sanitization import Release
+from lightning_dp.schedules import NoiseSchedule
 from lightning_dp.selection import AlwaysAccept, StepAcceptance
-from lightning_dp.training.checks import eval_mode
+from lightning_dp.training.privacy import (
+    EPSILON_KEY,
+    PAPER_EPSILON_KEY,
+    calibrate_schedule,
+    check_state_checksum,
+    default_delta,
+    schedule_report,
+    state_digest,
+)
+from lightning_dp.training.privacy import MAX_SAFE_DELTA_TIMES_N as MAX_SAFE_DELTA_TIMES_N  # re-exported
 from lightning_dp.training.step import PrivateStep, StepResult
+from lightning_dp.training.trainer import (
+    check_loader_in_use,
+    check_public_energy,
+    install_log_filter,
+    log_every_step,
+    nonfinite_losses,
+    planned_length,
+    planned_steps,
+    public_loss,
+    refuse_batch_norm_reset,
+    refuse_budget_conflicts,
+    refuse_unsupported_trainer,
+    resolve_delta,
+    step_optimizers,
+    warn_calibrated_debug_run,
+)
+from lightning_dp.training.weight_averaging import averages_weights
 
 __all__ = ["EPSILON_KEY", "PAPER_EPSILON_KEY", "DPAccountantName", "DPCallback", "default_delta", "state_digest"]
 
 DPAccountantName = Literal["rdp", "prv"]
-_LIGHTNING_DEFAULT_EPOCHS = 1000  # what Trainer() sets when neither max_epochs nor max_steps is given
-#: Above this δ·N a guarantee allows exposing some unit with non-negligible probability
-#: (docs/concepts.md, 'Choosing δ').
-MAX_SAFE_DELTA_TIMES_N = 0.1
-#: The logged ε (one scalar per step, also on the progress bar): the ε of the callback's one accountant at
-#: the ledger's δ. The key names no accountant (the privacy report and a message at setup do) and no
-#: callback ``name``: a Trainer runs one DP callback (a second one is refused in setup), so keys cannot collide.
-EPSILON_KEY = "privacy/epsilon"
-#: The ε a paper-reproduction mode logs instead (``P3SGD(accounting="paper")``): the paper's own count, NOT a
-#: guarantee, so never under `EPSILON_KEY`, the key every rigorous run and every dashboard reads as the guarantee.
-PAPER_EPSILON_KEY = "privacy/epsilon_paper_not_a_guarantee"
-
-
-def default_delta(units: int) -> float:
-    """The default δ for N units: min(1e-5, 1/(10N)), far below 1/N (docs/concepts.md, 'Choosing δ').
-
-    Example:
-        >>> default_delta(42), default_delta(1_000_000)
-        (1e-05, 1e-07)
-    """
-    return min(1e-5, 1.0 / (10 * units))
-
-
-def state_digest(state: Any) -> str:
-    """SHA-256 of a checkpoint state built from dicts, lists, tuples, strings, numbers, None and tensors.
-
-    Stored with the DP callbacks' state and checked on resume: ``torch.load`` verifies no checksum, so a
-    flipped bit in a ledger entry, a counter or a generator state would otherwise load silently.
-
-    Example:
-        >>> state_digest({"counts": [3]}) == state_digest({"counts": [3]}) != state_digest({"counts": [2]})
-        True
-    """
-    digest = hashlib.sha256()
-
-    def feed(value: Any) -> None:
-        if isinstance(value, dict):
-            digest.update(b"{%d" % len(value))
-            for key in sorted(value, key=repr):
-                feed(key)
-                feed(value[key])
-        elif isinstance(value, (list, tuple)):
-            digest.update(b"[%d" % len(value))
-            for item in value:
-                feed(item)
-        elif isinstance(value, torch.Tensor):
-            flat = value.detach().cpu().contiguous().reshape(-1)
-            digest.update(f"T{flat.dtype}{tuple(value.shape)}".encode())
-            digest.update(flat.view(torch.uint8).numpy().tobytes())
-        else:
-            digest.update(f"{type(value).__name__}:{value!r};".encode())
-
-    feed(state)
-    return digest.hexdigest()
 
 
 class DPCallback(pl.Callback):
@@ -170,7 +137,7 @@ class DPCallback(pl.Callback):
         #: The number of privacy units N of the training data, and the run's planned length (for the report).
         self._units: int | None = None
         self._planned_run: int | None = None
-        #: The Trainer's log_every_n_steps while this callback has it at 1 (see `_log_every_step`).
+        #: The Trainer's log_every_n_steps while this callback has it at 1 (see `training.trainer.log_every_step`).
         self._user_log_every: int | None = None
 
     @property
@@ -212,23 +179,7 @@ class DPCallback(pl.Callback):
 
     def _planned_steps(self, trainer: pl.Trainer, steps_per_epoch: int) -> int:
         """The length of the run that ``target_epsilon`` is calibrated for (max_steps, or max_epochs × steps)."""
-        target = getattr(self, "target_epsilon", None)
-        if trainer.max_steps is not None and trainer.max_steps > 0:
-            return int(trainer.max_steps)
-        if trainer.max_epochs is not None and trainer.max_epochs > 0:
-            if trainer.max_epochs == _LIGHTNING_DEFAULT_EPOCHS:
-                rank_zero_warn(
-                    f"{self.mechanism}(target_epsilon={target}) calibrates the noise for max_epochs="
-                    f"{trainer.max_epochs} ({trainer.max_epochs * steps_per_epoch} steps), Lightning's default when no "
-                    "run length is set: the noise will be much larger than a shorter run needs. HINT: set the "
-                    "Trainer's max_steps or max_epochs.",
-                    category=PrivacyWarning,
-                )
-            return int(trainer.max_epochs) * steps_per_epoch
-        raise PrivacyConfigError(
-            f"`{self.mechanism}(target_epsilon={target})`: calibrating the noise needs the length of the run, but "
-            "the Trainer has neither max_steps nor max_epochs. HINT: set one of them, or give the noise yourself."
-        )
+        return planned_steps(trainer, steps_per_epoch, self.mechanism, getattr(self, "target_epsilon", None))
 
     def _calibrated_length(self) -> int | None:
         """The run length ``target_epsilon`` was calibrated for (DPSGD's planned_steps, P3SGD's planned_rounds)."""
@@ -240,60 +191,18 @@ class DPCallback(pl.Callback):
 
     def _planned_length(self, trainer: pl.Trainer) -> int | None:
         """The steps the Trainer is set to run (the calibrated length, max_steps, or max_epochs × steps per epoch)."""
-        calibrated = self._calibrated_length()
-        if calibrated is not None:
-            return calibrated
-        if trainer.max_steps is not None and trainer.max_steps > 0:
-            return int(trainer.max_steps)
-        if trainer.max_epochs is not None and trainer.max_epochs > 0 and self._loader is not None:
-            try:
-                return int(trainer.max_epochs) * len(self._loader)
-            except TypeError:  # a loader without a length
-                return None
-        return None
-
-    def _warn_calibrated_debug_run(self, trainer: pl.Trainer) -> None:
-        """fast_dev_run with target_epsilon: Lightning makes it a 1-step run, and the calibration spends ε in it."""
-        target = getattr(self, "target_epsilon", None)
-        fast_dev_run = getattr(trainer, "fast_dev_run", False)
-        if target is None or not fast_dev_run:
-            return
-        rank_zero_warn(
-            f"{self.mechanism}(target_epsilon={target}) with Trainer(fast_dev_run={fast_dev_run}): Lightning "
-            f"runs {self._planned_run} step(s), and the noise is calibrated to spend the WHOLE target ε = {target} in "
-            "them: far less noise per step than the real run will add, so this debug run shows neither the real "
-            "run's noise nor its accuracy, and the model it trains has used up the budget. HINT: debug with "
-            "noise_multiplier=... (or noise_scales) instead of target_epsilon, or with max_steps=2 and "
-            "limit_val_batches=1.",
-            category=PrivacyWarning,
-        )
+        return planned_length(trainer, self._calibrated_length(), self._loader)
 
     def _calibrate(self, schedule: NoiseSchedule, rate: float, steps: int, delta: float) -> NoiseSchedule:
         """``schedule`` scaled so that ``steps`` steps of this callback's step end at ε ≤ target_epsilon.
 
-        With a private energy the energy's noise multiplier is scaled by the same factor (their ratio, a
-        hyper-parameter of the rule, is kept): both are noise of the same steps.
+        See `lightning_dp.training.privacy.calibrate_schedule` (the energy noise is scaled with it).
         """
         target = getattr(self, "target_epsilon", None)
         assert target is not None
-        energy = self.acceptance.energy_noise
-        probe = PrivacyLedger(self.unit, delta)
-        schedule.multipliers(steps)  # a bad multiplier anywhere in the run is an error before any search
-
-        def ledger_at(factor: float) -> PrivacyLedger:
-            release = self._new_release(probe, seed=0, schedule=schedule.scaled(factor))
-            scaled = None if energy is None else EnergyNoise(energy.clip, energy.noise_multiplier * factor)
-            ledger = PrivacyLedger(self.unit, delta)
-            if schedule.is_constant:
-                ledger.record(release.event(0, scaled), steps)
-            else:
-                for step in range(steps):
-                    ledger.record(release.event(step, scaled))
-            return ledger
-
-        factor = calibrate_factor(target, ledger_at, self.accountant.name, what=f"{schedule!r} and the energy noise")
-        self.acceptance.scale_energy(factor)
-        return schedule.scaled(factor)
+        return calibrate_schedule(
+            schedule, steps, delta, target, self.unit, self.acceptance, self.accountant.name, self._new_release
+        )
 
     # ------------------------------------------------------------------ setup and teardown
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -316,44 +225,14 @@ class DPCallback(pl.Callback):
         if self.ledger is not None and self.ledger.steps > self._trained_steps:
             self._trained_steps = self.ledger.steps
             self._trained_ledgers = (self.ledger, self.accepted_ledger)
-        self._refuse_unsupported_trainer(trainer, pl_module)
-        self._check_public_energy(trainer)
+        refuse_unsupported_trainer(trainer, pl_module, self.mechanism, self.unit)
+        check_public_energy(trainer, self.mechanism, self.acceptance)
         units = self._prepare(trainer, pl_module)
         for budget in (cb for cb in trainer.callbacks if isinstance(cb, PrivacyBudget)):  # type: ignore[attr-defined]
             if self._budget is None:
                 self.attach_budget(budget)
-        minimum = {"min_steps": trainer.min_steps, "min_epochs": trainer.min_epochs}
-        if self._budget is not None and any((value or 0) > 0 for value in minimum.values()):
-            given = ", ".join(f"{key}={value}" for key, value in minimum.items() if (value or 0) > 0)
-            raise PrivacyConfigError(
-                f"`{self.mechanism}` with `PrivacyBudget`: Trainer({given}) would keep training past the budget's "
-                "stop, which is a hard stop before the step that would exceed the target ε. HINT: drop min_steps / "
-                "min_epochs; plan the run with lightning-dp plan so that the budget allows the steps you want."
-            )
-        if self._budget is not None and self._accounting_mode() == "paper":
-            raise PrivacyConfigError(
-                f"`{self.mechanism}(accounting='paper')` with `PrivacyBudget(target_epsilon="
-                f"{self._budget.target_epsilon:g})`: the paper's ε is not a differential-privacy guarantee, so a "
-                "budget stop on it would promise a bound that does not hold. HINT: accounting='rigorous' (the "
-                "default) with the budget, or accounting='paper' without it."
-            )
-        delta = self.delta
-        if self._budget is not None and self._budget.delta is not None:
-            if delta is not None and not math.isclose(delta, self._budget.delta):
-                raise PrivacyConfigError(
-                    f"`{self.mechanism}(delta={delta})` and `PrivacyBudget(delta={self._budget.delta})` disagree. "
-                    "HINT: set δ in one place."
-                )
-            delta = self._budget.delta
-        if delta is None:
-            delta = self._default_delta(units)
-        if delta * units > MAX_SAFE_DELTA_TIMES_N:
-            rank_zero_warn(
-                f"{self.mechanism}: δ = {delta:.3g} with N = {units} {self.unit}s gives δ·N = {delta * units:.2f} > "
-                f"{MAX_SAFE_DELTA_TIMES_N}: the guarantee allows exposing some {self.unit} entirely with probability "
-                f"up to about δ·N. HINT: use δ ≤ {default_delta(units):.2g} (the default when delta is not set).",
-                category=PrivacyWarning,
-            )
+        refuse_budget_conflicts(trainer, self.mechanism, self._budget, self._accounting_mode())
+        delta = resolve_delta(self.mechanism, self.unit, self.delta, self._budget, units, self._default_delta)
         seeds = [secure_seed() for _ in range(3)] if self.seed is None else [self.seed + k for k in range(3)]
         seeds = trainer.strategy.broadcast(seeds, src=0)  # every rank samples, noises and decides identically
         self.ledger = PrivacyLedger(self.unit, delta)
@@ -371,7 +250,7 @@ class DPCallback(pl.Callback):
         self._loader = self._build(trainer, pl_module, seeds)
         self._units = units
         self._planned_run = self._planned_length(trainer)
-        self._warn_calibrated_debug_run(trainer)
+        warn_calibrated_debug_run(trainer, self.mechanism, getattr(self, "target_epsilon", None), self._planned_run)
         assert self.release is not None
         self.acceptance.seed(seeds[2])
         self.private_step = PrivateStep(self.release, self.acceptance)
@@ -389,101 +268,16 @@ class DPCallback(pl.Callback):
             self._private_step(trainer, pl_module, batch)
 
         self._patch(pl_module, "training_step", private_step)
-        self._install_log_filter(trainer, pl_module)
-        self._log_every_step(trainer)
+        install_log_filter(trainer, pl_module, self.mechanism, lambda: self._logging, self._patch)
+        user_log_every = log_every_step(trainer, self.state_key)
+        if user_log_every is not None:
+            self._user_log_every = user_log_every
         self._reading = True
 
-    def _log_every_step(self, trainer: pl.Trainer) -> None:
-        """Has Lightning send the privacy metrics to the loggers at every step, whatever log_every_n_steps says.
-
-        Lightning writes a step's ``self.log(..., on_step=True)`` values only every ``log_every_n_steps`` steps
-        (50 by default: two points of privacy/epsilon in a 100-step run). During a DP fit the module's own training
-        logs are dropped (`_install_log_filter`), so logging every step costs one small write per step (of the
-        privacy metrics, and of other callbacks' step metrics such as a LearningRateMonitor's). The user's value
-        comes back at teardown; 0 (logging off) is kept.
-        """
-        every = getattr(trainer, "log_every_n_steps", 1)
-        if not isinstance(every, int) or every <= 1:
-            return
-        self._user_log_every = every
-        trainer.log_every_n_steps = 1  # type: ignore[attr-defined]
-        rank_zero_info(
-            f"{self.state_key}: logs the privacy metrics at every step (Trainer(log_every_n_steps={every}) would keep "
-            f"one step in {every}); log_every_n_steps is back to {every} after fit."
-        )
-
-    def _refuse_unsupported_trainer(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Trainer settings and modules that the private step would silently ignore or break, refused up front."""
-        name = self.mechanism
-        if trainer.accumulate_grad_batches != 1:
-            raise PrivacyConfigError(
-                f"`{name}`: Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches}) would be ignored: every "
-                f"optimizer step is one private step of its own Poisson sample. HINT: for larger steps raise "
-                f"{'batch_size' if self.unit == 'sample' else 'sample_rate'} (DPSGD's max_physical_batch_size keeps "
-                "the memory bounded)."
-            )
-        if trainer.gradient_clip_val is not None:
-            raise PrivacyConfigError(
-                f"`{name}`: Trainer(gradient_clip_val={trainer.gradient_clip_val}) would be ignored: the private step "
-                f"clips every {self.unit}'s contribution itself. HINT: set {name}(clip_norm=...) instead and leave "
-                "gradient_clip_val unset."
-            )
-        if not pl_module.automatic_optimization and not getattr(pl_module, "_lightning_dp_step", False):
-            raise PrivacyConfigError(
-                f"`{name}`: {type(pl_module).__name__} uses manual optimization (automatic_optimization=False); "
-                f"{name} takes over the optimization step and would bypass your training_step's optimizer calls. "
-                "HINT: return the loss from training_step with automatic optimization and let the callback step."
-            )
-        callbacks: list[pl.Callback] = trainer.callbacks  # type: ignore[attr-defined]
-        finders = [type(cb).__name__ for cb in callbacks if isinstance(cb, (LearningRateFinder, BatchSizeFinder))]
-        if finders:
-            raise PrivacyConfigError(
-                f"`{name}`: {finders[0]} (Tuner.lr_find / scale_batch_size) runs training steps on the private data "
-                "that would each be charged, and fails part-way. HINT: tune on public or synthetic data without the "
-                "DP callback, then train with the values found."
-            )
-
-    def _refuse_batch_norm_reset(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        swa = any(isinstance(cb, StochasticWeightAveraging) for cb in trainer.callbacks)  # type: ignore[attr-defined]
-        norms = [n for n, m in pl_module.named_modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
-        if swa and norms:
-            raise PrivacyConfigError(
-                f"`{self.mechanism}`: StochasticWeightAveraging recomputes the statistics of BatchNorm layers "
-                f"({norms[:3]}) with one more pass over the training data after its last epoch: under "
-                f"{self.mechanism} that pass is extra private steps, charged without being asked for (and a frozen "
-                "BatchNorm's pre-trained statistics are reset). HINT: use EMAWeightAveraging or WeightAveraging "
-                "(averaging released weights is post-processing), or a model with GroupNorm."
-            )
-
-    def _check_public_energy(self, trainer: pl.Trainer) -> None:
-        """An acceptance rule with a public energy needs a loader the user declares public."""
-        if self.acceptance.energy != "public":
-            return
-        datamodule = getattr(trainer, "datamodule", None)
-        if not callable(getattr(datamodule, "public_dataloader", None)):
-            raise PrivacyConfigError(
-                f"`{self.mechanism}(acceptance={self.acceptance!r})`: a public energy is computed on data you declare "
-                f"public, by giving the datamodule a public_dataloader() method; {type(datamodule).__name__} has "
-                "none. HINT: add public_dataloader() returning data you may use without privacy (a public or "
-                "held-out public set), or use energy='private' (noised and charged)."
-            )
-
-    @torch.no_grad()
     def _public_loss(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> float:
         """The mean training loss over the datamodule's public_dataloader() at the current weights (eval mode)."""
         assert self._original_training_step is not None
-        loader = trainer.datamodule.public_dataloader()  # type: ignore[attr-defined]
-        total, count = 0.0, 0
-        with eval_mode(pl_module):
-            for index, batch in enumerate(loader):
-                batch = pl_module.transfer_batch_to_device(batch, pl_module.device, 0)
-                out = self._original_training_step(batch, index)
-                loss = out["loss"] if isinstance(out, dict) else out
-                total += float(loss.detach().double().mean())
-                count += 1
-        if count == 0:
-            raise PrivacyConfigError(f"`{self.mechanism}`: public_dataloader() yielded no batch.")
-        return total / count
+        return public_loss(trainer, pl_module, self._original_training_step, self.mechanism)
 
     def _patch(self, owner: Any, attribute: str, value: Any) -> None:
         setattr(owner, attribute, value)
@@ -537,17 +331,9 @@ class DPCallback(pl.Callback):
                 "would no longer bound it. HINT: resume with trainer.fit(..., ckpt_path=...), or use a new callback "
                 "for a new model."
             )
-        self._refuse_batch_norm_reset(trainer, pl_module)
-        loader = trainer.train_dataloader
-        loaders = loader if isinstance(loader, (list, tuple)) else [loader]
+        refuse_batch_norm_reset(trainer, pl_module, self.mechanism)
         assert self._loader is not None
-        ours = self._loader.dataset
-        if not any(getattr(dl, "dataset", None) is ours for dl in loaders):
-            raise PrivacyConfigError(
-                f"`{self.mechanism}`: the training dataloader in use is not {self.mechanism}'s Poisson-sampled loader, "
-                "so the batches would not be what the accountant assumes. HINT: do not pass train_dataloaders to "
-                "trainer.fit; pass a datamodule, or define train_dataloader() in the LightningModule."
-            )
+        check_loader_in_use(trainer, self._loader, self.mechanism)
 
     # ------------------------------------------------------------------ evaluation
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -572,15 +358,7 @@ class DPCallback(pl.Callback):
         """
         if self._warned_nonfinite_loss:
             return
-        bad = sorted(
-            name
-            for name, value in trainer.callback_metrics.items()
-            if "loss" in name.lower()
-            and not name.startswith(("privacy/", "private_diagnostics/"))
-            and isinstance(value, torch.Tensor)
-            and value.numel() == 1
-            and not bool(torch.isfinite(value))
-        )
+        bad = nonfinite_losses(trainer)
         if not bad:
             return
         self._warned_nonfinite_loss = True
@@ -594,39 +372,6 @@ class DPCallback(pl.Callback):
         )
 
     # ------------------------------------------------------------------ logging
-    def _install_log_filter(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Drops the module's own `log`/`log_dict` calls while training.
-
-        They are computed from private data and not sanitized (a loss logged in training_step or in
-        on_train_epoch_end alike). Validation and test logging pass. During training only the
-        callback's sanitized ``privacy/*`` metrics are logged.
-        """
-        log, log_dict = pl_module.log, pl_module.log_dict
-        dropped: set[str] = set()
-
-        def blocked(names: list[str]) -> bool:
-            if not trainer.training or self._logging:
-                return False
-            fresh = sorted(set(names) - dropped)
-            if fresh:
-                dropped.update(fresh)
-                rank_zero_info(
-                    f"{self.mechanism}: not logging {fresh} during training: computed from private training data and "
-                    "not sanitized. Validation and test metrics are logged as usual."
-                )
-            return True
-
-        def filtered_log(name: str, *args: Any, **kwargs: Any) -> None:
-            if not blocked([name]):
-                log(name, *args, **kwargs)
-
-        def filtered_log_dict(dictionary: Any, *args: Any, **kwargs: Any) -> None:
-            if not blocked([str(k) for k in dictionary]):
-                log_dict(dictionary, *args, **kwargs)
-
-        self._patch(pl_module, "log", filtered_log)
-        self._patch(pl_module, "log_dict", filtered_log_dict)
-
     def _budget_allows(self, trainer: pl.Trainer, step: int) -> bool:
         """False (and the trainer stops) if what ``step`` would charge (its event) exceeds the PrivacyBudget."""
         assert self.ledger is not None and self.private_step is not None
@@ -733,33 +478,7 @@ class DPCallback(pl.Callback):
     def _schedule_report(self) -> dict[str, Any]:
         """The noise schedule and, for per-step exponential decay, Zhang et al.'s tCDP closed form with its verdict."""
         assert self.release is not None and self.ledger is not None
-        schedule = self.release.schedule
-        out: dict[str, Any] = {"noise_schedule": schedule.describe()}
-        rate, steps = self.release.sample_rate, self.ledger.steps
-        if not isinstance(schedule, ExponentialDecay) or schedule.every != 1 or schedule.decay >= 1 or not rate:
-            return out
-        if steps < 1:
-            return out
-        # The formula describes a run only if every step is that one subsampled Gaussian: an acceptance energy or a
-        # selection on the step's sample costs more than it counts (0.020 "valid" was printed for a true ε ≥ 5.5).
-        mismatch = tcdp_mismatch(self.ledger.entries, rate, [self.release.noise_multiplier(t) for t in range(steps)])
-        if mismatch is not None:
-            out["tcdp_closed_form"] = {
-                "epsilon": None,
-                "valid": False,
-                "not_shown": "the closed form models each step as one Poisson-subsampled Gaussian at the decaying "
-                f"multiplier, and this run's ledger does not: {mismatch}. Its ε would not bound this run.",
-            }
-            return out
-        plan = tcdp_plan_unchecked(rate, self.release.noise_multiplier(0), schedule.decay, steps, self.ledger.delta)
-        out["tcdp_closed_form"] = {
-            "epsilon": plan.epsilon,
-            "valid": plan.valid,
-            "failed_conditions": [f"{c.name} ({c.detail})" for c in plan.conditions if not c.holds],
-            "what": "Zhang et al.'s closed form for this decay, a planning formula; the guarantee is the "
-            f"{self.accountant.name} ε above, computed from the multiplier each step used.",
-        }
-        return out
+        return schedule_report(self.release, self.ledger, self.accountant.name)
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
@@ -791,10 +510,8 @@ class DPCallback(pl.Callback):
                 f"written by a run that used {self.mechanism} with the same `name`, or start a new run without "
                 "ckpt_path."
             )
-        from lightning_dp.callbacks.averaging import ReleasedWeightAveraging, is_lightning_weight_averaging
-
         averaging = any(  # ours, or Lightning's WeightAveraging (which writes the same two states)
-            isinstance(cb, ReleasedWeightAveraging) or is_lightning_weight_averaging(cb)
+            averages_weights(cb)
             for cb in trainer.callbacks  # type: ignore[attr-defined]
         )
         if "current_model_state" in checkpoint and not averaging:
@@ -826,20 +543,11 @@ class DPCallback(pl.Callback):
         self._trained_steps = 0  # resumed: the checkpoint's ledger describes the model
 
     def _check_checksum(self, state_dict: dict[str, Any]) -> None:
-        stored = state_dict.get("checksum")
-        if stored is None:
+        if not check_state_checksum(self.state_key, state_dict):
             rank_zero_warn(
                 f"{self.state_key}: the checkpoint's privacy state has no checksum (written by an earlier "
                 "lightning-dp): it is resumed without an integrity check.",
                 category=PrivacyWarning,
-            )
-            return
-        if stored != state_digest({k: v for k, v in state_dict.items() if k != "checksum"}):
-            raise PrivacyStateError(
-                f"`{self.state_key}`: the checkpoint's privacy state is corrupt: its checksum does not match its "
-                "content (a damaged or edited file; torch.load verifies no checksum). Resuming from it could charge "
-                "the steps already taken at another ε or draw other noise and samples. Nothing was restored. HINT: "
-                "resume from an earlier checkpoint (ModelCheckpoint(save_top_k=-1) keeps every one it writes)."
             )
 
     def _validated(self, state_dict: dict[str, Any]) -> Callable[[], None]:
@@ -900,10 +608,4 @@ class DPCallback(pl.Callback):
         (fp16) is set to scale 1 so that it neither divides them again nor fails for want of a
         ``scale(loss)`` call.
         """
-        scaler = getattr(trainer.precision_plugin, "scaler", None)
-        if scaler is not None and scaler.is_enabled() and scaler.get_scale() != 1.0:
-            scaler.scale(torch.ones((), device=pl_module.device))  # initializes the scale tensor if needed
-            scaler.update(new_scale=1.0)
-        for optimizer in self._optimizers(pl_module):
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+        step_optimizers(trainer, pl_module, self._optimizers(pl_module))

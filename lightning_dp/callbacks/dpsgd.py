@@ -25,10 +25,9 @@ from typing import Any
 import pytorch_lightning as pl
 import torch
 from pytorch_lightning.utilities import rank_zero_info, rank_zero_warn
-from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, SequentialSampler
+from torch.utils.data import DataLoader
 
 from lightning_dp.accounting import PrivacyLedger, calibrate_noise_multiplier
-from lightning_dp.callbacks.averaging import is_lightning_weight_averaging
 from lightning_dp.callbacks.base import DPAccountantName, DPCallback
 from lightning_dp.errors import (
     PrivacyConfigError,
@@ -52,33 +51,26 @@ from lightning_dp.sanitization.per_sample import (
 from lightning_dp.schedules import ConstantNoise, NoiseSchedule, as_schedule
 from lightning_dp.selection import StepAcceptance
 from lightning_dp.training.checks import (
-    FLOAT32_TOLERANCE,
-    FLOAT64_TOLERANCE,
-    HALF_TOLERANCE,
-    Cause,
     IndependenceCheck,
-    bind,
-    collate_is_per_sample,
-    diverse_indices,
+    check_first_chunk,
     eval_mode,
-    float64_copy,
-    public_subsets,
+    loss_tensor,
+    start_checks,
     take,
-    take_range,
     tensor_leaves,
-    to_float64,
-    with_targets_rolled,
 )
 from lightning_dp.training.step import OptimizerTarget
+from lightning_dp.training.trainer import (
+    map_style_training_data,
+    refuse_averaging_before_conversion,
+    step_schedulers,
+)
 
 __all__ = ["DPSGD"]
 
 
 _FP16 = ("16-mixed", "16-true", "16")
 _INITIAL_LOSS_SCALE = 2.0**16
-_LIGHTNING_DEFAULT_EPOCHS = 1000  # what Trainer() sets when neither max_epochs nor max_steps is given
-#: Samples of the first real chunk that the start-up check also runs on (before the first release).
-_FIRST_CHUNK_CHECKED = 8
 
 
 class DPSGD(DPCallback):
@@ -234,42 +226,8 @@ class DPSGD(DPCallback):
 
     # ------------------------------------------------------------------ setup
     def _prepare(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> int:
-        datamodule = getattr(trainer, "datamodule", None)
-        owner = datamodule if datamodule is not None else pl_module
-        try:
-            loader = owner.train_dataloader()
-        except Exception as err:  # noqa: BLE001 - any failure here means there is no usable loader
-            raise PrivacyConfigError(
-                f"`DPSGD`: could not get the training data from {type(owner).__name__}.train_dataloader() ({err}). "
-                "HINT: pass a datamodule to trainer.fit, or define train_dataloader() in the LightningModule."
-            ) from err
-        dataset = getattr(loader, "dataset", None)
-        if not isinstance(loader, DataLoader) or dataset is None or isinstance(dataset, IterableDataset):
-            raise PrivacyConfigError(
-                f"`DPSGD`: {type(owner).__name__}.train_dataloader() must return a DataLoader over a map-style dataset "
-                f"(with __len__ and __getitem__), found {type(loader).__name__} over {type(dataset).__name__}. HINT: "
-                "DP-SGD samples each example independently, so it must be able to index the dataset."
-            )
-        sampler, batch_sampler = loader.sampler, loader.batch_sampler
-        plain = isinstance(sampler, SequentialSampler) or (
-            type(sampler) is RandomSampler and not sampler.replacement and sampler._num_samples is None
-        )
-        if not plain or (batch_sampler is not None and type(batch_sampler) is not BatchSampler):
-            chooser = type(sampler if not plain else batch_sampler).__name__
-            raise PrivacyConfigError(
-                f"`DPSGD`: the training DataLoader chooses its samples with a {chooser}. DPSGD draws its own Poisson "
-                "samples from the whole dataset and would ignore it (a subset's split, a weighted sampler's weights). "
-                "HINT: give the DataLoader exactly the training samples, e.g. torch.utils.data.Subset(dataset, "
-                "train_indices), with shuffle=True or False."
-            )
+        loader, dataset = map_style_training_data(trainer, pl_module, self.batch_size)
         num_samples = len(dataset)
-        if num_samples == 0:
-            raise PrivacyConfigError("`DPSGD`: the training dataset is empty. HINT: check the datamodule.")
-        if self.batch_size is not None and self.batch_size > num_samples:
-            raise PrivacyConfigError(
-                f"`DPSGD(batch_size={self.batch_size})`: the expected batch size must be at most the {num_samples} "
-                "training samples. HINT: use a smaller batch_size."
-            )
         self._dataset, self._source_loader = dataset, loader
         # A BatchNorm in eval mode with running statistics (the frozen backbone of DP transfer learning, or one whose
         # affine alone is fine-tuned) mixes nothing and keeps its public statistics; it is kept, and checked to stay
@@ -293,7 +251,7 @@ class DPSGD(DPCallback):
                     f"{batch_norms[:5]}, which mix the samples of a batch. HINT: "
                     "build the model with GroupNorm, or let DPSGD convert them (convert_batchnorm=True)."
                 )
-            self._refuse_averaging_before_conversion(trainer, batch_norms)
+            refuse_averaging_before_conversion(trainer, self, batch_norms)
             self.converted_layers = fix_model(pl_module, warn=False, keep_frozen=True, keep_eval=True)
             rank_zero_warn(
                 f"DPSGD replaced {len(self.converted_layers)} BatchNorm layer(s) of {type(pl_module).__name__} by "
@@ -309,24 +267,6 @@ class DPSGD(DPCallback):
                 f"`DPSGD`: {type(pl_module).__name__} cannot be trained with per-sample gradients:\n  {listed}"
             )
         return num_samples
-
-    def _refuse_averaging_before_conversion(self, trainer: pl.Trainer, batch_norms: list[str]) -> None:
-        """Refuses a weight-averaging callback set up before this one when BatchNorm is about to be converted.
-
-        Lightning calls the callbacks' ``setup`` in the order of ``trainer.callbacks``: a `WeightAveraging`
-        listed earlier has already copied the model with its BatchNorm layers, so its average would keep a
-        structure the trained model no longer has (its checkpoints' ``state_dict`` would not load).
-        """
-        callbacks: list[pl.Callback] = trainer.callbacks  # type: ignore[attr-defined]
-        mine = next((i for i, cb in enumerate(callbacks) if cb is self), len(callbacks))
-        earlier = [type(cb).__name__ for cb in callbacks[:mine] if is_lightning_weight_averaging(cb)]
-        if earlier:
-            raise PrivacyConfigError(
-                f"`DPSGD`: {earlier[0]} is listed before DPSGD in the Trainer's callbacks, so it copied the model "
-                f"before DPSGD converts its BatchNorm layers ({batch_norms[:3]}) to GroupNorm: the average would keep "
-                "the BatchNorm structure and its checkpoints would not load into the trained model. HINT: list DPSGD "
-                "before the averaging callback, or build the model with GroupNorm (ImageClassifier(norm='group'))."
-            )
 
     def _rate(self, num_samples: int) -> float:
         return self.sample_rate if self.sample_rate is not None else self.batch_size / num_samples  # type: ignore[operator]
@@ -448,138 +388,20 @@ class DPSGD(DPCallback):
                 f"{len(optimizers)}. HINT: DPSGD hands the noisy gradient to that optimizer (SGD, Adam, ...)."
             )
         self._sync_clipper(pl_module)
-        self._start_checks(trainer, pl_module)
-
-    def _chunk(self, indices: list[int], pl_module: pl.LightningModule) -> Any:
-        assert self._source_loader is not None
-        batch = self._source_loader.collate_fn([self._dataset[i] for i in indices])
-        return pl_module.transfer_batch_to_device(batch, pl_module.device, 0)
-
-    def _loss(self, out: Any) -> torch.Tensor:
-        loss = out.get("loss") if isinstance(out, dict) else out
-        if not isinstance(loss, torch.Tensor) or (self.loss_reduction != "none" and loss.numel() != 1):
-            raise PrivacyConfigError(
-                f"`DPSGD`: training_step returned {type(out).__name__}, not a "
-                f"{'tensor of per-sample losses' if self.loss_reduction == 'none' else 'scalar loss tensor'}. HINT: "
-                "return the batch loss (or {'loss': loss}) from training_step, or per-sample losses with "
-                "DPSGD(loss_reduction='none')."
-            )
-        return loss
-
-    def _independence_check(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> IndependenceCheck:
-        """The check on a float64 copy of the model, or (if the model cannot run in float64) an fp32 copy."""
-        assert self._original_training_step is not None
-        half = any(p.dtype in (torch.float16, torch.bfloat16) for p in pl_module.parameters())
-        if not half:
-            clone = float64_copy(pl_module, share=[trainer])
-            check = IndependenceCheck(
-                clone, bind(self._original_training_step, clone), self._loss, self.loss_reduction, FLOAT64_TOLERANCE
-            )
-            self._float64 = True
-            try:
-                sample = to_float64(self._chunk([0, min(1, len(self._dataset) - 1)], pl_module))
-                check.check(sample, 2)
-                return check
-            except (RuntimeError, TypeError):  # a dtype the model's own code fixes (x.float(), fp32 constants)
-                check.close()
-        clone = float64_copy(pl_module, share=[trainer], float64=False)
-        self._float64 = False
-        tolerance = HALF_TOLERANCE if half else FLOAT32_TOLERANCE
-        return IndependenceCheck(
-            clone, bind(self._original_training_step, clone), self._loss, self.loss_reduction, tolerance
+        assert self._original_training_step is not None and self._source_loader is not None
+        self._first_chunk_check, self._float64 = start_checks(
+            pl_module,
+            [trainer],
+            self._original_training_step,
+            self._loss,
+            self.loss_reduction,
+            self._dataset,
+            self._source_loader.collate_fn,
+            lambda batch: pl_module.transfer_batch_to_device(batch, pl_module.device, 0),
         )
 
-    def _check_batches(self, pl_module: pl.LightningModule) -> list[tuple[Any, int]]:
-        """The batches the start-up check runs on, chosen without looking at private values (see `training.checks`)."""
-        assert self._source_loader is not None
-        collate = self._source_loader.collate_fn
-        n = len(self._dataset)
-        index_sets = [diverse_indices(self._dataset), *public_subsets(n)]
-        index_sets = [ix if len(ix) > 1 else ix * 2 for ix in index_sets]
-        item_sets = [[self._dataset[i] for i in ix] for ix in index_sets]
-        rolled = with_targets_rolled(item_sets[0])
-        if rolled is not None:
-            item_sets.append(rolled)
-        for items in item_sets:
-            if not collate_is_per_sample(collate, items):
-                raise UnsupportedModelError(
-                    "`DPSGD`: the training DataLoader's collate_fn does not collate samples one by one: collating a "
-                    "batch gives other values for a sample than collating it alone (a batch-level transform such as "
-                    "MixUp or CutMix mixes samples), so one sample would reach the others' gradients, which "
-                    "per-sample clipping does not bound. HINT: apply per-sample augmentation in the dataset's "
-                    "__getitem__ and collate with torch.utils.data.default_collate."
-                )
-        return [
-            (pl_module.transfer_batch_to_device(collate(items), pl_module.device, 0), len(items)) for items in item_sets
-        ]
-
-    def _start_checks(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Checks, before the first step, that per-sample clipping bounds each sample's influence.
-
-        The loss reduction must be the declared one; the gradient of a batch must be the sum of its samples'
-        own gradients, all of it computed per sample; no buffer may change from data; ``collate_fn`` must not
-        mix samples. Run on a float64 copy of the model over several batches (`training.checks`), and once
-        more on the first real chunk before the first release. Only pass or fail is reported.
-        """
-        check = self._independence_check(trainer, pl_module)
-        try:
-            batches = self._check_batches(pl_module)
-            if self._float64:
-                batches = [(to_float64(b), size) for b, size in batches]
-            found = check.declared_reduction(take(batches[0][0], 0, batches[0][1]))
-            if found is not None and found != self.loss_reduction:
-                raise PrivacyConfigError(
-                    f"`DPSGD(loss_reduction={self.loss_reduction!r})`: training_step's loss is the {found} of the "
-                    f"per-sample losses, not their {self.loss_reduction}. HINT: DPSGD(loss_reduction={found!r})."
-                )
-            for batch, size in batches:
-                self._refuse(pl_module, check.check(batch, size))
-        except BaseException:
-            check.close()
-            raise
-        self._first_chunk_check = check
-
-    def _check_first_chunk(self, pl_module: pl.LightningModule, chunk: Any, size: int) -> None:
-        """The start-up check once more, on the first samples of the first real chunk (before anything is released)."""
-        check, self._first_chunk_check = self._first_chunk_check, None
-        if check is None:
-            return
-        try:
-            count = min(size, _FIRST_CHUNK_CHECKED)
-            if count >= 2:
-                part = take_range(chunk, 0, count, size)
-                self._refuse(pl_module, check.check(to_float64(part) if self._float64 else part, count))
-        finally:
-            check.close()
-
-    def _refuse(self, pl_module: pl.LightningModule, cause: Cause | None) -> None:
-        name = type(pl_module).__name__
-        if cause == "buffers":
-            raise UnsupportedModelError(
-                f"`DPSGD`: a training step of {name} changes buffers of the model (running statistics that are not "
-                "BatchNorm's: a custom normalizer, a quantization observer, ActNorm) or counts and flags (int and bool "
-                "buffers). They would be released without noise. HINT: freeze them (eval mode, or compute them from "
-                "public data before training)."
-            )
-        if cause == "coupled":
-            raise UnsupportedModelError(
-                f"`DPSGD`: the gradient of a batch is not the sum of its samples' own gradients: {name} or its loss "
-                "couples the samples of a batch, so clipping each sample would not bound its influence. HINT: a loss "
-                "reduced over the whole batch divides or aggregates by batch statistics — a class-weighted or "
-                "ignore_index mean, a Dice loss over the whole batch (smp's DiceLoss, MONAI's DiceLoss with "
-                "batch=True). Compute each sample's loss on that sample alone — for Dice, the Dice of each sample "
-                "over its own pixels (MONAI's DiceLoss(batch=False, reduction='none'), reduced per sample) — and "
-                "either average them over the batch (loss_reduction='mean') or return the (B,) per-sample losses "
-                "with DPSGD(loss_reduction='none') (needed for class-weighted and ignore_index losses); remove "
-                "batch-dependent layers (BatchNorm; lightning_dp.models.validate_model lists known ones)."
-            )
-        if cause == "not_per_sample":
-            raise UnsupportedModelError(
-                f"`DPSGD`: part of {name}'s gradient is not computed per sample: a parameter is used outside its own "
-                "layer (e.g. weight tying through F.linear(x, embedding.weight), or a penalty on the parameters "
-                "inside training_step). HINT: use the layer itself (tie by sharing the module), and put weight decay "
-                "in the optimizer."
-            )
+    def _loss(self, out: Any) -> torch.Tensor:
+        return loss_tensor(out, self.loss_reduction)
 
     # ------------------------------------------------------------------ the step
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -587,7 +409,7 @@ class DPSGD(DPCallback):
         self._batches.first_step = self.steps  # the loader's epoch continues the step counter
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._step_schedulers(trainer, "epoch", trainer.current_epoch + 1)
+        step_schedulers(trainer, "epoch", trainer.current_epoch + 1)
 
     def _private_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> None:
         assert self.ledger is not None and self.release is not None and self.sampler is not None
@@ -600,9 +422,10 @@ class DPSGD(DPCallback):
             )
         if not self._budget_allows(trainer, self.steps):
             return
-        if batch.chunks:
+        if batch.chunks and self._first_chunk_check is not None:  # once, on the first real chunk
+            check, self._first_chunk_check = self._first_chunk_check, None
             rows = min(self.max_physical_batch_size, batch.size) * self.augmentation_multiplicity
-            self._check_first_chunk(pl_module, batch.chunks[0], rows)
+            check_first_chunk(check, type(pl_module).__name__, batch.chunks[0], rows, self._float64)
         thawed = [m for m in self._eval_batch_norms if not is_eval_batch_norm(m)]
         if thawed:
             raise UnsupportedModelError(
@@ -646,7 +469,7 @@ class DPSGD(DPCallback):
             self.clipper.params,
             self._optimizers(pl_module),
             step_optimizers=lambda: self._step_optimizers(trainer, pl_module),
-            step_schedulers=lambda: self._step_schedulers(trainer, "step", self.steps + 1),
+            step_schedulers=lambda: step_schedulers(trainer, "step", self.steps + 1),
             schedulers=[config.scheduler for config in trainer.lr_scheduler_configs],
         )
         assert self.private_step is not None
@@ -710,19 +533,6 @@ class DPSGD(DPCallback):
                 )
             except NonFiniteGradientsError:
                 scale[0] /= 2.0  # nothing was added; recompute the chunk
-
-    @staticmethod
-    def _step_schedulers(trainer: pl.Trainer, interval: str, counter: int) -> None:
-        """Manual optimization leaves LR schedulers to the step: step those configured for ``interval``."""
-        for config in trainer.lr_scheduler_configs:
-            if config.interval != interval or counter % config.frequency:
-                continue
-            if config.reduce_on_plateau:
-                metric = trainer.callback_metrics.get(config.monitor or "")
-                if metric is not None:
-                    config.scheduler.step(metric)  # type: ignore[arg-type]
-            else:
-                config.scheduler.step()  # type: ignore[call-arg]
 
     # ------------------------------------------------------------------ report and checkpoints
     def _report_extra(self) -> dict[str, Any]:

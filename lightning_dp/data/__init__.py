@@ -1,5 +1,17 @@
 """Patient-grouped data: manifests, datasets that keep every image's patient, patient-level splits.
 
+Where things are:
+
+* ``patients.py``: the patient base both tasks share: the patient interface of a dataset
+  (`PatientGroups`: ``patient_ids``, ``patient_to_indices`` …), `split_patients`, a manifest's split
+  column, and the split lookup and loaders of a datamodule (`PatientSplitsDataModule`).
+* ``manifest.py``: reading a manifest CSV (shared), the classification manifest, `load_image`.
+* ``dataset.py`` / ``datamodule.py``: classification (images and labels) on that base.
+* ``segmentation_manifest.py`` / ``segmentation.py`` / ``segmentation_datamodule.py``: segmentation
+  (images or volumes and masks, with a public split) on that base.
+* ``synthetic.py`` / ``silhouettes.py``: the synthetic data generators.
+* ``errors.py``: `DataError`, `DataNotReadyError`.
+
 Example:
     >>> import tempfile
     >>> dm = SyntheticPathologyDataModule(root=tempfile.mkdtemp(), num_patients=4, patches_per_patient=2,

@@ -3,6 +3,11 @@
 Splitting images at random puts images of one patient in both the training and the test set: the
 test then rewards memorising patients, and the gap that patient-level privacy is meant to close
 is hidden. Here every patient lands in exactly one split.
+
+`PatientDataModule` is the classification layer over `lightning_dp.data.patients`: the patient
+split (`split_patients`, re-exported here), the manifest's split column, the split lookup and the
+loaders come from there; this module adds the label-stratified split, the image transforms and
+the training-set loader without augmentation.
 """
 
 from __future__ import annotations
@@ -11,18 +16,23 @@ import os
 from collections import Counter
 from typing import Any
 
-import numpy as np
-import pytorch_lightning as pl
 import torch
 from torch import Tensor
 from torch.utils.data import DataLoader
 from torchvision.transforms import v2
 
 from lightning_dp.data.dataset import PatientImageDataset, PatientSample, Transform
-from lightning_dp.data.errors import DataError, DataNotReadyError
+from lightning_dp.data.errors import DataError
 from lightning_dp.data.manifest import ManifestRow, read_manifest
+from lightning_dp.data.patients import (
+    PatientSplitsDataModule,
+    assign_manifest_splits,
+    check_loader_arguments,
+    check_split_arguments,
+    split_patients,
+)
 from lightning_dp.data.synthetic import check_synthetic_parameters, generate_synthetic_pathology, site_style
-from lightning_dp.errors import PrivacyConfigError, check_count, check_in_interval
+from lightning_dp.errors import check_count
 
 __all__ = ["PatientDataModule", "RandomRot90", "SyntheticPathologyDataModule", "split_patients"]
 
@@ -50,64 +60,7 @@ class RandomRot90:
         return "RandomRot90()"
 
 
-def split_patients(
-    patient_ids: list[str],
-    majority_labels: list[int],
-    val_fraction: float,
-    test_fraction: float,
-    seed: int,
-) -> dict[str, list[str]]:
-    """Splits patients into train/val/test, stratified by each patient's majority label.
-
-    Patients are shuffled with ``numpy.random.default_rng(seed)`` within each label, then interleaved
-    so that every prefix of the order has about the label mix of the whole; the first
-    ``round(test_fraction · P)`` are the test patients, the next ``round(val_fraction · P)`` the
-    validation patients (at least one each when the fraction is > 0), the rest train.
-
-    Args:
-        patient_ids: the patients (unique).
-        majority_labels: each patient's most frequent label.
-        val_fraction: fraction of patients for validation, in [0, 1).
-        test_fraction: fraction of patients for testing, in [0, 1).
-        seed: the split seed.
-
-    Returns:
-        ``{"train": [...], "val": [...], "test": [...]}``, each sorted.
-
-    Raises:
-        PrivacyConfigError: there are too few patients to give every requested split one patient and
-            keep at least one for training.
-
-    Example:
-        >>> split = split_patients(["a", "b", "c", "d", "e"], [0, 0, 1, 1, 1], 0.2, 0.2, seed=0)
-        >>> sorted(len(v) for v in split.values()), sorted(sum(split.values(), []))
-        ([1, 1, 3], ['a', 'b', 'c', 'd', 'e'])
-    """
-    rng = np.random.default_rng(seed)
-    keys: list[tuple[float, str]] = []
-    for label in sorted(set(majority_labels)):
-        group = sorted(p for p, y in zip(patient_ids, majority_labels) if y == label)
-        order = rng.permutation(len(group))
-        offset = rng.random()
-        keys.extend(((rank + offset) / len(group), group[i]) for rank, i in enumerate(order))
-    ordered = [patient for _, patient in sorted(keys)]
-    total = len(ordered)
-    n_test = max(1, round(test_fraction * total)) if test_fraction > 0 else 0
-    n_val = max(1, round(val_fraction * total)) if val_fraction > 0 else 0
-    if n_test + n_val >= total:
-        raise PrivacyConfigError(
-            f"`PatientDataModule(val_fraction={val_fraction!r}, test_fraction={test_fraction!r})`: the splits must "
-            f"leave at least one training patient, found {total} patient(s) for {n_val} validation and {n_test} test "
-            "patient(s). HINT: use more patients or smaller fractions (0.0 disables a split)."
-        )
-    return {
-        "test": sorted(ordered[:n_test]),
-        "val": sorted(ordered[n_test : n_test + n_val]),
-        "train": sorted(ordered[n_test + n_val :]),
-    }
-
-
-class PatientDataModule(pl.LightningDataModule):
+class PatientDataModule(PatientSplitsDataModule):
     """Images from a manifest, split by patient into train / val / test.
 
     If the manifest has a ``split`` column it is used as is (a patient found in two splits is an
@@ -157,25 +110,10 @@ class PatientDataModule(pl.LightningDataModule):
     ) -> None:
         super().__init__()
         owner = type(self).__name__
-        check_count(owner, "batch_size", batch_size, "use e.g. 32.", minimum=1)
-        for name, value in (("val_fraction", val_fraction), ("test_fraction", test_fraction)):
-            check_in_interval(
-                owner,
-                name,
-                value,
-                0.0,
-                1.0,
-                low_closed=True,
-                high_closed=False,
-                hint="it is the fraction of *patients* in that split; 0.0 disables the split.",
-            )
-        if val_fraction + test_fraction >= 1.0:
-            raise PrivacyConfigError(
-                f"`{owner}(val_fraction={val_fraction!r}, test_fraction={test_fraction!r})`: val_fraction + "
-                f"test_fraction must be < 1, found {val_fraction + test_fraction!r}. HINT: leave patients for training."
-            )
-        check_count(owner, "split_seed", split_seed, "use a non-negative integer such as 0.")
-        check_count(owner, "num_workers", num_workers, "0 loads in the main process.")
+        check_split_arguments(
+            owner, batch_size, "use e.g. 32.", (("val_fraction", val_fraction), ("test_fraction", test_fraction))
+        )
+        check_loader_arguments(owner, split_seed, num_workers)
         if image_size is not None:
             check_count(owner, "image_size", image_size, "use None to keep the stored size.", minimum=1)
         self.manifest = str(manifest)
@@ -232,22 +170,14 @@ class PatientDataModule(pl.LightningDataModule):
         self._splits = splits
 
     def _manifest_split(self, rows: list[ManifestRow]) -> dict[str, list[str]]:
-        splits_of: dict[str, set[str]] = {}
-        for row in rows:
-            splits_of.setdefault(row.patient_id, set()).add(str(row.split))
-        overlap = {patient: sorted(s) for patient, s in sorted(splits_of.items()) if len(s) > 1}
-        if overlap:
-            shown = ", ".join(f"{patient!r} in {'+'.join(s)}" for patient, s in list(overlap.items())[:20])
-            more = f" and {len(overlap) - 20} more" if len(overlap) > 20 else ""
-            raise DataError(
-                f"`{type(self).__name__}(manifest={self.manifest!r})`: every patient must be in exactly one split, "
-                f"found {len(overlap)} patient(s) in several: {shown}{more}. HINT: assign splits per patient, not per "
-                "image; otherwise test accuracy rewards memorised patients (and leaks them)."
-            )
-        assignment: dict[str, list[str]] = {name: [] for name in _SPLITS}
-        for patient, (split,) in sorted(splits_of.items()):
-            assignment[split].append(patient)
-        return assignment
+        return assign_manifest_splits(
+            rows,
+            _SPLITS,
+            f"`{type(self).__name__}(manifest={self.manifest!r})`",
+            "assign splits per patient, not per image; otherwise test accuracy rewards memorised patients (and leaks "
+            "them).",
+            count_more=True,
+        )
 
     def _eval_transform(self) -> Transform | None:
         if self.image_size is None:
@@ -270,20 +200,6 @@ class PatientDataModule(pl.LightningDataModule):
 
     # ---- what setup built -----------------------------------------------------------------------------
 
-    def _split(self, name: str) -> PatientImageDataset:
-        if self._splits is None:
-            raise DataNotReadyError(
-                f"`{type(self).__name__}.{name}_dataset`: setup() must run first, found it not called. "
-                "HINT: call datamodule.setup() (the Trainer does it in fit/validate/test)."
-            )
-        dataset = self._splits[name]
-        if dataset is None:
-            raise DataError(
-                f"`{type(self).__name__}(manifest={self.manifest!r})`: the {name} split must hold at least one "
-                f"patient to be read, found none. HINT: set {name}_fraction > 0 or mark rows '{name}' in the manifest."
-            )
-        return dataset
-
     @property
     def train_dataset(self) -> PatientImageDataset:
         """The training patients' images (augmented if ``augment``)."""
@@ -300,11 +216,6 @@ class PatientDataModule(pl.LightningDataModule):
         return self._split("test")
 
     @property
-    def train_patients(self) -> list[str]:
-        """The ids of the training patients, sorted (index ``k`` is patient index ``k`` in a batch)."""
-        return self.train_dataset.patient_ids
-
-    @property
     def num_classes(self) -> int:
         """``max(label) + 1`` over the whole manifest."""
         self._split("train")
@@ -312,31 +223,11 @@ class PatientDataModule(pl.LightningDataModule):
 
     # ---- loaders --------------------------------------------------------------------------------------
 
-    def _loader(self, dataset: PatientImageDataset, shuffle: bool) -> DataLoader[PatientSample]:
-        return DataLoader(
-            dataset,
-            batch_size=self.batch_size,
-            shuffle=shuffle,
-            num_workers=self.num_workers,
-            persistent_workers=self.num_workers > 0,
-        )
-
-    def train_dataloader(self) -> DataLoader[PatientSample]:
-        return self._loader(self.train_dataset, shuffle=True)
-
     def train_eval_dataloader(self) -> DataLoader[PatientSample]:
         """The training images without augmentation, in order (to measure training accuracy)."""
         self._split("train")
         assert self._train_eval is not None
         return self._loader(self._train_eval, shuffle=False)
-
-    def val_dataloader(self) -> Any:
-        self._split("train")
-        return [] if self._splits is None or self._splits["val"] is None else self._loader(self.val_dataset, False)
-
-    def test_dataloader(self) -> Any:
-        self._split("train")
-        return [] if self._splits is None or self._splits["test"] is None else self._loader(self.test_dataset, False)
 
 
 class SyntheticPathologyDataModule(PatientDataModule):

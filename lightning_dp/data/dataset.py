@@ -19,6 +19,7 @@ from torch import Tensor
 from torch.utils.data import Dataset
 
 from lightning_dp.data.manifest import ManifestRow, describe_range, load_image
+from lightning_dp.data.patients import PatientGroups, require_rows
 from lightning_dp.errors import PrivacyConfigError
 
 __all__ = ["PatientImageDataset", "PatientSample", "Transform"]
@@ -58,14 +59,15 @@ def _to_chw(array: NDArray[np.generic]) -> Tensor:
     return torch.from_numpy(np.ascontiguousarray(array.transpose(2, 0, 1)))
 
 
-class PatientImageDataset(Dataset[PatientSample]):
+class PatientImageDataset(PatientGroups, Dataset[PatientSample]):
     """Images grouped by patient; ``dataset[i]`` is ``(image, label, patient)``.
 
     ``image`` is a float32 C×H×W tensor with values in [0, 1] (``uint8`` images are divided by 255)
     passed through ``transform`` if one is set; ``label`` and ``patient`` are int64 scalars, and
     ``patient`` is the index of the image's patient in `patient_ids` (sorted unique ids), so
     ``i in dataset.patient_to_indices[int(patient)]`` always holds. A patient without images
-    cannot exist: patients are collected from the images.
+    cannot exist: patients are collected from the images. The patient interface (``patient_ids``,
+    ``num_patients``, ``patient_to_indices``, ``patient_index``) is `PatientGroups`'.
 
     Args:
         rows: the images, e.g. from `read_manifest`.
@@ -95,11 +97,7 @@ class PatientImageDataset(Dataset[PatientSample]):
         cache: bool = True,
     ) -> None:
         rows = list(rows)
-        if not rows:
-            raise PrivacyConfigError(
-                "`PatientImageDataset(rows=[])`: rows must list at least one image (and so one patient), found "
-                "none. HINT: check the manifest or the patient ids the dataset was subset to."
-            )
+        require_rows(rows, "PatientImageDataset")
         store = _ImageStore(paths=[row.path for row in rows], cache=cache)
         self.transform: Transform | None = transform
         self._init(store, list(range(len(rows))), [row.label for row in rows], [row.patient_id for row in rows])
@@ -108,14 +106,7 @@ class PatientImageDataset(Dataset[PatientSample]):
         self._store = store
         self._indices = indices
         self._labels = torch.tensor(labels, dtype=torch.int64)
-        self._patient_ids = sorted(set(patients))
-        position = {patient: k for k, patient in enumerate(self._patient_ids)}
-        self._patient_index = torch.tensor([position[p] for p in patients], dtype=torch.int64)
-        groups: dict[int, list[int]] = {k: [] for k in range(len(self._patient_ids))}
-        for i, patient in enumerate(patients):
-            groups[position[patient]].append(i)
-        self._patient_to_indices = groups
-        self._patients = patients
+        self._group(patients)
 
     @classmethod
     def from_arrays(
@@ -200,29 +191,9 @@ class PatientImageDataset(Dataset[PatientSample]):
         return f"{type(self).__name__}(num_samples={len(self)}, num_patients={self.num_patients})"
 
     @property
-    def patient_ids(self) -> list[str]:
-        """The sorted unique patient ids; a sample's ``patient`` indexes this list."""
-        return list(self._patient_ids)
-
-    @property
-    def num_patients(self) -> int:
-        """The number of patients (every one has at least one image)."""
-        return len(self._patient_ids)
-
-    @property
-    def patient_to_indices(self) -> dict[int, list[int]]:
-        """Patient index -> the dataset indices of that patient's images (in dataset order)."""
-        return {patient: list(indices) for patient, indices in self._patient_to_indices.items()}
-
-    @property
     def labels(self) -> Tensor:
         """The label of every sample, an int64 tensor of shape (N,)."""
         return self._labels.clone()
-
-    @property
-    def patient_index(self) -> Tensor:
-        """The patient index of every sample, an int64 tensor of shape (N,)."""
-        return self._patient_index.clone()
 
     @property
     def paths(self) -> list[Path | None]:
@@ -251,16 +222,7 @@ class PatientImageDataset(Dataset[PatientSample]):
             >>> sub.patient_ids, len(sub), int(sub[1][2])
             (['a', 'c'], 2, 1)
         """
-        wanted = {str(patient) for patient in patient_ids}
-        unknown = sorted(wanted - set(self._patient_ids))
-        if unknown or not wanted:
-            found = f"unknown id(s) {unknown[:10]}{' …' if len(unknown) > 10 else ''}" if unknown else "none"
-            raise PrivacyConfigError(
-                f"`PatientImageDataset.subset_by_patients(patient_ids=...)`: patient_ids must be a non-empty set of "
-                f"ids of this dataset ({self.num_patients} patients), found {found}. "
-                "HINT: take ids from dataset.patient_ids."
-            )
-        keep = [i for i, patient in enumerate(self._patients) if patient in wanted]
+        keep = self._kept_items(patient_ids, "PatientImageDataset")
         subset = type(self).__new__(type(self))
         subset._init(
             self._store,

@@ -8,6 +8,10 @@ of shape H×W or H×W×C, ``uint8`` or float in [0, 1].
 Errors name the row: rows are counted from 1 and the header is row 1, so the first image is
 row 2 (the line number a spreadsheet or an editor shows).
 
+The CSV reading itself (`manifest_lines`: the file, the header, the rows' shape; `resolve_file`,
+`check_listed_once`, `read_patient_id`, `read_split`) is shared with segmentation manifests
+(`lightning_dp.data.segmentation_manifest`), each kind of manifest giving its `ManifestFormat`.
+
 Example:
     >>> import tempfile
     >>> from pathlib import Path
@@ -27,9 +31,11 @@ from __future__ import annotations
 import csv
 import os
 import re
+from collections.abc import Generator
+from contextlib import closing
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, Union
+from typing import Literal, TypeVar, Union
 
 import numpy as np
 from numpy.typing import NDArray
@@ -41,10 +47,16 @@ __all__ = [
     "IMAGE_SUFFIXES",
     "OPTIONAL_COLUMNS",
     "REQUIRED_COLUMNS",
+    "ManifestFormat",
     "ManifestRow",
     "Split",
+    "check_listed_once",
     "load_image",
+    "manifest_lines",
     "read_manifest",
+    "read_patient_id",
+    "read_split",
+    "resolve_file",
 ]
 
 Split = Literal["train", "val", "test"]
@@ -78,8 +90,178 @@ class ManifestRow:
     row: int = 0
 
 
-def _where(path: Path, row: int) -> str:
-    return f"`read_manifest({str(path)!r})`: row {row}"
+_S = TypeVar("_S", bound=str)
+
+
+@dataclass(frozen=True)
+class ManifestFormat:
+    """One kind of manifest: its columns and what its error messages suggest.
+
+    Both the classification manifest (`read_manifest`) and the segmentation manifest
+    (`lightning_dp.data.segmentation_manifest.read_segmentation_manifest`) are read by `manifest_lines`
+    with their own format.
+
+    Args:
+        columns: the columns besides the optional ``split`` (any other column is an error).
+        generator: the generator whose return value is a manifest, for the missing-file hint.
+        header: the header line shown in the empty-file hint.
+        unknown_hint: what the unknown-column hint adds in parentheses.
+        missing_hint: the missing-column hint.
+        rows_hint: the columns of a row, for the header-only hint.
+    """
+
+    columns: tuple[str, ...]
+    generator: str
+    header: str
+    unknown_hint: str
+    missing_hint: str
+    rows_hint: str
+
+
+def manifest_lines(
+    csv_path: Path, owner: str, form: ManifestFormat, required: tuple[str, ...]
+) -> Generator[tuple[int, dict[str, int], list[str]], None, None]:
+    """The rows of a manifest CSV, checked for shape: ``(line, column -> field index, fields)`` per non-blank row.
+
+    Checks the file and its header (exists, not empty, no unknown, repeated or missing ``required``
+    column) and that every row has as many fields as the header; blank rows are skipped. Raises if
+    the manifest has no row at all once the rows are exhausted. Use it with `contextlib.closing`, so
+    that an error raised by the caller while reading a row closes the file.
+
+    Raises:
+        DataError: as above; the message starts with ``owner`` and names the row (header = row 1).
+    """
+    if not csv_path.is_file():
+        raise DataError(
+            f"{owner}: the manifest must be an existing CSV file, found "
+            f"{'a folder' if csv_path.is_dir() else 'nothing'} at that path. HINT: pass the CSV itself, "
+            f"e.g. {form.generator} returns the path of its manifest."
+        )
+    with csv_path.open(newline="", encoding="utf-8-sig") as handle:
+        reader = csv.reader(handle)
+        header = next(reader, None)
+        if header is None or not any(cell.strip() for cell in header):
+            raise DataError(
+                f"{owner}: the manifest must have a header row and at least one image, "
+                f"found an empty file. HINT: the first line names the columns: {form.header}."
+            )
+        columns = [cell.strip().lower() for cell in header]
+        for name in columns:
+            if name not in form.columns + OPTIONAL_COLUMNS:
+                raise DataError(
+                    f"{owner}: row 1: unknown column {name!r}; the columns must be "
+                    f"{', '.join(form.columns)} and optionally {', '.join(OPTIONAL_COLUMNS)}, found "
+                    f"{columns}. HINT: rename or remove the column ({form.unknown_hint})."
+                )
+        duplicated = sorted({name for name in columns if columns.count(name) > 1})
+        if duplicated:
+            raise DataError(
+                f"{owner}: row 1: every column must appear once, found {duplicated} more than once. "
+                "HINT: remove the repeated column."
+            )
+        missing = [name for name in required if name not in columns]
+        if missing:
+            raise DataError(
+                f"{owner}: row 1: missing required column(s) {missing}; found {columns}. HINT: {form.missing_hint}"
+            )
+        index = {name: columns.index(name) for name in columns}
+        count = 0
+        for cells in reader:
+            line = reader.line_num
+            if not cells or not any(cell.strip() for cell in cells):
+                continue
+            if len(cells) != len(columns):
+                raise DataError(
+                    f"{owner}: row {line}: every row must have {len(columns)} fields like the header, "
+                    f"found {len(cells)}: {cells}. HINT: quote fields that contain commas."
+                )
+            count += 1
+            yield line, index, cells
+    if not count:
+        raise DataError(
+            f"{owner}: the manifest must list at least one image, found a header only. "
+            f"HINT: add one row per image: {form.rows_hint}."
+        )
+
+
+def resolve_file(raw: str, folder: Path, where: str, column: str, noun: str, give: str) -> Path:
+    """The file a manifest field names (relative to the manifest's ``folder``), which must exist.
+
+    Raises:
+        DataError: the field is empty (``give`` is what its hint asks for) or no file ``noun`` is there.
+    """
+    if not raw:
+        raise DataError(
+            f"{where}: {column} must not be empty, found ''. HINT: give {give}, relative to the manifest's folder."
+        )
+    path = Path(raw)
+    if not path.is_absolute():
+        path = folder / path
+    if not path.is_file():
+        raise DataError(
+            f"{where}: the {noun} must exist, found no file at {str(path)!r}. "
+            f"HINT: paths are relative to the manifest's folder {str(folder)!r}."
+        )
+    return path
+
+
+def check_listed_once(seen: dict[Path, int], path: Path, raw: str, line: int, where: str, hint_end: str) -> None:
+    """Records that row ``line`` lists ``path``; an image listed on an earlier row is an error.
+
+    Raises:
+        DataError: ``path`` is in ``seen``; the hint ends with ``hint_end``.
+    """
+    if path in seen:
+        raise DataError(
+            f"{where}: every image must be listed once, found {raw!r} already on "
+            f"row {seen[path]}. HINT: an image listed twice counts twice (and may leak across splits){hint_end}"
+        )
+    seen[path] = line
+
+
+def read_patient_id(cells: list[str], index: dict[str, int], where: str) -> str:
+    """The row's ``patient_id``, which must not be empty.
+
+    Raises:
+        DataError: the field is empty.
+    """
+    patient = cells[index["patient_id"]].strip()
+    if not patient:
+        raise DataError(
+            f"{where}: patient_id must not be empty, found ''. HINT: every image "
+            "needs its patient; patient-level privacy protects all images of one patient together."
+        )
+    return patient
+
+
+def read_split(cells: list[str], index: dict[str, int], where: str, splits: tuple[_S, ...], hint_end: str) -> _S | None:
+    """The row's ``split`` (one of ``splits``, case-insensitive), or None when the manifest has no split column.
+
+    Raises:
+        DataError: the field is not one of ``splits``; the hint ends with ``hint_end``.
+    """
+    if "split" not in index:
+        return None
+    raw_split = cells[index["split"]].strip().lower()
+    split = next((s for s in splits if s == raw_split), None)
+    if split is None:
+        raise DataError(
+            f"{where}: split must be one of {list(splits)}, found "
+            f"{cells[index['split']].strip()!r}. HINT: fill the split of every row, or drop the column "
+            f"to let the datamodule split patients{hint_end}"
+        )
+    return split
+
+
+_FORMAT = ManifestFormat(
+    columns=REQUIRED_COLUMNS,
+    generator="generate_synthetic_pathology(root)",
+    header="path,label,patient_id[,split]",
+    unknown_hint="a typo such as 'patientid' lands here",
+    missing_hint="a manifest needs path,label,patient_id (every image must name its patient for "
+    "patient-level privacy).",
+    rows_hint="path,label,patient_id",
+)
 
 
 def read_manifest(path: Union[str, os.PathLike[str]], *, check_images: bool = True) -> list[ManifestRow]:
@@ -110,114 +292,28 @@ def read_manifest(path: Union[str, os.PathLike[str]], *, check_images: bool = Tr
         lightning_dp.data.errors.DataError: ...row 1: unknown column 'colour'...
     """
     csv_path = Path(path)
-    if not csv_path.is_file():
-        raise DataError(
-            f"`read_manifest({str(csv_path)!r})`: the manifest must be an existing CSV file, found "
-            f"{'a folder' if csv_path.is_dir() else 'nothing'} at that path. HINT: pass the CSV itself, "
-            "e.g. generate_synthetic_pathology(root) returns the path of its manifest."
-        )
+    owner = f"`read_manifest({str(csv_path)!r})`"
     folder = csv_path.parent
-    with csv_path.open(newline="", encoding="utf-8-sig") as handle:
-        reader = csv.reader(handle)
-        header = next(reader, None)
-        if header is None or not any(cell.strip() for cell in header):
-            raise DataError(
-                f"`read_manifest({str(csv_path)!r})`: the manifest must have a header row and at least one image, "
-                "found an empty file. HINT: the first line names the columns: path,label,patient_id[,split]."
-            )
-        columns = [cell.strip().lower() for cell in header]
-        for name in columns:
-            if name not in REQUIRED_COLUMNS + OPTIONAL_COLUMNS:
-                raise DataError(
-                    f"{_where(csv_path, 1)}: unknown column {name!r}; the columns must be "
-                    f"{', '.join(REQUIRED_COLUMNS)} and optionally {', '.join(OPTIONAL_COLUMNS)}, found "
-                    f"{columns}. HINT: rename or remove the column (a typo such as 'patientid' lands here)."
-                )
-        duplicated = sorted({name for name in columns if columns.count(name) > 1})
-        if duplicated:
-            raise DataError(
-                f"{_where(csv_path, 1)}: every column must appear once, found {duplicated} more than once. "
-                "HINT: remove the repeated column."
-            )
-        missing = [name for name in REQUIRED_COLUMNS if name not in columns]
-        if missing:
-            raise DataError(
-                f"{_where(csv_path, 1)}: missing required column(s) {missing}; found {columns}. "
-                "HINT: a manifest needs path,label,patient_id (every image must name its patient for "
-                "patient-level privacy)."
-            )
-        index = {name: columns.index(name) for name in columns}
-        has_split = "split" in index
-        rows: list[ManifestRow] = []
-        seen: dict[Path, int] = {}
-        for cells in reader:
-            line = reader.line_num
-            if not cells or not any(cell.strip() for cell in cells):
-                continue
-            if len(cells) != len(columns):
-                raise DataError(
-                    f"{_where(csv_path, line)}: every row must have {len(columns)} fields like the header, "
-                    f"found {len(cells)}: {cells}. HINT: quote fields that contain commas."
-                )
+    rows: list[ManifestRow] = []
+    seen: dict[Path, int] = {}
+    with closing(manifest_lines(csv_path, owner, _FORMAT, REQUIRED_COLUMNS)) as lines:
+        for line, index, cells in lines:
+            where = f"{owner}: row {line}"
             raw_path = cells[index["path"]].strip()
-            if not raw_path:
-                raise DataError(
-                    f"{_where(csv_path, line)}: path must not be empty, found ''. HINT: give the image file, "
-                    "relative to the manifest's folder."
-                )
-            image_path = Path(raw_path)
-            if not image_path.is_absolute():
-                image_path = folder / image_path
-            if not image_path.is_file():
-                raise DataError(
-                    f"{_where(csv_path, line)}: the image must exist, found no file at {str(image_path)!r}. "
-                    f"HINT: paths are relative to the manifest's folder {str(folder)!r}."
-                )
-            if image_path in seen:
-                raise DataError(
-                    f"{_where(csv_path, line)}: every image must be listed once, found {raw_path!r} already on "
-                    f"row {seen[image_path]}. HINT: an image listed twice counts twice (and may leak across "
-                    "splits); remove the repetition."
-                )
-            seen[image_path] = line
+            image_path = resolve_file(raw_path, folder, where, "path", "image", "the image file")
+            check_listed_once(seen, image_path, raw_path, line, where, "; remove the repetition.")
             if check_images:
-                _check_image(image_path, f"{_where(csv_path, line)}")
+                _check_image(image_path, where)
             raw_label = cells[index["label"]].strip()
             if not _INTEGER.match(raw_label) or int(raw_label) < 0:
                 raise DataError(
-                    f"{_where(csv_path, line)}: label must be an integer >= 0, found {raw_label!r}. "
+                    f"{where}: label must be an integer >= 0, found {raw_label!r}. "
                     "HINT: write class indices (0, 1, ...), not names or probabilities."
                 )
-            patient = cells[index["patient_id"]].strip()
-            if not patient:
-                raise DataError(
-                    f"{_where(csv_path, line)}: patient_id must not be empty, found ''. HINT: every image "
-                    "needs its patient; patient-level privacy protects all images of one patient together."
-                )
-            split: Split | None = None
-            if has_split:
-                raw_split = cells[index["split"]].strip().lower()
-                split = _parse_split(raw_split)
-                if split is None:
-                    raise DataError(
-                        f"{_where(csv_path, line)}: split must be one of {list(_SPLITS)}, found "
-                        f"{cells[index['split']].strip()!r}. HINT: fill the split of every row, or drop the column "
-                        "to let the datamodule split patients itself."
-                    )
+            patient = read_patient_id(cells, index, where)
+            split = read_split(cells, index, where, _SPLITS, " itself.")
             rows.append(ManifestRow(image_path, int(raw_label), patient, split, line))
-    if not rows:
-        raise DataError(
-            f"`read_manifest({str(csv_path)!r})`: the manifest must list at least one image, found a header only. "
-            "HINT: add one row per image: path,label,patient_id."
-        )
     return rows
-
-
-def _parse_split(value: str) -> Split | None:
-    for split in _SPLITS:
-        if value == split:
-            return split
-    return None
 
 
 def _check_image(path: Path, where: str) -> None:

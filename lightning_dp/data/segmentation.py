@@ -1,9 +1,8 @@
 r"""Segmentation data grouped by patient: manifests of image/mask pairs, 2-D images and 3-D volumes.
 
-A segmentation manifest is a CSV with one row per image (or volume) and the columns ``image``,
-``mask``, ``patient_id`` and, optionally, ``split`` (``train``, ``val``, ``test`` or ``public``). Paths
-are relative to the folder of the CSV (absolute paths are kept). Rows are counted like a spreadsheet
-does: the header is row 1, the first image row 2.
+The rows come from a segmentation manifest (``image,mask,patient_id[,split]``), read and checked by
+`lightning_dp.data.segmentation_manifest` (`read_segmentation_manifest`, `SegmentationRow`, re-exported
+here); the patient interface is `lightning_dp.data.patients.PatientGroups`, shared with classification.
 
 **2-D** (``items="images"``): images are PNG/JPEG files or ``.npy`` arrays (H×W or H×W×C, ``uint8`` or
 float in [0, 1]); masks are 8-bit PNGs (0/1 or 0/255; palette PNGs by index) or ``.npy`` arrays of the
@@ -22,7 +21,7 @@ slice's input depend on the other slices.
 A dataset item is ``(image, mask, patient)``: a float32 image C×H×W (C×D×H×W for patches) in [0, 1],
 a float32 mask 1×H×W (1×D×H×W) in {0, 1}, and the int64 index of the item's patient in
 ``dataset.patient_ids`` — the patient interface of `PatientImageDataset` (``patient_to_indices``,
-``num_patients``, ``subset_by_patients`` …) that the DP callbacks use.
+``num_patients``, ``subset_by_patients`` …) that the DP callbacks use, from the same base.
 
 Every file is read once when the dataset is built (and kept, with ``cache=True``), so that a missing
 or unreadable file, an image/mask size mismatch or a non-binary mask is a `DataError` naming the row
@@ -40,8 +39,6 @@ Example:
 
 from __future__ import annotations
 
-import csv
-import os
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,12 +47,24 @@ from typing import Any, Literal, Union
 import numpy as np
 import torch
 from numpy.typing import NDArray
-from PIL import Image
 from torch import Tensor
 from torch.utils.data import Dataset
 
 from lightning_dp.data.errors import DataError
-from lightning_dp.data.manifest import describe_range, load_image
+from lightning_dp.data.manifest import load_image
+from lightning_dp.data.patients import PatientGroups, require_rows
+from lightning_dp.data.segmentation_manifest import (
+    SEGMENTATION_COLUMNS,
+    SegmentationRow,
+    SegmentationSplit,
+    _fmt_shape,
+    _image_tensor,
+    _load_mask,
+    _load_volume,
+    _spatial,
+    binarise_mask,
+    read_segmentation_manifest,
+)
 from lightning_dp.errors import PrivacyConfigError
 
 __all__ = [
@@ -72,378 +81,8 @@ __all__ = [
 ]
 
 Items = Literal["images", "slices", "patches"]
-SegmentationSplit = Literal["train", "val", "test", "public"]
 SegmentationSample = tuple[Tensor, Tensor, Tensor]
 JointTransform = Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]
-
-SEGMENTATION_COLUMNS: tuple[str, ...] = ("image", "mask", "patient_id")
-_OPTIONAL_COLUMNS: tuple[str, ...] = ("split",)
-_SPLITS: tuple[SegmentationSplit, ...] = ("train", "val", "test", "public")
-_IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".npy")
-_VOLUME_SUFFIXES = (".npy", ".nii", ".nii.gz")
-_MONAI_HINT = "pip install lightning-dp[monai] (nibabel reads NIfTI)"
-
-
-@dataclass(frozen=True)
-class SegmentationRow:
-    """One image (or volume) of a segmentation manifest and its mask.
-
-    Args:
-        image: the image file.
-        mask: the mask file; ``None`` only in manifests read with ``require_masks=False`` (unlabeled images).
-        patient_id: the patient the image belongs to (never empty).
-        split: the split the manifest assigns, or ``None`` without a ``split`` column.
-        row: the CSV row this image came from (header = row 1); 0 for rows built in memory.
-        manifest: the CSV the row came from (for error messages).
-
-    Example:
-        >>> SegmentationRow(Path("a.png"), Path("a_mask.png"), "p1", row=2, manifest=Path("m.csv")).where
-        "row 2 of 'm.csv'"
-    """
-
-    image: Path
-    mask: Path | None
-    patient_id: str
-    split: SegmentationSplit | None = None
-    row: int = 0
-    manifest: Path | None = None
-
-    @property
-    def where(self) -> str:
-        """Where the row comes from, for error messages."""
-        return f"row {self.row} of {str(self.manifest)!r}" if self.manifest is not None else f"row {self.row}"
-
-
-def _suffix(path: Path) -> str:
-    name = path.name.lower()
-    return ".nii.gz" if name.endswith(".nii.gz") else path.suffix.lower()
-
-
-def _nibabel() -> Any:
-    try:
-        import nibabel
-    except ImportError as exc:  # pragma: no cover - nibabel is a dev dependency
-        raise DataError(f"NIfTI volumes need nibabel, which is not installed. HINT: {_MONAI_HINT}.") from exc
-    return nibabel
-
-
-# ---- manifest -----------------------------------------------------------------------------------------------
-
-
-def read_segmentation_manifest(
-    path: Union[str, os.PathLike[str]],
-    *,
-    volumes: bool = False,
-    require_masks: bool = True,
-    check_files: bool = True,
-) -> list[SegmentationRow]:
-    r"""Reads and validates a segmentation manifest (``image,mask,patient_id[,split]``).
-
-    Args:
-        path: the CSV file.
-        volumes: the rows are 3-D volumes (``.npy``, ``.nii``, ``.nii.gz``) rather than 2-D images.
-        require_masks: every row must name a mask; with ``False`` the ``mask`` column may be missing or
-            empty (unlabeled public images, read with `SegmentationImages`).
-        check_files: also read every file's header (Pillow, the ``.npy`` header, the NIfTI header), so
-            that an unreadable file or an image/mask size mismatch fails here with its row.
-
-    Returns:
-        The rows in file order.
-
-    Raises:
-        DataError: the file is missing or empty; a required column is missing, a column unknown or
-            repeated; a row has a wrong number of fields, an empty image or ``patient_id``, a missing
-            mask, a file that does not exist or cannot be read, an image and mask of different sizes, a
-            split other than train/val/test/public, or repeats an earlier row's image. The message names
-            the row.
-
-    Example:
-        >>> import tempfile
-        >>> folder = Path(tempfile.mkdtemp())
-        >>> _ = (folder / "m.csv").write_text("image,patient_id\n")
-        >>> read_segmentation_manifest(folder / "m.csv")  # doctest: +ELLIPSIS
-        Traceback (most recent call last):
-        ...
-        lightning_dp.data.errors.DataError: ...row 1: missing required column(s) ['mask']...
-    """
-    csv_path = Path(path)
-    owner = f"`read_segmentation_manifest({str(csv_path)!r})`"
-    if not csv_path.is_file():
-        raise DataError(
-            f"{owner}: the manifest must be an existing CSV file, found "
-            f"{'a folder' if csv_path.is_dir() else 'nothing'} at that path. HINT: pass the CSV itself, e.g. "
-            "generate_synthetic_silhouettes(root) returns the path of its manifest."
-        )
-    folder = csv_path.parent
-    required = SEGMENTATION_COLUMNS if require_masks else ("image", "patient_id")
-    with csv_path.open(newline="", encoding="utf-8-sig") as handle:
-        reader = csv.reader(handle)
-        header = next(reader, None)
-        if header is None or not any(cell.strip() for cell in header):
-            raise DataError(
-                f"{owner}: the manifest must have a header row and at least one image, found an empty file. "
-                "HINT: the first line names the columns: image,mask,patient_id[,split]."
-            )
-        columns = [cell.strip().lower() for cell in header]
-        for name in columns:
-            if name not in SEGMENTATION_COLUMNS + _OPTIONAL_COLUMNS:
-                raise DataError(
-                    f"{owner}: row 1: unknown column {name!r}; the columns must be {', '.join(SEGMENTATION_COLUMNS)} "
-                    f"and optionally split, found {columns}. HINT: rename or remove the column (a classification "
-                    "manifest has path,label,patient_id: segmentation needs image,mask,patient_id)."
-                )
-        duplicated = sorted({name for name in columns if columns.count(name) > 1})
-        if duplicated:
-            raise DataError(
-                f"{owner}: row 1: every column must appear once, found {duplicated} more than once. "
-                "HINT: remove the repeated column."
-            )
-        missing = [name for name in required if name not in columns]
-        if missing:
-            raise DataError(
-                f"{owner}: row 1: missing required column(s) {missing}; found {columns}. HINT: a segmentation "
-                "manifest needs image,mask,patient_id (every image must name its patient for patient-level "
-                "privacy; read unlabeled images with require_masks=False)."
-            )
-        index = {name: columns.index(name) for name in columns}
-        rows: list[SegmentationRow] = []
-        seen: dict[Path, int] = {}
-        for cells in reader:
-            line = reader.line_num
-            where = f"{owner}: row {line}"
-            if not cells or not any(cell.strip() for cell in cells):
-                continue
-            if len(cells) != len(columns):
-                raise DataError(
-                    f"{where}: every row must have {len(columns)} fields like the header, found {len(cells)}: "
-                    f"{cells}. HINT: quote fields that contain commas."
-                )
-            image = _resolve(cells[index["image"]].strip(), folder, where, "image")
-            if image in seen:
-                raise DataError(
-                    f"{where}: every image must be listed once, found {cells[index['image']].strip()!r} already on "
-                    f"row {seen[image]}. HINT: an image listed twice counts twice (and may leak across splits)."
-                )
-            seen[image] = line
-            raw_mask = cells[index["mask"]].strip() if "mask" in index else ""
-            if not raw_mask and require_masks:
-                raise DataError(
-                    f"{where}: mask must not be empty, found ''. HINT: give the mask file of {image.name!r}, or read "
-                    "unlabeled images with require_masks=False."
-                )
-            mask = _resolve(raw_mask, folder, where, "mask") if raw_mask else None
-            patient = cells[index["patient_id"]].strip()
-            if not patient:
-                raise DataError(
-                    f"{where}: patient_id must not be empty, found ''. HINT: every image needs its patient; "
-                    "patient-level privacy protects all images of one patient together."
-                )
-            split: SegmentationSplit | None = None
-            if "split" in index:
-                raw_split = cells[index["split"]].strip().lower()
-                split = next((s for s in _SPLITS if s == raw_split), None)
-                if split is None:
-                    raise DataError(
-                        f"{where}: split must be one of {list(_SPLITS)}, found {cells[index['split']].strip()!r}. "
-                        "HINT: fill the split of every row, or drop the column to let the datamodule split patients."
-                    )
-            if check_files:
-                image_shape = _header_shape(image, volumes, where, "image")
-                if mask is not None:
-                    mask_shape = _header_shape(mask, volumes, where, "mask")
-                    if mask_shape != image_shape:
-                        raise DataError(
-                            f"{where}: the mask must have the image's size, found image {image.name!r} of size "
-                            f"{_fmt_shape(image_shape)} and mask {mask.name!r} of size {_fmt_shape(mask_shape)}. "
-                            "HINT: resample the mask to the image grid (nearest neighbour) or fix the pairing."
-                        )
-            rows.append(SegmentationRow(image, mask, patient, split, line, csv_path))
-    if not rows:
-        raise DataError(
-            f"{owner}: the manifest must list at least one image, found a header only. "
-            "HINT: add one row per image: image,mask,patient_id."
-        )
-    return rows
-
-
-def _resolve(raw: str, folder: Path, where: str, column: str) -> Path:
-    if not raw:
-        raise DataError(
-            f"{where}: {column} must not be empty, found ''. HINT: give the file, relative to the manifest's folder."
-        )
-    path = Path(raw)
-    if not path.is_absolute():
-        path = folder / path
-    if not path.is_file():
-        raise DataError(
-            f"{where}: the {column} must exist, found no file at {str(path)!r}. "
-            f"HINT: paths are relative to the manifest's folder {str(folder)!r}."
-        )
-    return path
-
-
-def _fmt_shape(shape: Sequence[int]) -> str:
-    return "×".join(str(n) for n in shape)
-
-
-def _header_shape(path: Path, volumes: bool, where: str, what: str) -> tuple[int, ...]:
-    """The spatial size of a file from its header (H, W for images; the three axes for volumes)."""
-    suffix = _suffix(path)
-    allowed = _VOLUME_SUFFIXES if volumes else _IMAGE_SUFFIXES
-    if suffix not in allowed:
-        if suffix in _IMAGE_SUFFIXES:
-            hint = "2-D image files are read with items='images'"
-        elif suffix in _VOLUME_SUFFIXES:
-            hint = "volumes are read with items='slices' or items='patches'"
-        else:
-            hint = "convert it to PNG, or save the array with numpy.save"
-        raise DataError(f"{where}: the {what} must be one of {list(allowed)}, found {path.name!r}. HINT: {hint}.")
-    try:
-        if suffix == ".npy":
-            shape = tuple(np.load(path, mmap_mode="r", allow_pickle=False).shape)
-        elif suffix in (".nii", ".nii.gz"):
-            shape = tuple(int(n) for n in _nibabel().load(str(path)).shape)
-        else:
-            with Image.open(path) as image:
-                width, height = image.size
-                image.verify()
-            return (height, width)
-    except DataError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - any decoder failure is an unreadable file
-        raise DataError(
-            f"{where}: the {what} must be a readable file, {str(path)!r} failed to open: {exc}. "
-            "HINT: the file is truncated or not in the format its name says; re-export it."
-        ) from exc
-    return _spatial(shape, volumes, path, where, what)
-
-
-def _spatial(shape: tuple[int, ...], volumes: bool, path: Path, where: str, what: str) -> tuple[int, ...]:
-    rank = 3 if volumes else 2
-    channels_ok = len(shape) == rank or (len(shape) == rank + 1 and (what == "image" or shape[-1] == 1))
-    if what == "image" and not volumes and len(shape) == 3:
-        channels_ok = shape[2] in (1, 3)
-    if not channels_ok or 0 in shape:
-        layout = "A×B×C or A×B×C×channels" if volumes else "H×W or H×W×C (C = 1 or 3)"
-        if what == "mask":
-            layout = "A×B×C (or A×B×C×1)" if volumes else "H×W (or H×W×1)"
-        raise DataError(
-            f"{where}: the {what} {path.name!r} must be {layout}, found shape {shape}. HINT: "
-            + ("2-D images need items='images'." if volumes and len(shape) == 2 else "store channels last.")
-        )
-    return tuple(shape[:rank])
-
-
-# ---- loading ------------------------------------------------------------------------------------------------
-
-
-def _load_mask(path: Path, volumes: bool, where: str) -> NDArray[Any]:
-    """The raw values of a mask file (2-D or 3-D, no channel axis)."""
-    suffix = _suffix(path)
-    try:
-        if suffix == ".npy":
-            array = np.load(path, allow_pickle=False)
-        elif suffix in (".nii", ".nii.gz"):
-            array = np.asanyarray(_nibabel().load(str(path)).dataobj)
-        else:
-            with Image.open(path) as image:
-                image.load()
-                if image.mode in ("RGB", "RGBA"):
-                    rgb = np.asarray(image.convert("RGB"))
-                    if not (rgb == rgb[..., :1]).all():
-                        raise DataError(
-                            f"{where}: the mask {path.name!r} must be single-channel, found an RGB image with colours. "
-                            "HINT: save it as an 8-bit grayscale PNG (0 = background, 255 = foreground)."
-                        )
-                    array = rgb[..., 0]
-                elif image.mode == "LA":
-                    array = np.asarray(image)[..., 0]
-                else:  # "1", "L", "P" (palette index), "I;16", "I", "F"
-                    array = np.asarray(image)
-    except DataError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - any decoder failure is an unreadable file
-        raise DataError(
-            f"{where}: the mask must be a readable file, {str(path)!r} failed to load: {exc}. "
-            "HINT: the file is truncated or not in the format its name says; re-export it."
-        ) from exc
-    array = np.asarray(array)
-    rank = 3 if volumes else 2
-    if array.ndim == rank + 1 and array.shape[-1] == 1:
-        array = array[..., 0]
-    _spatial(tuple(array.shape), volumes, path, where, "mask")
-    return array
-
-
-def _load_volume(path: Path, where: str) -> NDArray[Any]:
-    """The raw values of an image volume, channels last (A×B×C×channels)."""
-    try:
-        if _suffix(path) == ".npy":
-            array = np.load(path, allow_pickle=False)
-        else:
-            array = np.asanyarray(_nibabel().load(str(path)).dataobj)
-    except DataError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - any decoder failure is an unreadable file
-        raise DataError(
-            f"{where}: the image must be a readable volume, {str(path)!r} failed to load: {exc}. "
-            "HINT: the file is truncated or not in the format its name says; re-export it."
-        ) from exc
-    _spatial(tuple(array.shape), True, path, where, "image")
-    return array if array.ndim == 4 else array[..., None]
-
-
-def binarise_mask(values: NDArray[Any], threshold: float | None, where: str) -> NDArray[np.uint8]:
-    """A mask as ``uint8`` in {0, 1}.
-
-    Without a threshold the values must already be binary: {0, 1} (any dtype, or bool), or {0, 255}
-    in ``uint8`` (how 8-bit PNG masks are usually saved). With a threshold, values strictly greater
-    than it (in the stored units) are foreground.
-
-    Raises:
-        DataError: the values are not binary and no threshold is given; the message lists the values.
-
-    Example:
-        >>> binarise_mask(np.array([0, 255], dtype=np.uint8), None, "here").tolist()
-        [0, 1]
-        >>> binarise_mask(np.array([0.2, 0.7]), 0.5, "here").tolist()
-        [0, 1]
-    """
-    if threshold is not None:
-        return np.asarray(values > threshold, dtype=np.uint8)
-    if values.dtype == np.bool_:
-        return values.astype(np.uint8)
-    found = np.unique(values)
-    if found.size <= 2 and np.isin(found, (0, 1)).all():
-        return np.asarray(values == 1, dtype=np.uint8)
-    if values.dtype == np.uint8 and found.size <= 2 and np.isin(found, (0, 255)).all():
-        return np.asarray(values == 255, dtype=np.uint8)
-    shown = ", ".join(f"{v:g}" for v in found[:10].tolist()) + (f", … ({found.size} values)" if found.size > 10 else "")
-    raise DataError(
-        f"{where}: the mask must be binary (0/1, or 0/255 in 8 bits), found the values [{shown}]. "
-        "HINT: threshold it when exporting (mask > 0), or set mask_threshold (e.g. mask_threshold=0.5: values "
-        "> 0.5 are foreground); for a multi-class label map pick the class first (mask == k)."
-    )
-
-
-def _image_tensor(array: NDArray[Any], intensity_range: tuple[float, float] | None, where: str) -> Tensor:
-    """Channels-last ``uint8`` or float array -> channels-first tensor (``uint8`` kept, floats in [0, 1])."""
-    if intensity_range is not None and array.dtype != np.uint8:
-        low, high = intensity_range
-        scaled = (np.asarray(array, dtype=np.float32) - np.float32(low)) / np.float32(high - low)
-        array = np.clip(scaled, 0.0, 1.0)
-    elif array.dtype != np.uint8:
-        if not (np.issubdtype(array.dtype, np.floating) or np.issubdtype(array.dtype, np.integer)):
-            raise DataError(f"{where}: the image must hold numbers, found dtype {array.dtype}. HINT: re-export it.")
-        array = np.asarray(array, dtype=np.float32)
-        if not np.isfinite(array).all() or array.min() < 0.0 or array.max() > 1.0:
-            raise DataError(
-                f"{where}: the image must be uint8 or have finite values in [0, 1], found {describe_range(array)} "
-                f"(dtype {array.dtype}). HINT: set intensity_range=(low, high) to map a fixed window to [0, 1], "
-                "e.g. (-1000, 1000) for CT in Hounsfield units."
-            )
-    moved = np.moveaxis(np.ascontiguousarray(array), -1, 0)
-    return torch.from_numpy(np.ascontiguousarray(moved))
 
 
 @dataclass
@@ -548,12 +187,11 @@ def _check_options(
     return patch
 
 
-class _PatientItems:
-    """Items (images, slices or patches) of sources grouped by patient: the patient interface of the DP callbacks."""
+class _PatientItems(PatientGroups):
+    """Items (images, slices or patches) of sources, grouped by patient (`PatientGroups`)."""
 
     _store: _Store
     _items: list[tuple[int, tuple[int, ...]]]
-    _patients: list[str]
     _positive: list[bool]
     items: Items
     slice_axis: int
@@ -628,15 +266,8 @@ class _PatientItems:
 
     def _init(self, entries: list[tuple[int, tuple[int, ...]]], patients: list[str], positive: list[bool]) -> None:
         self._items = entries
-        self._patients = patients
         self._positive = positive
-        self._patient_ids = sorted(set(patients))
-        position = {patient: k for k, patient in enumerate(self._patient_ids)}
-        self._patient_index = torch.tensor([position[p] for p in patients], dtype=torch.int64)
-        groups: dict[int, list[int]] = {k: [] for k in range(len(self._patient_ids))}
-        for i, patient in enumerate(patients):
-            groups[position[patient]].append(i)
-        self._patient_to_indices = groups
+        self._group(patients)
 
     def _view(self, keep: list[int]) -> Any:
         """A new object of this type over the items ``keep``, sharing the store."""
@@ -657,26 +288,6 @@ class _PatientItems:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(num_items={len(self)}, num_patients={self.num_patients}, items={self.items!r})"
-
-    @property
-    def patient_ids(self) -> list[str]:
-        """The sorted unique patient ids; an item's ``patient`` indexes this list."""
-        return list(self._patient_ids)
-
-    @property
-    def num_patients(self) -> int:
-        """The number of patients (every one has at least one item)."""
-        return len(self._patient_ids)
-
-    @property
-    def patient_to_indices(self) -> dict[int, list[int]]:
-        """Patient index -> the indices of that patient's items (in dataset order)."""
-        return {patient: list(indices) for patient, indices in self._patient_to_indices.items()}
-
-    @property
-    def patient_index(self) -> Tensor:
-        """The patient index of every item, an int64 tensor of shape (N,)."""
-        return self._patient_index.clone()
 
     @property
     def positive(self) -> Tensor:
@@ -708,25 +319,12 @@ class _PatientItems:
         Raises:
             PrivacyConfigError: no ids are given, or an id does not occur in this dataset.
         """
-        wanted = {str(patient) for patient in patient_ids}
-        unknown = sorted(wanted - set(self._patient_ids))
-        if unknown or not wanted:
-            found = f"unknown id(s) {unknown[:10]}{' …' if len(unknown) > 10 else ''}" if unknown else "none"
-            raise PrivacyConfigError(
-                f"`{type(self).__name__}.subset_by_patients(patient_ids=...)`: patient_ids must be a non-empty set of "
-                f"ids of this dataset ({self.num_patients} patients), found {found}. "
-                "HINT: take ids from dataset.patient_ids."
-            )
-        return self._view([i for i, patient in enumerate(self._patients) if patient in wanted])
+        return self._view(self._kept_items(patient_ids, type(self).__name__))
 
 
 def _sources_from_rows(rows: Sequence[SegmentationRow], owner: str, need_masks: bool) -> list[_Source]:
     rows = list(rows)
-    if not rows:
-        raise PrivacyConfigError(
-            f"`{owner}(rows=[])`: rows must list at least one image (and so one patient), found none. "
-            "HINT: check the manifest or the patient ids the dataset was subset to."
-        )
+    require_rows(rows, owner)
     sources = []
     for row in rows:
         where = f"`{owner}`: {row.where} (image {row.image.name!r})"

@@ -12,12 +12,17 @@ import os
 from typing import Any, Literal
 
 import numpy as np
-import pytorch_lightning as pl
 from torch import Tensor
 from torch.utils.data import DataLoader
 
-from lightning_dp.data.datamodule import split_patients
-from lightning_dp.data.errors import DataError, DataNotReadyError
+from lightning_dp.data.errors import DataError
+from lightning_dp.data.patients import (
+    PatientSplitsDataModule,
+    assign_manifest_splits,
+    check_loader_arguments,
+    check_split_arguments,
+    split_patients,
+)
 from lightning_dp.data.segmentation import (
     Items,
     PatientSegmentationDataset,
@@ -29,14 +34,14 @@ from lightning_dp.data.segmentation import (
     read_segmentation_manifest,
 )
 from lightning_dp.data.silhouettes import Shape, check_silhouette_parameters, generate_synthetic_silhouettes
-from lightning_dp.errors import PrivacyConfigError, check_count, check_in_interval
+from lightning_dp.errors import PrivacyConfigError, check_count
 
 __all__ = ["SegmentationDataModule", "SyntheticSilhouettesDataModule"]
 
 _SPLITS = ("train", "val", "test", "public")
 
 
-class SegmentationDataModule(pl.LightningDataModule):
+class SegmentationDataModule(PatientSplitsDataModule):
     """Image/mask pairs from a segmentation manifest, split by patient into train / val / test (/ public).
 
     If the manifest has a ``split`` column it is used as is (values train, val, test, public; a patient
@@ -126,36 +131,19 @@ class SegmentationDataModule(pl.LightningDataModule):
                     f"`{owner}(teacher={teacher})`: the teacher index must be below num_teachers={num_teachers}. "
                     f"HINT: teachers are numbered 0..{num_teachers - 1}."
                 )
-        check_count(owner, "batch_size", batch_size, "use e.g. 16.", minimum=1)
-        for name, value in (
-            ("val_fraction", val_fraction),
-            ("test_fraction", test_fraction),
-            ("public_fraction", public_fraction),
-        ):
-            check_in_interval(
-                owner,
-                name,
-                value,
-                0.0,
-                1.0,
-                low_closed=True,
-                high_closed=False,
-                hint="it is the fraction of *patients* in that split; 0.0 disables the split.",
-            )
-        if val_fraction + test_fraction + public_fraction >= 1.0:
-            raise PrivacyConfigError(
-                f"`{owner}(val_fraction={val_fraction!r}, test_fraction={test_fraction!r}, "
-                f"public_fraction={public_fraction!r})`: the fractions must sum to < 1, found "
-                f"{val_fraction + test_fraction + public_fraction!r}. HINT: leave patients for training."
-            )
+        check_split_arguments(
+            owner,
+            batch_size,
+            "use e.g. 16.",
+            (("val_fraction", val_fraction), ("test_fraction", test_fraction), ("public_fraction", public_fraction)),
+        )
         if public_fraction > 0 and public_manifest is not None:
             raise PrivacyConfigError(
                 f"`{owner}(public_fraction={public_fraction!r}, public_manifest={public_manifest!r})`: give either a "
                 "public_fraction of the manifest's patients or a public_manifest, found both. HINT: set "
                 "public_fraction=0.0 to use the public manifest."
             )
-        check_count(owner, "split_seed", split_seed, "use a non-negative integer such as 0.")
-        check_count(owner, "num_workers", num_workers, "0 loads in the main process.")
+        check_loader_arguments(owner, split_seed, num_workers)
         _check_options(owner, items, slice_axis, patch_size, mask_threshold, intensity_range)
         self.manifest = str(manifest)
         self.batch_size = batch_size
@@ -237,26 +225,19 @@ class SegmentationDataModule(pl.LightningDataModule):
         return assignment
 
     def _manifest_split(self, rows: list[SegmentationRow]) -> dict[str, list[str]]:
-        splits_of: dict[str, set[str]] = {}
-        for row in rows:
-            splits_of.setdefault(row.patient_id, set()).add(str(row.split))
-        overlap = {patient: sorted(s) for patient, s in sorted(splits_of.items()) if len(s) > 1}
-        if overlap:
-            shown = ", ".join(f"{patient!r} in {'+'.join(s)}" for patient, s in list(overlap.items())[:20])
-            raise DataError(
-                f"`{type(self).__name__}(manifest={self.manifest!r})`: every patient must be in exactly one split, "
-                f"found {len(overlap)} patient(s) in several: {shown}. HINT: assign splits per patient, not per image; "
-                "a private patient whose images are also public or in the test set leaks."
-            )
-        if self.public_manifest is not None and any(s == {"public"} for s in splits_of.values()):
+        assignment = assign_manifest_splits(
+            rows,
+            _SPLITS,
+            f"`{type(self).__name__}(manifest={self.manifest!r})`",
+            "assign splits per patient, not per image; a private patient whose images are also public or in the "
+            "test set leaks.",
+        )
+        if self.public_manifest is not None and assignment["public"]:
             raise DataError(
                 f"`{type(self).__name__}(manifest={self.manifest!r}, public_manifest={self.public_manifest!r})`: the "
                 "public images must come from one place, found rows marked 'public' and a public manifest. "
                 "HINT: drop one of them."
             )
-        assignment: dict[str, list[str]] = {name: [] for name in _SPLITS}
-        for patient, (split,) in sorted(splits_of.items()):
-            assignment[split].append(patient)
         return assignment
 
     def _read_public(
@@ -302,25 +283,17 @@ class SegmentationDataModule(pl.LightningDataModule):
 
     # ---- what setup built -----------------------------------------------------------------------------
 
-    def _split(self, name: str) -> PatientSegmentationDataset:
-        if self._splits is None:
-            raise DataNotReadyError(
-                f"`{type(self).__name__}.{name}_dataset`: setup() must run first, found it not called. "
-                "HINT: call datamodule.setup() (the Trainer does it in fit/validate/test)."
-            )
-        dataset = self._splits[name]
-        if dataset is None:
-            hint = (
-                "public masks come from public_fraction or rows marked 'public'; a public_manifest without masks "
-                "gives public_images only"
-                if name == "public"
-                else f"set {name}_fraction > 0 or mark rows '{name}' in the manifest"
-            )
-            raise DataError(
-                f"`{type(self).__name__}(manifest={self.manifest!r})`: the {name} split must hold at least one "
-                f"patient with masks to be read, found none. HINT: {hint}."
-            )
-        return dataset
+    def _empty_split_error(self, name: str) -> DataError:
+        hint = (
+            "public masks come from public_fraction or rows marked 'public'; a public_manifest without masks "
+            "gives public_images only"
+            if name == "public"
+            else f"set {name}_fraction > 0 or mark rows '{name}' in the manifest"
+        )
+        return DataError(
+            f"`{type(self).__name__}(manifest={self.manifest!r})`: the {name} split must hold at least one "
+            f"patient with masks to be read, found none. HINT: {hint}."
+        )
 
     @property
     def train_dataset(self) -> PatientSegmentationDataset:
@@ -353,11 +326,6 @@ class SegmentationDataModule(pl.LightningDataModule):
             )
         return self._public_images
 
-    @property
-    def train_patients(self) -> list[str]:
-        """The ids of the training patients, sorted (index ``k`` is patient index ``k`` in a batch)."""
-        return self.train_dataset.patient_ids
-
     def teacher_partitions(self, num_teachers: int, seed: int = 0) -> list[list[str]]:
         """``num_teachers`` disjoint groups of the training patients, by a hash of each id keyed with ``seed``.
 
@@ -373,26 +341,6 @@ class SegmentationDataModule(pl.LightningDataModule):
         return [self.train_dataset.subset_by_patients(p) for p in self.teacher_partitions(num_teachers, seed)]
 
     # ---- loaders --------------------------------------------------------------------------------------
-
-    def _loader(self, dataset: Any, shuffle: bool) -> DataLoader[Any]:
-        return DataLoader(
-            dataset,
-            batch_size=self.batch_size,
-            shuffle=shuffle,
-            num_workers=self.num_workers,
-            persistent_workers=self.num_workers > 0,
-        )
-
-    def train_dataloader(self) -> DataLoader[SegmentationSample]:
-        return self._loader(self.train_dataset, shuffle=True)
-
-    def val_dataloader(self) -> Any:
-        self._split("train")
-        return [] if self._splits is None or self._splits["val"] is None else self._loader(self.val_dataset, False)
-
-    def test_dataloader(self) -> Any:
-        self._split("train")
-        return [] if self._splits is None or self._splits["test"] is None else self._loader(self.test_dataset, False)
 
     def public_dataloader(self) -> DataLoader[SegmentationSample]:
         """The public items with masks, in order: ``(images, masks, patients)`` batches."""

@@ -1,4 +1,20 @@
-"""What the DP callbacks run that needs no Lightning: start-up checks (and, next, the private step)."""
+"""What the DP callbacks run, apart from the Lightning hooks themselves.
+
+The callbacks in `lightning_dp.callbacks` (`DPSGD`, `P3SGD`, their base `DPCallback`) are thin
+Lightning hooks over what lives here:
+
+* ``step.py``: the private step both engines share (`PrivateStep`: release → apply → accept or
+  restore), with the targets a released update goes to; plain torch, no Lightning.
+* ``checks.py``: the start-up checks that per-sample clipping bounds one sample's influence
+  (`IndependenceCheck`, `collate_is_per_sample`, `float64_copy`, DPSGD's `start_checks`); plain torch.
+* ``privacy.py``: δ and its default, the keys ε is logged under, the calibration of a noise schedule
+  to a target ε, the schedule part of the privacy report, the checkpoint state's digest; no Lightning.
+* ``trainer.py``: the start-up checks of the Trainer and the Lightning plumbing around the private
+  step (refused Trainer settings, the loader in use, the run's length, the log filter, optimizer and
+  LR-scheduler steps).
+* ``weight_averaging.py``: which callbacks average weights (shared by the DP callbacks and
+  `ReleasedWeightAveraging`).
+"""
 
 from lightning_dp.training.checks import IndependenceCheck, collate_is_per_sample, float64_copy
 

@@ -10,6 +10,10 @@ touched), over several batches chosen without looking at private values: batches
 targets from a public-seeded scan of the dataset, random subsets under a public seed, a batch with
 its targets permuted, and the first real chunk of the first step. The outcome is one bit: pass, or
 an error naming the cause; no value computed from the samples is reported.
+
+`IndependenceCheck` checks one batch; `start_checks` and `check_first_chunk` are DPSGD's start-up
+check built on it (the batches it runs on, the float64 copy or its fallback, the refusals:
+`refuse_cause`, `loss_tensor`).
 """
 
 from __future__ import annotations
@@ -26,18 +30,23 @@ import torch
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 
+from lightning_dp.errors import PrivacyConfigError
 from lightning_dp.sanitization.buffers import BufferSnapshot
-from lightning_dp.sanitization.per_sample import LossReduction, PerSampleClipper
+from lightning_dp.sanitization.per_sample import LossReduction, PerSampleClipper, UnsupportedModelError
 
 __all__ = [
     "Cause",
     "IndependenceCheck",
+    "check_first_chunk",
     "collate_is_per_sample",
     "diverse_indices",
     "dropout_off",
     "eval_mode",
     "float64_copy",
+    "loss_tensor",
     "public_subsets",
+    "refuse_cause",
+    "start_checks",
     "take",
     "take_range",
     "with_targets_rolled",
@@ -57,6 +66,8 @@ FLOAT32_TOLERANCE = 5e-3
 HALF_TOLERANCE = 5e-2
 #: The public seed of the checks' sample choice (never the secret sampling seed).
 PUBLIC_SEED = 20_190_611
+#: Samples of the first real chunk that the start-up check also runs on (before the first release).
+FIRST_CHUNK_CHECKED = 8
 
 
 def _batched(t: Tensor, size: int) -> bool:
@@ -335,3 +346,180 @@ class IndependenceCheck:
             return None
         ratio = float(two) / float(one)
         return "mean" if abs(ratio - 1) < 1e-3 else "sum" if abs(ratio - 2) < 1e-3 else None
+
+
+# ---------------------------------------------------------------------- DPSGD's start-up check
+
+
+def loss_tensor(out: Any, loss_reduction: LossReduction) -> Tensor:
+    """The loss in what ``training_step`` returned (a tensor, or ``{'loss': tensor}``), checked for its shape.
+
+    Raises:
+        PrivacyConfigError: not a scalar tensor (or, with ``loss_reduction='none'``, not a tensor).
+    """
+    loss = out.get("loss") if isinstance(out, dict) else out
+    if not isinstance(loss, Tensor) or (loss_reduction != "none" and loss.numel() != 1):
+        raise PrivacyConfigError(
+            f"`DPSGD`: training_step returned {type(out).__name__}, not a "
+            f"{'tensor of per-sample losses' if loss_reduction == 'none' else 'scalar loss tensor'}. HINT: "
+            "return the batch loss (or {'loss': loss}) from training_step, or per-sample losses with "
+            "DPSGD(loss_reduction='none')."
+        )
+    return loss
+
+
+def refuse_cause(name: str, cause: Cause | None) -> None:
+    """Raises DPSGD's error for a failed check of model ``name`` (nothing when ``cause`` is None).
+
+    Raises:
+        UnsupportedModelError: the cause, with what usually causes it and the fix.
+    """
+    if cause == "buffers":
+        raise UnsupportedModelError(
+            f"`DPSGD`: a training step of {name} changes buffers of the model (running statistics that are not "
+            "BatchNorm's: a custom normalizer, a quantization observer, ActNorm) or counts and flags (int and bool "
+            "buffers). They would be released without noise. HINT: freeze them (eval mode, or compute them from "
+            "public data before training)."
+        )
+    if cause == "coupled":
+        raise UnsupportedModelError(
+            f"`DPSGD`: the gradient of a batch is not the sum of its samples' own gradients: {name} or its loss "
+            "couples the samples of a batch, so clipping each sample would not bound its influence. HINT: a loss "
+            "reduced over the whole batch divides or aggregates by batch statistics — a class-weighted or "
+            "ignore_index mean, a Dice loss over the whole batch (smp's DiceLoss, MONAI's DiceLoss with "
+            "batch=True). Compute each sample's loss on that sample alone — for Dice, the Dice of each sample "
+            "over its own pixels (MONAI's DiceLoss(batch=False, reduction='none'), reduced per sample) — and "
+            "either average them over the batch (loss_reduction='mean') or return the (B,) per-sample losses "
+            "with DPSGD(loss_reduction='none') (needed for class-weighted and ignore_index losses); remove "
+            "batch-dependent layers (BatchNorm; lightning_dp.models.validate_model lists known ones)."
+        )
+    if cause == "not_per_sample":
+        raise UnsupportedModelError(
+            f"`DPSGD`: part of {name}'s gradient is not computed per sample: a parameter is used outside its own "
+            "layer (e.g. weight tying through F.linear(x, embedding.weight), or a penalty on the parameters "
+            "inside training_step). HINT: use the layer itself (tie by sharing the module), and put weight decay "
+            "in the optimizer."
+        )
+
+
+def _independence_check(
+    module: Any,
+    share: Iterable[object],
+    training_step: Callable[..., Any],
+    loss_of: Callable[[Any], Tensor],
+    loss_reduction: LossReduction,
+    chunk: Callable[[list[int]], Any],
+    n: int,
+) -> tuple[IndependenceCheck, bool]:
+    """The check on a float64 copy of the model, or (if the model cannot run in float64) an fp32 copy.
+
+    Returns the check and whether it runs in float64.
+    """
+    half = any(p.dtype in (torch.float16, torch.bfloat16) for p in module.parameters())
+    if not half:
+        clone = float64_copy(module, share=share)
+        check = IndependenceCheck(clone, bind(training_step, clone), loss_of, loss_reduction, FLOAT64_TOLERANCE)
+        try:
+            sample = to_float64(chunk([0, min(1, n - 1)]))
+            check.check(sample, 2)
+            return check, True
+        except (RuntimeError, TypeError):  # a dtype the model's own code fixes (x.float(), fp32 constants)
+            check.close()
+    clone = float64_copy(module, share=share, float64=False)
+    tolerance = HALF_TOLERANCE if half else FLOAT32_TOLERANCE
+    return IndependenceCheck(clone, bind(training_step, clone), loss_of, loss_reduction, tolerance), False
+
+
+def _check_batches(
+    dataset: Any, collate: Callable[[list[Any]], Any], to_device: Callable[[Any], Any]
+) -> list[tuple[Any, int]]:
+    """The batches the start-up check runs on, chosen without looking at private values (see above)."""
+    n = len(dataset)
+    index_sets = [diverse_indices(dataset), *public_subsets(n)]
+    index_sets = [ix if len(ix) > 1 else ix * 2 for ix in index_sets]
+    item_sets = [[dataset[i] for i in ix] for ix in index_sets]
+    rolled = with_targets_rolled(item_sets[0])
+    if rolled is not None:
+        item_sets.append(rolled)
+    for items in item_sets:
+        if not collate_is_per_sample(collate, items):
+            raise UnsupportedModelError(
+                "`DPSGD`: the training DataLoader's collate_fn does not collate samples one by one: collating a "
+                "batch gives other values for a sample than collating it alone (a batch-level transform such as "
+                "MixUp or CutMix mixes samples), so one sample would reach the others' gradients, which "
+                "per-sample clipping does not bound. HINT: apply per-sample augmentation in the dataset's "
+                "__getitem__ and collate with torch.utils.data.default_collate."
+            )
+    return [(to_device(collate(items)), len(items)) for items in item_sets]
+
+
+def start_checks(
+    module: Any,
+    share: Iterable[object],
+    training_step: Callable[..., Any],
+    loss_of: Callable[[Any], Tensor],
+    loss_reduction: LossReduction,
+    dataset: Any,
+    collate: Callable[[list[Any]], Any],
+    to_device: Callable[[Any], Any],
+) -> tuple[IndependenceCheck, bool]:
+    """Checks, before the first step, that per-sample clipping bounds each sample's influence (DPSGD).
+
+    The loss reduction must be the declared one; the gradient of a batch must be the sum of its samples'
+    own gradients, all of it computed per sample; no buffer may change from data; ``collate_fn`` must not
+    mix samples. Run on a float64 copy of the model over several batches (see above), and once more on
+    the first real chunk before the first release (`check_first_chunk`). Only pass or fail is reported.
+
+    Args:
+        module: the model (a copy is checked; ``share`` is referenced by the copy, not copied).
+        share: objects the copy keeps (the Trainer the module points to).
+        training_step: the module's own ``training_step`` (bound to the module; rebound to the copy).
+        loss_of: the loss in what ``training_step`` returns.
+        loss_reduction: the declared reduction.
+        dataset: the training dataset.
+        collate: the training loader's ``collate_fn``.
+        to_device: moves a collated batch to the model's device.
+
+    Returns:
+        The check, kept open for `check_first_chunk`, and whether it runs in float64.
+
+    Raises:
+        PrivacyConfigError: the loss's reduction is not the declared one.
+        UnsupportedModelError: a check failed (`refuse_cause`), or ``collate`` mixes samples.
+    """
+    name = type(module).__name__
+
+    def chunk(indices: list[int]) -> Any:
+        return to_device(collate([dataset[i] for i in indices]))
+
+    check, float64 = _independence_check(module, share, training_step, loss_of, loss_reduction, chunk, len(dataset))
+    try:
+        batches = _check_batches(dataset, collate, to_device)
+        if float64:
+            batches = [(to_float64(b), size) for b, size in batches]
+        found = check.declared_reduction(take(batches[0][0], 0, batches[0][1]))
+        if found is not None and found != loss_reduction:
+            raise PrivacyConfigError(
+                f"`DPSGD(loss_reduction={loss_reduction!r})`: training_step's loss is the {found} of the "
+                f"per-sample losses, not their {loss_reduction}. HINT: DPSGD(loss_reduction={found!r})."
+            )
+        for batch, size in batches:
+            refuse_cause(name, check.check(batch, size))
+    except BaseException:
+        check.close()
+        raise
+    return check, float64
+
+
+def check_first_chunk(check: IndependenceCheck, name: str, chunk: Any, size: int, float64: bool) -> None:
+    """The start-up check once more, on the first samples of the first real chunk (before anything is released).
+
+    Closes ``check`` afterwards. ``name`` is the model's class name, for `refuse_cause`.
+    """
+    try:
+        count = min(size, FIRST_CHUNK_CHECKED)
+        if count >= 2:
+            part = take_range(chunk, 0, count, size)
+            refuse_cause(name, check.check(to_float64(part) if float64 else part, count))
+    finally:
+        check.close()

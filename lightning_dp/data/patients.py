@@ -1,0 +1,344 @@
+"""The patient base that classification and segmentation data share.
+
+Patient-level privacy samples *patients*, so every dataset here keeps each item's patient, and every
+datamodule puts each patient in exactly one split. What does not depend on the task lives in this
+module; `PatientImageDataset` / `PatientDataModule` (images and labels) and
+`PatientSegmentationDataset` / `SegmentationDataModule` (images and masks) are layers on it:
+
+* `PatientGroups`: the patient interface of a dataset that the DP callbacks use: ``patient_ids``
+  (sorted unique ids), ``num_patients``, ``patient_to_indices``, ``patient_index``, and the checks
+  of ``subset_by_patients``.
+* `split_patients`: the stratified, seeded split of patients into train / val / test.
+* `assign_manifest_splits`: the split a manifest's ``split`` column assigns, a patient in two splits
+  being an error.
+* `PatientSplitsDataModule`: what a datamodule does with its splits once ``setup()`` has built them:
+  the ``*_dataset`` properties and their errors, ``train_patients``, the loaders.
+
+The manifest CSV itself (header, rows, paths, patient ids, split values, and their errors) is read by
+`lightning_dp.data.manifest.manifest_lines` and its helpers, for both kinds of manifest.
+
+Example:
+    >>> split = split_patients(["a", "b", "c", "d"], [0, 0, 1, 1], 0.25, 0.25, seed=0)
+    >>> sorted(len(v) for v in split.values())
+    [1, 1, 2]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import numpy as np
+import pytorch_lightning as pl
+import torch
+from torch import Tensor
+from torch.utils.data import DataLoader
+
+from lightning_dp.data.errors import DataError, DataNotReadyError
+from lightning_dp.errors import PrivacyConfigError, check_count, check_in_interval
+
+__all__ = [
+    "PatientGroups",
+    "PatientSplitsDataModule",
+    "assign_manifest_splits",
+    "check_loader_arguments",
+    "check_split_arguments",
+    "require_rows",
+    "split_patients",
+]
+
+
+def require_rows(rows: Sequence[Any], owner: str) -> None:
+    """Raises unless ``rows`` holds at least one image (a dataset needs at least one patient).
+
+    Raises:
+        PrivacyConfigError: ``rows`` is empty.
+
+    Example:
+        >>> require_rows([], "MyDataset")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        lightning_dp.errors.PrivacyConfigError: `MyDataset(rows=[])`: rows must list at least one image...
+    """
+    if not rows:
+        raise PrivacyConfigError(
+            f"`{owner}(rows=[])`: rows must list at least one image (and so one patient), found none. "
+            "HINT: check the manifest or the patient ids the dataset was subset to."
+        )
+
+
+class PatientGroups:
+    """The patient interface of a dataset: which items belong to which patient.
+
+    A dataset calls `_group` with the patient id of each of its items (in item order); the item's
+    ``patient`` is then its index in `patient_ids` (the sorted unique ids), and ``i in
+    dataset.patient_to_indices[int(patient)]`` always holds. A patient without items cannot exist:
+    patients are collected from the items. This is what P3SGD's patient sampler and patient-level
+    DP-SGD read.
+
+    Example:
+        >>> groups = PatientGroups()
+        >>> groups._group(["b", "a", "b"])
+        >>> groups.patient_ids, groups.patient_to_indices, groups.patient_index.tolist()
+        (['a', 'b'], {0: [1], 1: [0, 2]}, [1, 0, 1])
+    """
+
+    _patients: list[str]
+    _patient_ids: list[str]
+    _patient_index: Tensor
+    _patient_to_indices: dict[int, list[int]]
+
+    def _group(self, patients: list[str]) -> None:
+        """Records the patient id of every item (in item order) and groups the items by patient."""
+        self._patients = patients
+        self._patient_ids = sorted(set(patients))
+        position = {patient: k for k, patient in enumerate(self._patient_ids)}
+        self._patient_index = torch.tensor([position[p] for p in patients], dtype=torch.int64)
+        groups: dict[int, list[int]] = {k: [] for k in range(len(self._patient_ids))}
+        for i, patient in enumerate(patients):
+            groups[position[patient]].append(i)
+        self._patient_to_indices = groups
+
+    @property
+    def patient_ids(self) -> list[str]:
+        """The sorted unique patient ids; an item's ``patient`` indexes this list."""
+        return list(self._patient_ids)
+
+    @property
+    def num_patients(self) -> int:
+        """The number of patients (every one has at least one item)."""
+        return len(self._patient_ids)
+
+    @property
+    def patient_to_indices(self) -> dict[int, list[int]]:
+        """Patient index -> the indices of that patient's items (in dataset order)."""
+        return {patient: list(indices) for patient, indices in self._patient_to_indices.items()}
+
+    @property
+    def patient_index(self) -> Tensor:
+        """The patient index of every item, an int64 tensor of shape (N,)."""
+        return self._patient_index.clone()
+
+    def _kept_items(self, patient_ids: Iterable[str], owner: str) -> list[int]:
+        """The items (in dataset order) of the given patients, for ``owner.subset_by_patients``.
+
+        Raises:
+            PrivacyConfigError: no ids are given, or an id does not occur in this dataset.
+        """
+        wanted = {str(patient) for patient in patient_ids}
+        unknown = sorted(wanted - set(self._patient_ids))
+        if unknown or not wanted:
+            found = f"unknown id(s) {unknown[:10]}{' …' if len(unknown) > 10 else ''}" if unknown else "none"
+            raise PrivacyConfigError(
+                f"`{owner}.subset_by_patients(patient_ids=...)`: patient_ids must be a non-empty set of "
+                f"ids of this dataset ({self.num_patients} patients), found {found}. "
+                "HINT: take ids from dataset.patient_ids."
+            )
+        return [i for i, patient in enumerate(self._patients) if patient in wanted]
+
+
+def split_patients(
+    patient_ids: list[str],
+    majority_labels: list[int],
+    val_fraction: float,
+    test_fraction: float,
+    seed: int,
+) -> dict[str, list[str]]:
+    """Splits patients into train/val/test, stratified by each patient's majority label.
+
+    Patients are shuffled with ``numpy.random.default_rng(seed)`` within each label, then interleaved
+    so that every prefix of the order has about the label mix of the whole; the first
+    ``round(test_fraction · P)`` are the test patients, the next ``round(val_fraction · P)`` the
+    validation patients (at least one each when the fraction is > 0), the rest train.
+
+    Args:
+        patient_ids: the patients (unique).
+        majority_labels: each patient's most frequent label.
+        val_fraction: fraction of patients for validation, in [0, 1).
+        test_fraction: fraction of patients for testing, in [0, 1).
+        seed: the split seed.
+
+    Returns:
+        ``{"train": [...], "val": [...], "test": [...]}``, each sorted.
+
+    Raises:
+        PrivacyConfigError: there are too few patients to give every requested split one patient and
+            keep at least one for training.
+
+    Example:
+        >>> split = split_patients(["a", "b", "c", "d", "e"], [0, 0, 1, 1, 1], 0.2, 0.2, seed=0)
+        >>> sorted(len(v) for v in split.values()), sorted(sum(split.values(), []))
+        ([1, 1, 3], ['a', 'b', 'c', 'd', 'e'])
+    """
+    rng = np.random.default_rng(seed)
+    keys: list[tuple[float, str]] = []
+    for label in sorted(set(majority_labels)):
+        group = sorted(p for p, y in zip(patient_ids, majority_labels) if y == label)
+        order = rng.permutation(len(group))
+        offset = rng.random()
+        keys.extend(((rank + offset) / len(group), group[i]) for rank, i in enumerate(order))
+    ordered = [patient for _, patient in sorted(keys)]
+    total = len(ordered)
+    n_test = max(1, round(test_fraction * total)) if test_fraction > 0 else 0
+    n_val = max(1, round(val_fraction * total)) if val_fraction > 0 else 0
+    if n_test + n_val >= total:
+        raise PrivacyConfigError(
+            f"`PatientDataModule(val_fraction={val_fraction!r}, test_fraction={test_fraction!r})`: the splits must "
+            f"leave at least one training patient, found {total} patient(s) for {n_val} validation and {n_test} test "
+            "patient(s). HINT: use more patients or smaller fractions (0.0 disables a split)."
+        )
+    return {
+        "test": sorted(ordered[:n_test]),
+        "val": sorted(ordered[n_test : n_test + n_val]),
+        "train": sorted(ordered[n_test + n_val :]),
+    }
+
+
+def assign_manifest_splits(
+    rows: Iterable[Any], splits: Sequence[str], owner: str, hint: str, count_more: bool = False
+) -> dict[str, list[str]]:
+    """The patients of each split, as a manifest's ``split`` column assigns them (``row.split`` of every row).
+
+    Args:
+        rows: manifest rows with ``patient_id`` and ``split`` (all set).
+        splits: the split names (the keys of the result).
+        owner: the datamodule call, for the error message.
+        hint: the error message's hint (after "HINT: ").
+        count_more: with more than 20 patients in several splits, say how many more the message does not name.
+
+    Raises:
+        DataError: a patient has rows in several splits.
+
+    Example:
+        >>> from types import SimpleNamespace as Row
+        >>> rows = [Row(patient_id="a", split="train"), Row(patient_id="b", split="test")]
+        >>> assign_manifest_splits(rows, ("train", "val", "test"), "`DM()`", "assign per patient.")
+        {'train': ['a'], 'val': [], 'test': ['b']}
+    """
+    splits_of: dict[str, set[str]] = {}
+    for row in rows:
+        splits_of.setdefault(row.patient_id, set()).add(str(row.split))
+    overlap = {patient: sorted(s) for patient, s in sorted(splits_of.items()) if len(s) > 1}
+    if overlap:
+        shown = ", ".join(f"{patient!r} in {'+'.join(s)}" for patient, s in list(overlap.items())[:20])
+        more = f" and {len(overlap) - 20} more" if count_more and len(overlap) > 20 else ""
+        raise DataError(
+            f"{owner}: every patient must be in exactly one split, found {len(overlap)} patient(s) in several: "
+            f"{shown}{more}. HINT: {hint}"
+        )
+    assignment: dict[str, list[str]] = {name: [] for name in splits}
+    for patient, (split,) in sorted(splits_of.items()):
+        assignment[split].append(patient)
+    return assignment
+
+
+def check_split_arguments(owner: str, batch_size: int, batch_hint: str, fractions: Sequence[tuple[str, float]]) -> None:
+    """The batch size and split fractions every patient datamodule checks in its constructor (before any I/O).
+
+    Raises:
+        PrivacyConfigError: ``batch_size`` < 1, a fraction outside [0, 1), or the fractions summing to 1 or more.
+    """
+    check_count(owner, "batch_size", batch_size, batch_hint, minimum=1)
+    for name, value in fractions:
+        check_in_interval(
+            owner,
+            name,
+            value,
+            0.0,
+            1.0,
+            low_closed=True,
+            high_closed=False,
+            hint="it is the fraction of *patients* in that split; 0.0 disables the split.",
+        )
+    total = sum(value for _, value in fractions)
+    if total >= 1.0:
+        given = ", ".join(f"{name}={value!r}" for name, value in fractions)
+        names = " + ".join(name for name, _ in fractions)
+        what = f"{names} must be < 1" if len(fractions) == 2 else "the fractions must sum to < 1"
+        raise PrivacyConfigError(f"`{owner}({given})`: {what}, found {total!r}. HINT: leave patients for training.")
+
+
+def check_loader_arguments(owner: str, split_seed: int, num_workers: int) -> None:
+    """The split seed and loader workers every patient datamodule checks in its constructor.
+
+    Raises:
+        PrivacyConfigError: ``split_seed`` or ``num_workers`` is not an integer >= 0.
+    """
+    check_count(owner, "split_seed", split_seed, "use a non-negative integer such as 0.")
+    check_count(owner, "num_workers", num_workers, "0 loads in the main process.")
+
+
+class PatientSplitsDataModule(pl.LightningDataModule):
+    """What a patient datamodule does with the splits ``setup()`` built; not used directly.
+
+    A subclass's ``setup()`` sets ``self._splits`` (split name -> dataset, or ``None`` for an empty
+    split, ``"train"`` never empty), and sets ``manifest``, ``batch_size`` and ``num_workers`` in its
+    constructor. This class provides the split lookup with its errors (`_split`), the
+    ``train_dataset`` / ``val_dataset`` / ``test_dataset`` properties, ``train_patients`` and the
+    train / val / test loaders. It has no constructor: Lightning's ``save_hyperparameters`` records
+    the subclass's own arguments.
+    """
+
+    manifest: str
+    batch_size: int
+    num_workers: int
+    _splits: dict[str, Any] | None
+
+    def _empty_split_error(self, name: str) -> DataError:
+        """The error for reading a split that holds no patient (the task's datamodule words it)."""
+        return DataError(
+            f"`{type(self).__name__}(manifest={self.manifest!r})`: the {name} split must hold at least one "
+            f"patient to be read, found none. HINT: set {name}_fraction > 0 or mark rows '{name}' in the manifest."
+        )
+
+    def _split(self, name: str) -> Any:
+        if self._splits is None:
+            raise DataNotReadyError(
+                f"`{type(self).__name__}.{name}_dataset`: setup() must run first, found it not called. "
+                "HINT: call datamodule.setup() (the Trainer does it in fit/validate/test)."
+            )
+        dataset = self._splits[name]
+        if dataset is None:
+            raise self._empty_split_error(name)
+        return dataset
+
+    @property
+    def train_dataset(self) -> Any:
+        """The training patients' items."""
+        return self._split("train")
+
+    @property
+    def val_dataset(self) -> Any:
+        """The validation patients' items (raises `DataError` if the split is empty)."""
+        return self._split("val")
+
+    @property
+    def test_dataset(self) -> Any:
+        """The test patients' items (raises `DataError` if the split is empty)."""
+        return self._split("test")
+
+    @property
+    def train_patients(self) -> list[str]:
+        """The ids of the training patients, sorted (index ``k`` is patient index ``k`` in a batch)."""
+        patients: list[str] = self.train_dataset.patient_ids
+        return patients
+
+    def _loader(self, dataset: Any, shuffle: bool) -> DataLoader[Any]:
+        return DataLoader(
+            dataset,
+            batch_size=self.batch_size,
+            shuffle=shuffle,
+            num_workers=self.num_workers,
+            persistent_workers=self.num_workers > 0,
+        )
+
+    def train_dataloader(self) -> Any:
+        return self._loader(self.train_dataset, shuffle=True)
+
+    def val_dataloader(self) -> Any:
+        self._split("train")
+        return [] if self._splits is None or self._splits["val"] is None else self._loader(self.val_dataset, False)
+
+    def test_dataloader(self) -> Any:
+        self._split("train")
+        return [] if self._splits is None or self._splits["test"] is None else self._loader(self.test_dataset, False)
