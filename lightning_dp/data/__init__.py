@@ -9,7 +9,8 @@ Where things are:
 * ``dataset.py`` / ``datamodule.py``: classification (images and labels) on that base.
 * ``segmentation_manifest.py`` / ``segmentation.py`` / ``segmentation_datamodule.py``: segmentation
   (images or volumes and masks, with a public split) on that base.
-* ``synthetic.py`` / ``silhouettes.py``: the synthetic data generators.
+* ``synthetic.py`` / ``silhouettes.py`` / ``volumes.py``: the synthetic data generators (pathology patches,
+  silhouettes, 3-D volumes) and their datamodules.
 * ``errors.py``: `DataError`, `DataNotReadyError`.
 
 Example:
