@@ -30,7 +30,8 @@ import json
 import os
 import shutil
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any, Literal, Union, get_args
 
@@ -45,23 +46,28 @@ from lightning_dp.errors import PrivacyConfigError, check_count, check_in_interv
 __all__ = [
     "SHAPES",
     "SILHOUETTES_VERSION",
+    "SILHOUETTE_SITES",
     "Shape",
+    "SilhouetteSite",
     "SilhouetteStyle",
     "check_silhouette_parameters",
     "generate_synthetic_silhouettes",
     "render_silhouette_patient",
     "silhouette",
+    "silhouette_site",
     "synthetic_silhouettes",
 ]
 
 Shape = Literal["ellipse", "star", "cross", "heart", "dog"]
 SHAPES: tuple[Shape, ...] = get_args(Shape)
-SILHOUETTES_VERSION = 1
+SILHOUETTES_VERSION = 2
 """Bumped whenever the rendering changes, so that cached data sets are regenerated."""
 
 _OWNER = "generate_synthetic_silhouettes"
 _SUPERSAMPLE = 2  # objects are rasterised at 2× and averaged: anti-aliased edges, masks by majority coverage
 _MIN_VISIBLE = 0.3  # a positive image shows at least this fraction of its target's area
+_SCALE = (0.25, 0.38)  # an object's radius, as a fraction of the image side
+_PLACEMENTS = 30  # tries to place an object inside the image without touching the others; then it is left out
 
 
 # ---- shape templates: indicator functions in object coordinates (the shape spans about [-1, 1]²) ---------
@@ -212,6 +218,123 @@ class SilhouetteStyle:
         )
 
 
+@dataclass(frozen=True)
+class SilhouetteSite:
+    """How one hospital's camera renders every one of its patients (a systematic, deterministic shift).
+
+    Every patient still draws its own `SilhouetteStyle`; a site then transforms all of its images the
+    same way, after rendering and before quantisation: contrast around each image's mean colour, then
+    brightness and an additive tint, then a Gaussian blur, then extra sensor noise. The masks do not
+    change (the same seed gives the same masks at every site), and the default is the reference site:
+    no shift, the exact bytes of a data set generated without a site.
+
+    Args:
+        tint: an additive (R, G, B) colour shift, each in [-0.5, 0.5].
+        brightness: multiplies the image (after the contrast change), in [0.1, 10].
+        contrast: scales every pixel's difference from the image's mean colour (< 1: flatter), in [0.1, 10].
+        blur: standard deviation of a Gaussian blur, in pixels of a 32-pixel image (scaled with the size), in [0, 8].
+        noise: standard deviation of extra per-pixel noise (shared by the channels), in [0, 0.5].
+
+    Example:
+        >>> SilhouetteSite().is_reference, SILHOUETTE_SITES["hospital_b"].contrast
+        (True, 0.7)
+    """
+
+    tint: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    brightness: float = 1.0
+    contrast: float = 1.0
+    blur: float = 0.0
+    noise: float = 0.0
+
+    def __post_init__(self) -> None:
+        tint = tuple(self.tint)
+        if len(tint) != 3:
+            raise PrivacyConfigError(
+                f"`SilhouetteSite(tint={self.tint!r})`: tint must hold 3 shifts (R, G, B), found {len(tint)}. "
+                "HINT: (0.0, 0.0, 0.0) is the reference."
+            )
+        for shift in tint:
+            _check_site("tint", shift, -0.5, 0.5, "shifts near 0, e.g. 0.06.")
+        object.__setattr__(self, "tint", tuple(float(t) for t in tint))
+        _check_site("brightness", self.brightness, 0.1, 10.0, "1.0 is the reference site.")
+        _check_site("contrast", self.contrast, 0.1, 10.0, "1.0 is the reference site.")
+        _check_site("blur", self.blur, 0.0, 8.0, "pixels of a 32-px image, e.g. 0.6.")
+        _check_site("noise", self.noise, 0.0, 0.5, "a fraction of full scale, e.g. 0.03.")
+
+    @property
+    def is_reference(self) -> bool:
+        """Whether this site renders exactly like the reference (no shift)."""
+        return self == SilhouetteSite()
+
+    def as_dict(self) -> dict[str, Any]:
+        """The fields as plain JSON-able values (what ``synthetic.json`` stores)."""
+        values = asdict(self)
+        values["tint"] = list(self.tint)
+        return values
+
+    def apply(self, image: NDArray[np.float32], rng: np.random.Generator | None) -> NDArray[np.float32]:
+        """The (S, S, 3) float image as this site records it (``rng`` draws the extra noise, if any)."""
+        if self.is_reference:
+            return image
+        mean = image.reshape(-1, 3).mean(0)
+        out = mean + np.float32(self.contrast) * (image - mean)
+        out = out * np.float32(self.brightness) + np.asarray(self.tint, dtype=np.float32)
+        if self.blur > 0:
+            sigma = self.blur * image.shape[0] / 32.0
+            out = ndimage.gaussian_filter(out, sigma=(sigma, sigma, 0.0))
+        if self.noise > 0:
+            if rng is None:
+                raise ValueError("a site with noise needs a generator")
+            out = out + np.float32(self.noise) * rng.standard_normal(image.shape[:2] + (1,)).astype(np.float32)
+        return np.asarray(out, dtype=np.float32)
+
+
+def _check_site(name: str, value: Any, low: float, high: float, hint: str) -> float:
+    return check_in_interval("SilhouetteSite", name, value, low, high, low_closed=True, high_closed=True, hint=hint)
+
+
+SILHOUETTE_SITES: dict[str, SilhouetteSite] = {
+    "reference": SilhouetteSite(),
+    # A second hospital: a warmer, darker camera with less contrast, softer focus and more noise.
+    "hospital_b": SilhouetteSite(tint=(0.06, 0.0, -0.06), brightness=0.9, contrast=0.7, blur=0.6, noise=0.03),
+}
+"""Named sites: ``"reference"`` (no shift, the default) and ``"hospital_b"`` (a shifted hospital)."""
+
+
+def silhouette_site(site: Union[str, SilhouetteSite, Mapping[str, Any], None]) -> SilhouetteSite:
+    """A `SilhouetteSite` from a name in `SILHOUETTE_SITES`, a mapping of its fields (a YAML dict), or ``None``.
+
+    Example:
+        >>> silhouette_site(None).is_reference, silhouette_site({"blur": 1.0}).blur
+        (True, 1.0)
+        >>> silhouette_site("hospital_b") == SILHOUETTE_SITES["hospital_b"]
+        True
+    """
+    if site is None:
+        return SilhouetteSite()
+    if isinstance(site, SilhouetteSite):
+        return site
+    if isinstance(site, str):
+        if site not in SILHOUETTE_SITES:
+            raise PrivacyConfigError(
+                f"`site={site!r}`: unknown site, the named ones are {sorted(SILHOUETTE_SITES)}. HINT: or pass a dict "
+                "of SilhouetteSite fields, e.g. {'contrast': 0.8, 'blur': 0.5}."
+            )
+        return SILHOUETTE_SITES[site]
+    if isinstance(site, Mapping):
+        known = {f.name for f in fields(SilhouetteSite)}
+        unknown = sorted(set(site) - known)
+        if unknown:
+            raise PrivacyConfigError(
+                f"`site={dict(site)!r}`: unknown field(s) {unknown}. HINT: SilhouetteSite's fields are {sorted(known)}."
+            )
+        return SilhouetteSite(**dict(site))
+    raise PrivacyConfigError(
+        f"`site={site!r}`: site must be a name, a dict of SilhouetteSite fields or None, found "
+        f"{type(site).__name__}. HINT: e.g. site='hospital_b'."
+    )
+
+
 def _background(rng: np.random.Generator, size: int, style: SilhouetteStyle) -> NDArray[np.float32]:
     base = np.asarray(style.background, dtype=np.float32) + rng.normal(0.0, 0.03, 3).astype(np.float32)
     sigma = style.texture_sigma * size
@@ -235,7 +358,13 @@ def _object_colour(rng: np.random.Generator, background: NDArray[np.float32], st
 
 
 def _render_one(
-    rng: np.random.Generator, size: int, style: SilhouetteStyle, target: Shape, has_target: bool
+    rng: np.random.Generator,
+    size: int,
+    style: SilhouetteStyle,
+    target: Shape,
+    has_target: bool,
+    site: SilhouetteSite,
+    site_rng: np.random.Generator | None,
 ) -> tuple[NDArray[np.uint8], NDArray[np.uint8], bool]:
     """One image, its mask, and whether enough of the target is visible (always True without a target)."""
     others = [shape for shape in SHAPES if shape != target]
@@ -250,19 +379,26 @@ def _render_one(
     owner = np.full((size * factor, size * factor), -1, dtype=np.int8)
     target_area = 0
     for k, shape in enumerate(shapes):
-        inside = _TEMPLATES[shape](
-            *_object_coordinates(
-                size,
-                cy=float(rng.uniform(0.15, 0.85) * size),
-                cx=float(rng.uniform(0.15, 0.85) * size),
-                scale=float(rng.uniform(0.2, 0.34) * size),
-                angle=float(rng.uniform(0.0, 2.0 * np.pi)),
-                stretch=float(rng.uniform(0.8, 1.25)),
-                mirror=bool(rng.random() < 0.5),
-                factor=factor,
+        for _ in range(_PLACEMENTS):
+            scale = float(rng.uniform(*_SCALE) * size)
+            low, high = scale, size - scale  # the whole object inside the image
+            inside = _TEMPLATES[shape](
+                *_object_coordinates(
+                    size,
+                    cy=float(rng.uniform(low, high)),
+                    cx=float(rng.uniform(low, high)),
+                    scale=scale,
+                    angle=float(rng.uniform(0.0, 2.0 * np.pi)),
+                    stretch=float(rng.uniform(0.8, 1.25)),
+                    mirror=bool(rng.random() < 0.5),
+                    factor=factor,
+                )
             )
-        )
-        owner[inside] = k  # later objects occlude earlier ones
+            if not (owner[inside] >= 0).any():  # no occlusion: every object is seen whole
+                break
+        else:
+            continue  # no room left: the image shows fewer objects
+        owner[inside] = k
         if shape == target:
             target_area += int(inside.sum())
     image = _background(rng, size, style)
@@ -279,6 +415,7 @@ def _render_one(
             target_cover += cover
     image = image * (1.0 - covered[..., None]) + composite
     image += np.float32(style.noise) * rng.standard_normal((size, size, 1)).astype(np.float32)
+    image = site.apply(image, site_rng)
     mask = (target_cover >= 0.5).astype(np.uint8)
     visible = float(target_cover.sum()) * factor * factor
     ok = not has_target or (visible >= _MIN_VISIBLE * target_area and bool(mask.any()))
@@ -291,6 +428,7 @@ def render_silhouette_patient(
     image_size: int,
     target: Shape = "dog",
     target_fraction: float = 0.5,
+    site: Union[str, SilhouetteSite, Mapping[str, Any], None] = None,
 ) -> tuple[NDArray[np.uint8], NDArray[np.uint8]]:
     """Renders the images of one patient: its `SilhouetteStyle` first, then the images, all from ``rng``.
 
@@ -300,6 +438,9 @@ def render_silhouette_patient(
         image_size: side of the square images in pixels.
         target: the template whose visible pixels form the mask.
         target_fraction: the probability that an image contains the target.
+        site: the hospital (`SilhouetteSite`, a name in `SILHOUETTE_SITES` or a dict of its fields); ``None``:
+            the reference. Its noise comes from a child of ``rng`` (``rng.spawn``), so ``rng``'s own draws,
+            and with them the masks, are the same at every site.
 
     Returns:
         ``(images, masks)``: ``uint8`` RGB images of shape (N, S, S, 3) and ``uint8`` masks in {0, 1} of
@@ -311,13 +452,15 @@ def render_silhouette_patient(
         >>> images.shape, masks.shape, bool((again == images).all())
         ((4, 32, 32, 3), (4, 32, 32), True)
     """
+    camera = silhouette_site(site)
+    site_rng = None if camera.is_reference else rng.spawn(1)[0]
     style = SilhouetteStyle.draw(rng)
     images = np.empty((num_images, image_size, image_size, 3), dtype=np.uint8)
     masks = np.empty((num_images, image_size, image_size), dtype=np.uint8)
     for n in range(num_images):
         has_target = bool(rng.random() < target_fraction)
         for _ in range(50):  # a target hidden behind later objects is redrawn (rarely more than twice)
-            image, mask, ok = _render_one(rng, image_size, style, target, has_target)
+            image, mask, ok = _render_one(rng, image_size, style, target, has_target, camera, site_rng)
             if ok:
                 break
         images[n], masks[n] = image, mask
@@ -360,6 +503,7 @@ def synthetic_silhouettes(
     seed: int = 0,
     target: Shape = "dog",
     target_fraction: float = 0.5,
+    site: Union[str, SilhouetteSite, Mapping[str, Any], None] = None,
 ) -> tuple[NDArray[np.uint8], NDArray[np.uint8], list[str]]:
     """Renders a silhouette data set in memory (the arrays `generate_synthetic_silhouettes` writes).
 
@@ -370,6 +514,7 @@ def synthetic_silhouettes(
         seed: patient ``i`` is rendered from ``numpy.random.default_rng([seed, i])``.
         target: the template the masks mark.
         target_fraction: the probability that an image contains the target.
+        site: the hospital the patients come from (see `render_silhouette_patient`).
 
     Returns:
         ``(images, masks, patient_ids)``: (N, S, S, 3) ``uint8`` images, (N, S, S) ``uint8`` masks in
@@ -384,9 +529,10 @@ def synthetic_silhouettes(
         (6, 3)
     """
     check_silhouette_parameters(num_patients, images_per_patient, image_size, seed, target, target_fraction)
+    camera = silhouette_site(site)
     parts = [
         render_silhouette_patient(
-            np.random.default_rng([seed, i]), images_per_patient, image_size, target, target_fraction
+            np.random.default_rng([seed, i]), images_per_patient, image_size, target, target_fraction, camera
         )
         for i in range(num_patients)
     ]
@@ -403,6 +549,7 @@ def generate_synthetic_silhouettes(
     target: Shape = "dog",
     target_fraction: float = 0.5,
     overwrite: bool = False,
+    site: Union[str, SilhouetteSite, Mapping[str, Any], None] = None,
 ) -> Path:
     """Writes a synthetic silhouette segmentation data set and returns the path of its manifest.
 
@@ -422,6 +569,9 @@ def generate_synthetic_silhouettes(
         target: the template the masks mark (one of `SHAPES`).
         target_fraction: the probability that an image contains the target.
         overwrite: regenerate even if the parameters match.
+        site: the hospital the patients come from (`SilhouetteSite`, a name in `SILHOUETTE_SITES` or a dict
+            of its fields); ``None`` or ``"reference"``: no shift. A public set from ``"reference"`` and a
+            private one from ``"hospital_b"`` differ systematically (tint, brightness, contrast, blur, noise).
 
     Returns:
         ``root/manifest.csv``.
@@ -453,6 +603,9 @@ def generate_synthetic_silhouettes(
         "target": target,
         "target_fraction": float(target_fraction),
     }
+    camera = silhouette_site(site)
+    if not camera.is_reference:  # a reference data set keeps the parameters (and the cache) it always had
+        params["site"] = camera.as_dict()
     existing = synthetic_parameters(folder)
     if not overwrite and existing == params and manifest.is_file():
         return manifest
@@ -476,7 +629,7 @@ def generate_synthetic_silhouettes(
     def write_patient(i: int) -> list[tuple[str, str, str]]:
         patient = f"P{i:04d}"
         images, masks = render_silhouette_patient(
-            np.random.default_rng([seed, i]), images_per_patient, image_size, target, target_fraction
+            np.random.default_rng([seed, i]), images_per_patient, image_size, target, target_fraction, camera
         )
         (folder / "images" / patient).mkdir()
         (folder / "masks" / patient).mkdir()
