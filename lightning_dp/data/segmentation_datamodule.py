@@ -33,7 +33,12 @@ from lightning_dp.data.segmentation import (
     _check_options,
     read_segmentation_manifest,
 )
-from lightning_dp.data.silhouettes import Shape, check_silhouette_parameters, generate_synthetic_silhouettes
+from lightning_dp.data.silhouettes import (
+    Shape,
+    check_silhouette_parameters,
+    generate_synthetic_silhouettes,
+    silhouette_site,
+)
 from lightning_dp.errors import PrivacyConfigError, check_count
 
 __all__ = ["SegmentationDataModule", "SyntheticSilhouettesDataModule"]
@@ -380,6 +385,9 @@ class SyntheticSilhouettesDataModule(SegmentationDataModule):
         teacher: as in `SegmentationDataModule` (PATE teachers).
         num_teachers: as in `SegmentationDataModule` (PATE teachers).
         teacher_seed: as in `SegmentationDataModule` (PATE teachers).
+        site: the hospital the patients come from: a name in `lightning_dp.data.silhouettes.SILHOUETTE_SITES`
+            (``"reference"``, ``"hospital_b"``) or a dict of `SilhouetteSite` fields (tint, brightness,
+            contrast, blur, noise); ``None``: the reference site.
 
     Example:
         >>> import tempfile
@@ -409,6 +417,7 @@ class SyntheticSilhouettesDataModule(SegmentationDataModule):
         teacher: int | None = None,
         num_teachers: int | None = None,
         teacher_seed: int = 0,
+        site: str | dict[str, Any] | None = None,
     ) -> None:
         super().__init__(
             manifest=os.path.join(root, "manifest.csv"),
@@ -424,6 +433,7 @@ class SyntheticSilhouettesDataModule(SegmentationDataModule):
             teacher_seed=teacher_seed,
         )
         check_silhouette_parameters(num_patients, images_per_patient, image_size, seed, target, target_fraction)
+        camera = silhouette_site(site)  # an unknown site is refused here, before any I/O
         self.root = str(root)
         self.generator_kwargs: dict[str, Any] = {
             "num_patients": num_patients,
@@ -432,6 +442,7 @@ class SyntheticSilhouettesDataModule(SegmentationDataModule):
             "seed": seed,
             "target": target,
             "target_fraction": target_fraction,
+            "site": camera,
         }
         self.save_hyperparameters()
         # Lightning merges the parent's call into these; the parent's arguments derived here are not arguments.

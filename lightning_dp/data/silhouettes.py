@@ -2,10 +2,16 @@
 
 Every RGB image shows 0–3 flat-coloured silhouettes on a textured, noisy background. The
 silhouettes come from a few templates (`SHAPES`: ellipse, five-pointed star, plus-shaped cross,
-heart, and a side-view "dog" composed of ellipses), each at a random scale, position, rotation,
-stretch, mirror image and colour; later objects occlude earlier ones. The mask marks the visible
-pixels of one **target** template (the thesis segments dog vs. all). Colours are drawn independently
-of the template, so only the shape tells the target from the rest.
+heart, and a side-view "dog" composed of ellipses), each at a random scale (a radius of 0.25–0.38 of
+the image side), position, rotation, stretch, mirror image and colour. Objects never overlap (one that
+finds no room in 30 tries is left out) and their centres keep one radius from the border (at most a tip,
+a dog's snout or tail, reaches it), so a target is seen whole. The mask marks the pixels of one **target** template (the thesis segments dog vs.
+all). Colours are drawn independently of the template, so only the shape tells the target from the rest.
+
+Version 2 (`SILHOUETTES_VERSION`): version 1 drew radii of 0.2–0.34 of the side, let objects cross the
+border and occlude each other (down to 30 % of a target visible). At 32² a partly hidden dog is often
+an ellipse (its body) to any observer, and a non-private U-Net plateaued near Dice 0.47 on test
+patients even with 3,200 training images; see docs/results/segmentation.md.
 
 Images are grouped into patients. Every patient draws an appearance — background tint and
 brightness, texture strength and scale, illumination gradient, sensor noise, a colour cast on the
@@ -14,8 +20,13 @@ is about). Patient ``i`` is rendered from ``numpy.random.default_rng([seed, i])`
 change when ``num_patients`` grows, and the in-memory renderer `synthetic_silhouettes` returns
 exactly the arrays `generate_synthetic_silhouettes` writes as PNG files.
 
-About ``target_fraction`` of the images contain the target (at least 30 % of its area visible);
-the others hold only other templates (or nothing).
+About ``target_fraction`` of the images contain the target; the others hold only other templates
+(or nothing).
+
+Hospitals differ (`SilhouetteSite`, the ``site`` argument): a site's camera shifts all of its patients'
+images the same way (contrast, brightness, tint, blur, noise), e.g. a public ``"reference"`` set and a
+private ``"hospital_b"`` one (`SILHOUETTE_SITES`). The reference site is the default and shifts nothing;
+the masks are the same at every site.
 
 Example:
     >>> images, masks, patients = synthetic_silhouettes(num_patients=2, images_per_patient=3, image_size=32)
@@ -65,7 +76,7 @@ SILHOUETTES_VERSION = 2
 
 _OWNER = "generate_synthetic_silhouettes"
 _SUPERSAMPLE = 2  # objects are rasterised at 2× and averaged: anti-aliased edges, masks by majority coverage
-_MIN_VISIBLE = 0.3  # a positive image shows at least this fraction of its target's area
+_MIN_VISIBLE = 0.3  # a positive image shows at least this fraction of its target's area (all of it since v2)
 _SCALE = (0.25, 0.38)  # an object's radius, as a fraction of the image side
 _PLACEMENTS = 30  # tries to place an object inside the image without touching the others; then it is left out
 
@@ -381,7 +392,7 @@ def _render_one(
     for k, shape in enumerate(shapes):
         for _ in range(_PLACEMENTS):
             scale = float(rng.uniform(*_SCALE) * size)
-            low, high = scale, size - scale  # the whole object inside the image
+            low, high = scale, size - scale  # the centre one radius from the border
             inside = _TEMPLATES[shape](
                 *_object_coordinates(
                     size,
@@ -459,7 +470,7 @@ def render_silhouette_patient(
     masks = np.empty((num_images, image_size, image_size), dtype=np.uint8)
     for n in range(num_images):
         has_target = bool(rng.random() < target_fraction)
-        for _ in range(50):  # a target hidden behind later objects is redrawn (rarely more than twice)
+        for _ in range(50):  # a target that found no room is redrawn (rarely)
             image, mask, ok = _render_one(rng, image_size, style, target, has_target, camera, site_rng)
             if ok:
                 break

@@ -11,11 +11,19 @@ from PIL import Image
 
 from lightning_dp.data import (
     PatientSegmentationDataset,
+    SyntheticSilhouettesDataModule,
     generate_synthetic_silhouettes,
     read_segmentation_manifest,
     synthetic_silhouettes,
 )
-from lightning_dp.data.silhouettes import SHAPES, render_silhouette_patient, silhouette
+from lightning_dp.data.silhouettes import (
+    SHAPES,
+    SILHOUETTE_SITES,
+    SILHOUETTES_VERSION,
+    render_silhouette_patient,
+    silhouette,
+    silhouette_site,
+)
 from lightning_dp.errors import PrivacyConfigError
 
 
@@ -127,3 +135,73 @@ def test_invalid_parameters_are_refused_before_writing(tmp_path: Path, kwargs: d
     with pytest.raises(PrivacyConfigError, match=match):
         generate_synthetic_silhouettes(tmp_path, **params)  # type: ignore[arg-type]
     assert not any(tmp_path.iterdir())
+
+
+# ---- version 2: whole objects; sites ------------------------------------------------------------------
+
+
+def test_objects_lie_inside_the_image_and_a_target_is_never_occluded() -> None:
+    # The target's mask is all of its template (no occlusion): its area never falls below the template's at the
+    # smallest scale. Centres keep one radius from the border, so at most a tip (a dog's snout or tail) reaches
+    # it: measured 0.2 % of the mask pixels on the border at 48² (3.5 pixels in 15 % of the images).
+    _, masks, _ = synthetic_silhouettes(20, 10, 48, seed=3, target_fraction=1.0)
+    areas = masks.reshape(len(masks), -1).sum(1)
+    smallest = silhouette("dog", 48, scale=0.25 * 48 * 0.8).sum()  # the smallest radius, squeezed by stretch 0.8
+    assert areas.min() >= 0.8 * smallest
+    border = masks[:, 0, :].sum() + masks[:, -1, :].sum() + masks[:, :, 0].sum() + masks[:, :, -1].sum()
+    assert border < 0.01 * areas.sum()
+
+
+def test_the_reference_site_is_the_default_and_sites_keep_the_masks() -> None:
+    plain = synthetic_silhouettes(3, 4, 32, seed=5)
+    reference = synthetic_silhouettes(3, 4, 32, seed=5, site="reference")
+    shifted = synthetic_silhouettes(3, 4, 32, seed=5, site="hospital_b")
+    assert np.array_equal(plain[0], reference[0]) and np.array_equal(plain[1], reference[1])
+    assert np.array_equal(plain[1], shifted[1])  # the camera changes how the patient looks, not what it shows
+    assert not np.array_equal(plain[0], shifted[0])
+
+
+def test_hospital_b_differs_systematically_from_the_reference() -> None:
+    reference, _, _ = synthetic_silhouettes(8, 6, 32, seed=0)
+    hospital, _, _ = synthetic_silhouettes(8, 6, 32, seed=0, site="hospital_b")
+    ref, hos = reference / 255.0, hospital / 255.0
+    # Lower contrast around each image's mean, warmer (more red than blue) and darker, on every patient.
+    spread_ref = ref.reshape(8, 6, -1, 3).std(axis=2).mean(axis=(1, 2))
+    spread_hos = hos.reshape(8, 6, -1, 3).std(axis=2).mean(axis=(1, 2))
+    assert (spread_hos < spread_ref).all()
+    warm = (hos[..., 0] - hos[..., 2]).reshape(8, -1).mean(1) - (ref[..., 0] - ref[..., 2]).reshape(8, -1).mean(1)
+    assert (warm > 0.05).all()
+
+
+def test_a_site_is_recorded_in_synthetic_json_and_regenerates_the_set(tmp_path: Path) -> None:
+    generate_synthetic_silhouettes(tmp_path, num_patients=2, images_per_patient=2, image_size=16)
+    assert "site" not in json.loads((tmp_path / "synthetic.json").read_text())  # the reference keeps its cache key
+    generate_synthetic_silhouettes(tmp_path, num_patients=2, images_per_patient=2, image_size=16, site="hospital_b")
+    params = json.loads((tmp_path / "synthetic.json").read_text())
+    assert params["site"] == SILHOUETTE_SITES["hospital_b"].as_dict() and params["version"] == SILHOUETTES_VERSION
+
+
+@pytest.mark.parametrize(
+    ("site", "match"),
+    [
+        ("hospital_z", "unknown site"),
+        ({"glare": 1.0}, r"unknown field\(s\) \['glare'\]"),
+        ({"contrast": 0.0}, "contrast must be a number"),
+        ({"tint": (0.1, 0.1)}, "tint must hold 3 shifts"),
+        (3, "site must be a name, a dict"),
+    ],
+)
+def test_invalid_sites_are_refused(site: object, match: str) -> None:
+    with pytest.raises(PrivacyConfigError, match=match):
+        silhouette_site(site)  # type: ignore[arg-type]
+
+
+def test_the_datamodule_passes_its_site_on(tmp_path: Path) -> None:
+    dm = SyntheticSilhouettesDataModule(
+        root=str(tmp_path), num_patients=4, images_per_patient=2, image_size=16, site={"contrast": 0.5}
+    )
+    dm.prepare_data()
+    assert json.loads((tmp_path / "synthetic.json").read_text())["site"]["contrast"] == 0.5
+    with pytest.raises(PrivacyConfigError, match="unknown site"):
+        SyntheticSilhouettesDataModule(root=str(tmp_path / "other"), site="nowhere")
+    assert not (tmp_path / "other").exists()
