@@ -5,8 +5,9 @@ silhouettes come from a few templates (`SHAPES`: ellipse, five-pointed star, plu
 heart, and a side-view "dog" composed of ellipses), each at a random scale (a radius of 0.25–0.38 of
 the image side), position, rotation, stretch, mirror image and colour. Objects never overlap (one that
 finds no room in 30 tries is left out) and their centres keep one radius from the border (at most a tip,
-a dog's snout or tail, reaches it), so a target is seen whole. The mask marks the pixels of one **target** template (the thesis segments dog vs.
-all). Colours are drawn independently of the template, so only the shape tells the target from the rest.
+a dog's snout or tail, reaches it), so a target is seen whole. The mask marks the pixels of one
+**target** template (the thesis segments dog vs. all). Colours are drawn independently of the template,
+so only the shape tells the target from the rest.
 
 Version 2 (`SILHOUETTES_VERSION`): version 1 drew radii of 0.2–0.34 of the side, let objects cross the
 border and occlude each other (down to 30 % of a target visible). At 32² a partly hidden dog is often
@@ -40,8 +41,8 @@ import csv
 import json
 import os
 import shutil
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any, Literal, Union, get_args

@@ -57,7 +57,9 @@ def test_a_tiny_unet_segments_the_dog_on_test_patients(tmp_path: Path) -> None:
 def test_the_cosine_schedule_decays_the_rate_to_zero_over_the_run() -> None:
     torch.manual_seed(0)
     data = torch.utils.data.TensorDataset(torch.rand(8, 3, 16, 16), (torch.rand(8, 1, 16, 16) > 0.5).float())
-    model = SegmentationModule(arch="monai_unet", monai_channels=(4, 8), monai_res_units=0, lr=1e-2, lr_schedule="cosine")
+    model = SegmentationModule(
+        arch="monai_unet", monai_channels=(4, 8), monai_res_units=0, lr=1e-2, lr_schedule="cosine"
+    )
     trainer = pl.Trainer(
         accelerator="cpu",
         max_epochs=2,
