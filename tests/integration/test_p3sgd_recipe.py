@@ -50,6 +50,7 @@ def docs_p3sgd_snippet() -> str:
     return match.group(1)
 
 
+@pytest.mark.slow
 def test_the_docs_p3sgd_snippet_trains_a_finite_model_above_the_majority_class(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -94,6 +95,7 @@ def _rows(path: Path) -> list[dict[str, str]]:
     return list(csv.DictReader(path.read_text().splitlines()))
 
 
+@pytest.mark.slow
 def test_the_p3sgd_config_pair_trains_a_finite_model_above_the_majority_class(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
