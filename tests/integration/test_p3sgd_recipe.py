@@ -104,8 +104,9 @@ def test_the_p3sgd_config_pair_trains_a_finite_model_above_the_majority_class(
     # evaluates step 2's checkpoint with step 2's own config.
     monkeypatch.chdir(tmp_path)
     quiet = ["--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false"]
-    public_size = ["--data.init_args.num_patients=80", "--data.init_args.patches_per_patient=10"]
-    assert main(["fit", "--config", str(PUBLIC_CONFIG), "--trainer.max_epochs=5", *public_size, *quiet]) == 0
+    # Step 1 as shipped (100 public patients × 20 patches, 4 epochs: ~70 s): shrunk, its public model varied too much
+    # (0.62–0.68 test accuracy after step 2 against 0.56 for the majority class).
+    assert main(["fit", "--config", str(PUBLIC_CONFIG), *quiet]) == 0
     assert (tmp_path / "runs" / "public_resnet18_synthetic" / "public.ckpt").is_file()
 
     private_size = ["--data.init_args.num_patients=100", "--data.init_args.patches_per_patient=6"]
