@@ -13,6 +13,7 @@ from torch import Tensor, nn
 
 from lightning_dp._quiet import WarningWindow
 from lightning_dp.errors import PrivacyConfigError, check_count, check_finite_positive
+from lightning_dp.models._optim import configure_optimizers
 from lightning_dp.models.fixers import group_norm_for
 
 __all__ = ["Architecture", "ImageClassifier", "Norm", "TrainableGroup", "build_backbone", "trainable_parameter_names"]
@@ -372,16 +373,4 @@ class ImageClassifier(pl.LightningModule):
         self.log_dict(self.test_metrics)
 
     def configure_optimizers(self) -> Any:
-        hp = self.hparams
-        optimizer: torch.optim.Optimizer
-        if hp["optimizer"] == "adam":
-            optimizer = torch.optim.Adam(self.parameters(), lr=hp["lr"], weight_decay=hp["weight_decay"])
-        else:
-            optimizer = torch.optim.SGD(
-                self.parameters(), lr=hp["lr"], momentum=hp["momentum"], weight_decay=hp["weight_decay"]
-            )
-        if hp.get("lr_schedule", "constant") == "constant":
-            return optimizer
-        steps = max(1, int(self.trainer.estimated_stepping_batches))
-        schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=steps)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+        return configure_optimizers(self)
