@@ -27,9 +27,11 @@ it and the fix.
 Linear layers and (transposed) convolutions choose per call between two ways, by cost
 (`ProductRule`): the *ghost norm* ‖Σ_t g_t a_tᵀ‖² = Σ_{t,s} (a_t·a_s)(g_t·g_s) over the layer's T
 positions costs ~T²(d + p) per sample and keeps nothing; *materializing* the per-sample gradients
-costs ~T·d·p and keeps them for the clipped sum (d = fan-in, p = fan-out). The ghost norm's cost
-grows with the square of the spatial size, so high-resolution layers materialize and deep,
-low-resolution ones use the ghost norm (Li et al. 2022; Bu et al. 2023, "mixed ghost clipping").
+costs ~T·d·p and keeps them for the clipped sum (d = fan-in, p = fan-out). The way that needs less
+memory is taken, counting the ghost norm's views and Gram matrices in float64 (it computes in float64
+against cancellation). The ghost norm's cost grows with the square of the spatial size, so
+high-resolution layers materialize and deep, low-resolution ones use the ghost norm (Li et al. 2022;
+Bu et al. 2023, "mixed ghost clipping").
 After a ghost norm the layer's clipped sum is one ordinary weight gradient computed from the
 c-weighted output gradients (Bu et al. 2023, "book-keeping").
 
@@ -249,10 +251,11 @@ class LayerRule(ABC):
 class ProductRule(LayerRule):
     """A layer whose per-sample weight gradient is a sum of outer products Σ_t g_t a_tᵀ over T positions.
 
-    `norms` takes the ghost norm when T·(d + p) < d·p (d = fan-in, p = fan-out, read from the weight
-    as ``weight[0].numel()`` and ``weight.shape[0]``), the layer has one group and its weight is
-    trained; it materializes the per-sample gradients otherwise. `grouped_norms` decides the same way
-    for a sample's K·T positions over its K views.
+    `norms` takes the ghost norm when it needs less memory, 8·(T·(d + p) + 2T²) bytes per sample (its
+    float64 views and Gram matrices) against s·d·p (the gradient, s bytes an element; d = fan-in,
+    p = fan-out, read from the weight as ``weight[0].numel()`` and ``weight.shape[0]``), the layer has
+    one group and its weight is trained; it materializes the per-sample gradients otherwise.
+    `grouped_norms` decides the same way for a sample's K·T positions over its K views.
     """
 
     @abstractmethod
@@ -282,7 +285,9 @@ class ProductRule(LayerRule):
         k = group_size if isinstance(group_size, int) else int(group_size.max())
         t = self.positions(module, activation, backprops) * k
         p, d = weight.shape[0], weight[0].numel()
-        return t * (d + p) < d * p
+        # Bytes per sample: the ghost norm's float64 views (T·(d + p)) and their two T × T Gram matrices, against the
+        # materialized gradient (d·p in the layer's dtype).
+        return 8 * (t * (d + p) + 2 * t * t) < backprops.element_size() * d * p
 
     def norms(self, module: nn.Module, activation: Tensor, backprops: Tensor) -> tuple[Tensor, ClippedSumTerm]:
         if not self.use_ghost(module, activation, backprops):
@@ -365,6 +370,12 @@ class ConvRule(ProductRule):
     Materialized per-sample gradients are one grouped weight-gradient convolution with the batch
     folded into the groups (B·groups groups): as fast as the layer's ordinary weight gradient, with
     no unfolded input in memory. Grouped convolutions always materialize (per group they are small).
+
+    A 2-d convolution whose kernel taps mostly read zero padding (a dilation near or above the input's
+    size: DeepLabV3's ASPP at rates 12–36 on a 16² map, where every tap but the centre falls outside)
+    materializes tap by tap instead, each tap's gradient a batched product over only the output positions
+    where it reads the input (`_live_taps`); a tap that never does has a gradient of exactly zero. The same
+    gradients, without the multiplications by padding.
     """
 
     def positions(self, module: nn.Module, activation: Tensor, backprops: Tensor) -> int:
@@ -380,7 +391,11 @@ class ConvRule(ProductRule):
         weight = module.weight
         if weight.requires_grad:
             x, padding = _conv_geometry(module, activation)
-            grads[weight] = _conv_weight_grad(module, x, backprops, padding, None, per_sample=True)
+            taps = _live_taps(module, x, backprops, padding)
+            if taps is not None:
+                grads[weight] = _tapwise_weight_grad(module, x, backprops, taps)
+            else:
+                grads[weight] = _conv_weight_grad(module, x, backprops, padding, None, per_sample=True)
         bias = _trained_bias(module)
         if bias is not None:
             grads[bias] = self.bias_grads(module, backprops)
@@ -851,6 +866,72 @@ def _conv_weight_grad(
         [False, True, False],
     )
     return weight_grad.reshape(b, *weight.shape) if per_sample else weight_grad
+
+
+TAPWISE_LIVE_FRACTION = 0.5
+"""A 2-d convolution materializes tap by tap when at most this share of its kernel's reads fall on the input."""
+
+
+@dataclass(frozen=True)
+class _Tap:
+    """One kernel tap (kh, kw) and the output rows/columns where it reads the input, and from where in it."""
+
+    kh: int
+    kw: int
+    rows: slice  # output rows
+    cols: slice  # output columns
+    in_rows: slice  # the input rows they read (stride steps)
+    in_cols: slice
+
+
+def _tap_span(size_in: int, size_out: int, k: int, stride: int, dilation: int, pad: int) -> tuple[slice, slice] | None:
+    """The output positions i with 0 ≤ i·stride − pad + k·dilation < size_in, and the input positions they read."""
+    offset = k * dilation - pad
+    first = max(0, -(offset // stride))  # the smallest i ≥ 0 with i·stride + offset ≥ 0
+    last = min(size_out - 1, (size_in - 1 - offset) // stride)
+    if last < first:
+        return None
+    start = first * stride + offset
+    return slice(first, last + 1), slice(start, start + (last - first) * stride + 1, stride)
+
+
+def _live_taps(
+    module: Any, x: Tensor, backprops: Tensor, padding: Sequence[int], live_fraction: float = TAPWISE_LIVE_FRACTION
+) -> list[_Tap] | None:
+    """The taps of a 2-d, ungrouped convolution that read the input somewhere, if few of its reads do; else None.
+
+    ``x`` is the input as `_conv_geometry` returns it (explicitly padded for other padding modes, in which case
+    ``padding`` is 0 and the padded values count as input). None when the layer is not a 2-d ungrouped
+    convolution or more than ``live_fraction`` of its reads fall on the input (the grouped weight-gradient
+    convolution is faster there).
+    """
+    if x.dim() != 4 or module.groups != 1 or x.dtype != backprops.dtype:
+        return None
+    (kh_size, kw_size), (sh, sw), (dh, dw) = module.kernel_size, module.stride, module.dilation
+    (h, w), (ho, wo) = x.shape[2:], backprops.shape[2:]
+    row_spans = [_tap_span(h, ho, k, sh, dh, padding[0]) for k in range(kh_size)]
+    col_spans = [_tap_span(w, wo, k, sw, dw, padding[1]) for k in range(kw_size)]
+    live = sum(r[0].stop - r[0].start for r in row_spans if r) * sum(c[0].stop - c[0].start for c in col_spans if c)
+    if live > live_fraction * kh_size * kw_size * ho * wo:
+        return None
+    return [
+        _Tap(kh, kw, r[0], c[0], r[1], c[1])
+        for kh, r in enumerate(row_spans)
+        if r is not None
+        for kw, c in enumerate(col_spans)
+        if c is not None
+    ]
+
+
+def _tapwise_weight_grad(module: Any, x: Tensor, grad: Tensor, taps: Sequence[_Tap]) -> Tensor:
+    """(B, *weight.shape): each sample's weight gradient, tap by tap over the positions where the tap reads input."""
+    b, weight = x.shape[0], module.weight
+    out = torch.zeros(b, *weight.shape, dtype=grad.dtype, device=grad.device)
+    for tap in taps:
+        g = grad[:, :, tap.rows, tap.cols].reshape(b, grad.shape[1], -1)
+        a = x[:, :, tap.in_rows, tap.in_cols].reshape(b, x.shape[1], -1)
+        out[:, :, :, tap.kh, tap.kw] = torch.bmm(g, a.transpose(1, 2))
+    return out
 
 
 def _conv_group_weight_grad(

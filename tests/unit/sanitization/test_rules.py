@@ -7,6 +7,7 @@ per-sample gradients) each Linear/Conv/ConvTranspose layer took, so that both ar
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -87,7 +88,7 @@ class _Case:
 
 
 # T = positions (a transposed convolution's *input* positions), d = fan-in, p = fan-out, read from the weight as
-# weight[0].numel() and weight.shape[0]: the ghost norm is used when T·(d + p) < d·p and groups == 1.
+# weight[0].numel() and weight.shape[0]: the ghost norm is used when T·(d + p) + 2T² < d·p (float64) and groups == 1.
 CASES: dict[str, Callable[[], _Case]] = {
     "conv_transpose1d_stride2_output_padding": lambda: _Case(
         nn.ConvTranspose1d(3, 4, 3, stride=2, padding=1, output_padding=1), _x(3, 10), ["materialized"]
@@ -133,6 +134,13 @@ CASES: dict[str, Callable[[], _Case]] = {
     ),
     "conv2d_dilated": lambda: _Case(nn.Conv2d(3, 4, 3, dilation=2, padding=2), _x(3, 8, 8), ["materialized"]),
     "conv2d_dilated_ghost": lambda: _Case(nn.Conv2d(16, 16, 3, dilation=3, padding=3), _x(16, 3, 3), ["ghost"]),
+    # DeepLabV3's ASPP: a dilation beyond the input, so that the kernel's outer taps read only padding (tap-wise)
+    "conv2d_dilation_beyond_the_input_tapwise": lambda: _Case(
+        nn.Conv2d(3, 4, 3, dilation=6, padding=6), _x(3, 5, 5), ["materialized"]
+    ),
+    "conv2d_stride_dilation_partly_beyond_the_input_tapwise": lambda: _Case(
+        nn.Conv2d(3, 4, 3, stride=2, dilation=4, padding=4), _x(3, 6, 7), ["materialized"]
+    ),
     "conv2d_dilated_reflect": lambda: _Case(
         nn.Conv2d(3, 4, 3, dilation=2, padding=2, padding_mode="reflect"), _x(3, 6, 6), ["materialized"]
     ),
@@ -178,6 +186,49 @@ def test_layer_matches_naive_per_sample_loop(name: str, ways: list[tuple[nn.Modu
     check_clipped_sum(model, _output_loss, case.x)
     if case.ways is not None:
         assert [way for m in model.modules() for layer, way in ways if layer is m] == case.ways
+
+
+def test_a_convolution_whose_taps_mostly_read_padding_materializes_tap_by_tap(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The two tap-wise cases above must take that way (their sums equal the naive loop's there), and an ordinary
+    # convolution, whose taps all read the input almost everywhere, must not.
+    calls: list[nn.Module] = []
+    original = rules._tapwise_weight_grad
+
+    def spy(module: nn.Module, *args: Any) -> Tensor:
+        calls.append(module)
+        return original(module, *args)
+
+    monkeypatch.setattr(rules, "_tapwise_weight_grad", spy)
+    for name in ("conv2d_dilation_beyond_the_input_tapwise", "conv2d_stride_dilation_partly_beyond_the_input_tapwise"):
+        case = CASES[name]()
+        check_clipped_sum(case.model.double(), _output_loss, case.x)
+        assert calls and calls[-1] is case.model, name
+    calls.clear()
+    check_clipped_sum(nn.Conv2d(3, 4, 3, padding=1).double(), _output_loss, _x(3, 6, 6))
+    assert not calls
+
+
+def test_the_tap_wise_gradient_equals_the_grouped_convolution_for_every_geometry() -> None:
+    # Every kernel size, stride, dilation and padding (including taps that never read the input), each with the
+    # tap-wise way forced: the per-sample weight gradients equal the grouped weight-gradient convolution's.
+    torch.manual_seed(0)
+    checked = 0
+    for k, stride, dilation, pad, (h, w) in itertools.product(
+        [1, 2, 3], [1, 2, 3], [1, 3, 6], [0, 1, 3, 6], [(4, 5), (7, 16)]
+    ):
+        conv = nn.Conv2d(2, 3, k, stride=stride, dilation=dilation, padding=pad).double()
+        x = torch.randn(3, 2, h, w, dtype=torch.float64)
+        try:
+            y = conv(x)
+        except RuntimeError:  # the kernel does not fit the padded input
+            continue
+        g = torch.randn_like(y)
+        taps = rules._live_taps(conv, x, g, (pad, pad), live_fraction=float("inf"))
+        assert taps is not None
+        reference = rules._conv_weight_grad(conv, x, g, (pad, pad), None, per_sample=True)
+        torch.testing.assert_close(rules._tapwise_weight_grad(conv, x, g, taps), reference, rtol=0, atol=1e-12)
+        checked += 1
+    assert checked > 150
 
 
 def test_conv_transpose_has_its_own_rule_not_functorch() -> None:
