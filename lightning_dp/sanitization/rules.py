@@ -27,11 +27,9 @@ it and the fix.
 Linear layers and (transposed) convolutions choose per call between two ways, by cost
 (`ProductRule`): the *ghost norm* ‖Σ_t g_t a_tᵀ‖² = Σ_{t,s} (a_t·a_s)(g_t·g_s) over the layer's T
 positions costs ~T²(d + p) per sample and keeps nothing; *materializing* the per-sample gradients
-costs ~T·d·p and keeps them for the clipped sum (d = fan-in, p = fan-out). The way that needs less
-memory is taken, counting the ghost norm's views and Gram matrices in float64 (it computes in float64
-against cancellation). The ghost norm's cost grows with the square of the spatial size, so
-high-resolution layers materialize and deep, low-resolution ones use the ghost norm (Li et al. 2022;
-Bu et al. 2023, "mixed ghost clipping").
+costs ~T·d·p and keeps them for the clipped sum (d = fan-in, p = fan-out). The ghost norm's cost
+grows with the square of the spatial size, so high-resolution layers materialize and deep,
+low-resolution ones use the ghost norm (Li et al. 2022; Bu et al. 2023, "mixed ghost clipping").
 After a ghost norm the layer's clipped sum is one ordinary weight gradient computed from the
 c-weighted output gradients (Bu et al. 2023, "book-keeping").
 
@@ -251,11 +249,10 @@ class LayerRule(ABC):
 class ProductRule(LayerRule):
     """A layer whose per-sample weight gradient is a sum of outer products Σ_t g_t a_tᵀ over T positions.
 
-    `norms` takes the ghost norm when it needs less memory, 8·(T·(d + p) + 2T²) bytes per sample (its
-    float64 views and Gram matrices) against s·d·p (the gradient, s bytes an element; d = fan-in,
-    p = fan-out, read from the weight as ``weight[0].numel()`` and ``weight.shape[0]``), the layer has
-    one group and its weight is trained; it materializes the per-sample gradients otherwise.
-    `grouped_norms` decides the same way for a sample's K·T positions over its K views.
+    `norms` takes the ghost norm when T·(d + p) < d·p (d = fan-in, p = fan-out, read from the weight
+    as ``weight[0].numel()`` and ``weight.shape[0]``), the layer has one group and its weight is
+    trained; it materializes the per-sample gradients otherwise. `grouped_norms` decides the same way
+    for a sample's K·T positions over its K views.
     """
 
     @abstractmethod
@@ -285,9 +282,7 @@ class ProductRule(LayerRule):
         k = group_size if isinstance(group_size, int) else int(group_size.max())
         t = self.positions(module, activation, backprops) * k
         p, d = weight.shape[0], weight[0].numel()
-        # Bytes per sample: the ghost norm's float64 views (T·(d + p)) and their two T × T Gram matrices, against the
-        # materialized gradient (d·p in the layer's dtype).
-        return 8 * (t * (d + p) + 2 * t * t) < backprops.element_size() * d * p
+        return t * (d + p) < d * p
 
     def norms(self, module: nn.Module, activation: Tensor, backprops: Tensor) -> tuple[Tensor, ClippedSumTerm]:
         if not self.use_ghost(module, activation, backprops):

@@ -116,8 +116,8 @@ def _wide_linear() -> tuple[nn.Module, Tensor]:
 
 
 def _sequence_linear() -> tuple[nn.Module, Tensor]:
-    model = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Flatten(), nn.Linear(256, 3))
-    return model, torch.randn(SAMPLES * VIEWS, 4, 64)
+    model = nn.Sequential(nn.Linear(32, 32), nn.Tanh(), nn.Flatten(), nn.Linear(128, 3))
+    return model, torch.randn(SAMPLES * VIEWS, 4, 32)
 
 
 def _deep_conv() -> tuple[nn.Module, Tensor]:
@@ -143,8 +143,7 @@ MODELS: dict[str, Callable[[], tuple[nn.Module, Tensor]]] = {
     "deep_conv": _deep_conv,
 }
 #: What each Linear/Conv layer of a model takes with K = 3 views: the ghost norm over a sample's K·T positions
-#: when its float64 views and Gram matrices take less memory than the gradient (8·(KT·(d + p) + 2(KT)²) < 4·d·p
-#: bytes in fp32), else the materialized rows' gradients, summed per sample.
+#: when K·T·(d + p) < d·p, else the materialized rows' gradients, summed per sample.
 GROUPED_PATHS = {
     "linear": ["materialized", "materialized"],
     "conv_groupnorm": ["materialized", "materialized", "materialized"],

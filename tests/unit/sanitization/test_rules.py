@@ -88,7 +88,7 @@ class _Case:
 
 
 # T = positions (a transposed convolution's *input* positions), d = fan-in, p = fan-out, read from the weight as
-# weight[0].numel() and weight.shape[0]: the ghost norm is used when T·(d + p) + 2T² < d·p (float64) and groups == 1.
+# weight[0].numel() and weight.shape[0]: the ghost norm is used when T·(d + p) < d·p and groups == 1.
 CASES: dict[str, Callable[[], _Case]] = {
     "conv_transpose1d_stride2_output_padding": lambda: _Case(
         nn.ConvTranspose1d(3, 4, 3, stride=2, padding=1, output_padding=1), _x(3, 10), ["materialized"]
