@@ -208,6 +208,27 @@ def test_a_convolution_whose_taps_mostly_read_padding_materializes_tap_by_tap(mo
     assert not calls
 
 
+@pytest.mark.parametrize(
+    "name", ["conv2d_dilation_beyond_the_input_tapwise", "conv2d_stride_dilation_partly_beyond_the_input_tapwise"]
+)
+def test_a_tap_span_one_position_short_is_caught(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A planted bug: every tap's span loses its last output position, so each sample's gradient misses terms (its norm,
+    # and with it the clip, would fall short). The comparison with the naive loop must fail.
+    original = rules._tap_span
+
+    def short(*args: int) -> tuple[slice, slice] | None:
+        span = original(*args)
+        if span is None or span[0].stop - span[0].start < 2:
+            return span
+        out, read = span
+        return slice(out.start, out.stop - 1), slice(read.start, read.stop - read.step, read.step)
+
+    monkeypatch.setattr(rules, "_tap_span", short)
+    case = CASES[name]()
+    with pytest.raises(AssertionError, match="clipped sum off by"):
+        check_clipped_sum(case.model.double(), _output_loss, case.x)
+
+
 def test_the_tap_wise_gradient_equals_the_grouped_convolution_for_every_geometry() -> None:
     # Every kernel size, stride, dilation and padding (including taps that never read the input), each with the
     # tap-wise way forced: the per-sample weight gradients equal the grouped weight-gradient convolution's.
