@@ -32,7 +32,6 @@ class _Alternate(pl.Callback):
         self.p3sgd = p3sgd
         self.warmup = warmup
         self.times: dict[str, list[float]] = {"loop": [], "vectorized": []}
-        self.sizes: list[int] = []
         self._clipper: Any = None
         self._pending: Any = None
         self._start = 0.0
@@ -66,11 +65,36 @@ class _Alternate(pl.Callback):
         elapsed = time.perf_counter() - self._start
         if trainer.global_step > self.warmup:
             self.times[self._path].append(elapsed)
-            if self._path == "loop":
-                self.sizes.append(len(self._pending if self._pending is not None else []))
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self.p3sgd._clipper = self._clipper  # P3SGD removes its engine's hooks at teardown
+
+
+def alternated_rounds(
+    dataset: Any, sample_rate: float, pairs: int, accelerator: str = "cpu"
+) -> tuple[np.ndarray, np.ndarray, str]:
+    """Seconds of each timed loop round and vectorized round (``pairs`` pairs after one warm-up pair), and the device.
+
+    small_cnn, one local SGD step per patient (the case the vectorized round covers), q = ``sample_rate``.
+    """
+    torch.manual_seed(0)
+    model = ImageClassifier(arch="small_cnn")
+    p3sgd = P3SGD(sample_rate, 5.0, (1.0,), local_batch_size=32, local_epochs=1, vectorize="auto", seed=0)
+    warmup = 2  # one pair of rounds
+    timer = _Alternate(p3sgd, warmup)
+    trainer = pl.Trainer(
+        accelerator=accelerator,
+        devices=1,
+        max_steps=warmup + 2 * pairs,
+        callbacks=[p3sgd, timer],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        default_root_dir=tempfile.mkdtemp(prefix="p3sgd_vec_bench_"),
+    )
+    trainer.fit(model, PatientData(dataset))
+    return np.array(timer.times["loop"]), np.array(timer.times["vectorized"]), str(trainer.strategy.root_device)
 
 
 def main() -> None:
@@ -85,29 +109,12 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     dataset = random_patients(args.patients, args.images_per_patient, args.size)
-    torch.manual_seed(0)
-    model = ImageClassifier(arch="small_cnn")
-    p3sgd = P3SGD(0.1, 5.0, (1.0,), local_batch_size=32, local_epochs=1, vectorize="auto", seed=0)
-    warmup = 2  # one pair of rounds
-    timer = _Alternate(p3sgd, warmup)
-    trainer = pl.Trainer(
-        accelerator=args.accelerator,
-        devices=1,
-        max_steps=warmup + 2 * args.pairs,
-        callbacks=[p3sgd, timer],
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-        default_root_dir=tempfile.mkdtemp(prefix="p3sgd_vec_bench_"),
-    )
-    trainer.fit(model, PatientData(dataset))
-    loop, vec = np.array(timer.times["loop"]), np.array(timer.times["vectorized"])
+    loop, vec, device = alternated_rounds(dataset, 0.1, args.pairs, args.accelerator)
     ratios = loop / vec
     q25, q50, q75 = np.percentile(ratios, [25, 50, 75])
     print(
         f"small_cnn {args.size}x{args.size}, {args.patients} patients x {args.images_per_patient} images, q=0.1, "
-        f"local_batch_size=32, {torch.get_num_threads()} threads, {trainer.strategy.root_device}: "
+        f"local_batch_size=32, {torch.get_num_threads()} threads, {device}: "
         f"{len(ratios)} pairs; round loop median {np.median(loop) * 1000:.0f} ms, vectorized "
         f"{np.median(vec) * 1000:.0f} ms; ratio median {q50:.2f}x (IQR {q25:.2f}-{q75:.2f}, "
         f"min {ratios.min():.2f}, max {ratios.max():.2f})"

@@ -26,19 +26,14 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import pytorch_lightning as pl
 import torch
-from p3sgd_round import PatientData, random_patients
-from p3sgd_vectorized import _Alternate
-
-from lightning_dp.callbacks import P3SGD
-from lightning_dp.models import ImageClassifier
+from p3sgd_round import random_patients
+from p3sgd_vectorized import alternated_rounds
 
 ROOT = Path(__file__).resolve().parents[1]
 PER_ROUND = (10, 30, 100, 300)
@@ -50,25 +45,7 @@ EPSILONS = (1.0, 4.0)
 
 def time_rounds(per_round: int, pairs: int) -> dict[str, float]:
     """Median seconds of a loop round and a vectorized round with ``per_round`` patients expected per round."""
-    dataset = random_patients(PATIENTS, IMAGES, 32)
-    torch.manual_seed(0)
-    model = ImageClassifier(arch="small_cnn")
-    p3sgd = P3SGD(per_round / PATIENTS, 5.0, (1.0,), local_batch_size=32, local_epochs=1, vectorize="auto", seed=0)
-    warmup = 2
-    timer = _Alternate(p3sgd, warmup)
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_steps=warmup + 2 * pairs,
-        callbacks=[p3sgd, timer],
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-        default_root_dir=tempfile.mkdtemp(prefix="patient_scaling_"),
-    )
-    trainer.fit(model, PatientData(dataset))
-    loop, vec = np.array(timer.times["loop"]), np.array(timer.times["vectorized"])
+    loop, vec, _ = alternated_rounds(random_patients(PATIENTS, IMAGES, 32), per_round / PATIENTS, pairs)
     return {
         "patients_per_round": per_round,  # expected, q·N (each round's count is Poisson-binomial around it)
         "loop_s": float(np.median(loop)),
