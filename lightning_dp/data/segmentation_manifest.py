@@ -33,8 +33,8 @@ Example:
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
-from contextlib import closing
+from collections.abc import Iterator, Sequence
+from contextlib import closing, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Union
@@ -204,6 +204,20 @@ def _fmt_shape(shape: Sequence[int]) -> str:
     return "×".join(str(n) for n in shape)
 
 
+@contextmanager
+def _readable(where: str, requirement: str, path: Path, verb: str) -> Iterator[None]:
+    """Turns a decoder's failure inside the block into one `DataError` naming the file (our own errors pass)."""
+    try:
+        yield
+    except DataError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - any decoder failure is an unreadable file
+        raise DataError(
+            f"{where}: {requirement}, {str(path)!r} failed to {verb}: {exc}. "
+            "HINT: the file is truncated or not in the format its name says; re-export it."
+        ) from exc
+
+
 def _header_shape(path: Path, volumes: bool, where: str, what: str) -> tuple[int, ...]:
     """The spatial size of a file from its header (H, W for images; the three axes for volumes)."""
     suffix = _suffix(path)
@@ -216,7 +230,7 @@ def _header_shape(path: Path, volumes: bool, where: str, what: str) -> tuple[int
         else:
             hint = "convert it to PNG, or save the array with numpy.save"
         raise DataError(f"{where}: the {what} must be one of {list(allowed)}, found {path.name!r}. HINT: {hint}.")
-    try:
+    with _readable(where, f"the {what} must be a readable file", path, "open"):
         if suffix == ".npy":
             shape = tuple(np.load(path, mmap_mode="r", allow_pickle=False).shape)
         elif suffix in (".nii", ".nii.gz"):
@@ -226,13 +240,6 @@ def _header_shape(path: Path, volumes: bool, where: str, what: str) -> tuple[int
                 width, height = image.size
                 image.verify()
             return (height, width)
-    except DataError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - any decoder failure is an unreadable file
-        raise DataError(
-            f"{where}: the {what} must be a readable file, {str(path)!r} failed to open: {exc}. "
-            "HINT: the file is truncated or not in the format its name says; re-export it."
-        ) from exc
     return _spatial(shape, volumes, path, where, what)
 
 
@@ -258,7 +265,7 @@ def _spatial(shape: tuple[int, ...], volumes: bool, path: Path, where: str, what
 def _load_mask(path: Path, volumes: bool, where: str) -> NDArray[Any]:
     """The raw values of a mask file (2-D or 3-D, no channel axis)."""
     suffix = _suffix(path)
-    try:
+    with _readable(where, "the mask must be a readable file", path, "load"):
         if suffix == ".npy":
             array = np.load(path, allow_pickle=False)
         elif suffix in (".nii", ".nii.gz"):
@@ -278,13 +285,6 @@ def _load_mask(path: Path, volumes: bool, where: str) -> NDArray[Any]:
                     array = np.asarray(image)[..., 0]
                 else:  # "1", "L", "P" (palette index), "I;16", "I", "F"
                     array = np.asarray(image)
-    except DataError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - any decoder failure is an unreadable file
-        raise DataError(
-            f"{where}: the mask must be a readable file, {str(path)!r} failed to load: {exc}. "
-            "HINT: the file is truncated or not in the format its name says; re-export it."
-        ) from exc
     array = np.asarray(array)
     rank = 3 if volumes else 2
     if array.ndim == rank + 1 and array.shape[-1] == 1:
@@ -295,18 +295,11 @@ def _load_mask(path: Path, volumes: bool, where: str) -> NDArray[Any]:
 
 def _load_volume(path: Path, where: str) -> NDArray[Any]:
     """The raw values of an image volume, channels last (A×B×C×channels)."""
-    try:
+    with _readable(where, "the image must be a readable volume", path, "load"):
         if _suffix(path) == ".npy":
             array = np.load(path, allow_pickle=False)
         else:
             array = np.asanyarray(_nibabel().load(str(path)).dataobj)
-    except DataError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - any decoder failure is an unreadable file
-        raise DataError(
-            f"{where}: the image must be a readable volume, {str(path)!r} failed to load: {exc}. "
-            "HINT: the file is truncated or not in the format its name says; re-export it."
-        ) from exc
     _spatial(tuple(array.shape), True, path, where, "image")
     return array if array.ndim == 4 else array[..., None]
 
