@@ -9,13 +9,20 @@ from lightning_dp.models.fixers import (
     is_frozen_batch_norm,
     validate_model,
 )
-from lightning_dp.models.segmentation import SegmentationModule, build_segmentation_model, segmentation_loss
+from lightning_dp.models.segmentation import (
+    SegmentationModule,
+    SegmentationTrainable,
+    build_segmentation_model,
+    segmentation_loss,
+    segmentation_trainable_names,
+)
 
 __all__ = [
     "Architecture",
     "ImageClassifier",
     "ModelProblem",
     "SegmentationModule",
+    "SegmentationTrainable",
     "TrainableGroup",
     "build_backbone",
     "build_segmentation_model",
@@ -24,5 +31,6 @@ __all__ = [
     "is_eval_batch_norm",
     "is_frozen_batch_norm",
     "segmentation_loss",
+    "segmentation_trainable_names",
     "validate_model",
 ]

@@ -33,6 +33,7 @@ from torch import Tensor, nn
 from torchmetrics import Metric
 from torchmetrics.segmentation import DiceScore, MeanIoU
 
+from lightning_dp._quiet import WarningWindow
 from lightning_dp.errors import PrivacyConfigError, check_count, check_finite_positive
 from lightning_dp.models._optim import configure_optimizers
 from lightning_dp.models.fixers import fix_model
@@ -43,14 +44,20 @@ __all__ = [
     "LossReduction",
     "SegmentationArch",
     "SegmentationModule",
+    "SegmentationTrainable",
     "build_segmentation_model",
     "segmentation_loss",
+    "segmentation_trainable_names",
 ]
 
 SegmentationArch = Literal["unet", "fpn", "deeplabv3", "monai_unet"]
 LossKind = Literal["bce", "dice", "bce_dice"]
 LossReduction = Literal["mean", "sum", "none"]
 Norm = Literal["batch", "group"]
+#: What `SegmentationModule(trainable=[...])` trains: the union of the named groups.
+SegmentationTrainable = Literal["all", "decoder", "norm", "bias"]
+#: The normalization layers whose weight and bias the "norm" group trains.
+_NORMS = (nn.modules.batchnorm._BatchNorm, nn.GroupNorm, nn.LayerNorm, nn.modules.instancenorm._InstanceNorm)
 
 #: The validation grid of sigmoid thresholds.
 DEFAULT_THRESHOLDS: tuple[float, ...] = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
@@ -169,6 +176,73 @@ def _monai_unet(
         num_res_units=res_units,
         norm="batch",
     )
+
+
+def _decoder_modules(net: nn.Module) -> list[str]:
+    """The qualified names of ``net``'s decoder sub-modules (the path from the bottleneck up, and the head).
+
+    smp networks: ``decoder`` and ``segmentation_head``. MONAI's UNet nests one ``Sequential(down,
+    SkipConnection(deeper levels), up)`` per level: every such ``up`` (child ``"2"``) is decoder.
+    """
+    names = [name for name in ("decoder", "segmentation_head") if isinstance(getattr(net, name, None), nn.Module)]
+    if names:
+        return names
+    for name, module in net.named_modules():
+        children = dict(module.named_children())
+        if (
+            isinstance(module, nn.Sequential)
+            and list(children) == ["0", "1", "2"]
+            and type(children["1"]).__name__ == "SkipConnection"
+        ):
+            names.append(f"{name}.2" if name else "2")
+    return names
+
+
+def segmentation_trainable_names(net: nn.Module, groups: Sequence[SegmentationTrainable]) -> set[str]:
+    """The qualified names of ``net``'s parameters that the union of ``groups`` selects.
+
+    "all": every parameter; "decoder": the decoder and the segmentation head (`_decoder_modules`: smp's
+    ``decoder`` and ``segmentation_head``, MONAI UNet's up-sampling path); "norm": the weight and bias of
+    every normalization layer; "bias": every bias.
+
+    Example:
+        >>> net = build_segmentation_model("monai_unet", in_channels=1, monai_channels=(4, 8), monai_res_units=0)
+        >>> sorted(segmentation_trainable_names(net, ["decoder"]))
+        ['model.2.conv.bias', 'model.2.conv.weight']
+    """
+    decoder = _decoder_modules(net)
+    names: set[str] = set()
+    for module_name, module in net.named_modules():
+        in_decoder = any(module_name == d or module_name.startswith(d + ".") for d in decoder)
+        for param_name, _ in module.named_parameters(recurse=False):
+            if (
+                "all" in groups
+                or ("decoder" in groups and in_decoder)
+                or ("norm" in groups and isinstance(module, _NORMS))
+                or ("bias" in groups and param_name == "bias")
+            ):
+                names.add(f"{module_name}.{param_name}" if module_name else param_name)
+    return names
+
+
+def _resolve_segmentation_trainable(trainable: Any) -> tuple[SegmentationTrainable, ...]:
+    valid = ("all", "decoder", "norm", "bias")
+    if trainable is None:
+        return ("all",)
+    if isinstance(trainable, str) or not isinstance(trainable, Sequence):
+        raise PrivacyConfigError(
+            f"`SegmentationModule(trainable={trainable!r})`: trainable must be a list of group names, found "
+            f"{type(trainable).__name__}. HINT: e.g. trainable=['decoder'] (in YAML: trainable: [decoder])."
+        )
+    unknown = [g for g in trainable if g not in valid]
+    if unknown or not trainable:
+        raise PrivacyConfigError(
+            f"`SegmentationModule(trainable={list(trainable)!r})`: "
+            + (f"unknown group(s) {unknown}" if unknown else "the selection trains nothing")
+            + f"; the valid groups are {list(valid)}. HINT: e.g. trainable=['decoder'] fine-tunes the decoder and "
+            "the head of a pre-trained network, leave trainable unset to train everything."
+        )
+    return tuple(dict.fromkeys(trainable))
 
 
 def segmentation_loss(
@@ -297,6 +371,12 @@ class SegmentationModule(pl.LightningModule):
             run's optimizer steps (``trainer.estimated_stepping_batches``, so set ``max_epochs`` or
             ``max_steps``); the last epochs then settle instead of jumping between minima, which steadies
             the final (and validation-chosen) Dice of a short run.
+        trainable: what is trained, the union of named groups (`segmentation_trainable_names`): ``"all"``
+            (everything, the default), ``"decoder"`` (the decoder and the segmentation head), ``"norm"``
+            (the normalization layers' affine parameters), ``"bias"``. The rest is frozen
+            (``requires_grad=False``): fine-tuning a public pre-trained network privately then releases
+            only the selected parameters, and the fewer they are, the less noise they carry. With
+            ``norm="batch"`` and a selection, every BatchNorm stays in eval mode (its statistics are frozen).
 
     Example:
         >>> model = SegmentationModule(arch="monai_unet", in_channels=1, monai_channels=(8, 16))
@@ -324,6 +404,7 @@ class SegmentationModule(pl.LightningModule):
         threshold: float = 0.5,
         threshold_grid: tuple[float, ...] | None = DEFAULT_THRESHOLDS,
         lr_schedule: Literal["constant", "cosine"] = "constant",
+        trainable: list[SegmentationTrainable] | None = None,
     ) -> None:
         super().__init__()
         owner = type(self).__name__
@@ -348,6 +429,7 @@ class SegmentationModule(pl.LightningModule):
                 f"`{owner}(optimizer={optimizer!r})`: optimizer must be 'adam' or 'sgd', found {optimizer!r}."
             )
         self.grid = _check_thresholds(owner, threshold, threshold_grid)
+        groups = _resolve_segmentation_trainable(trainable)
         self.save_hyperparameters()
         self.net = build_segmentation_model(
             arch,
@@ -359,6 +441,19 @@ class SegmentationModule(pl.LightningModule):
             monai_channels=monai_channels,
             monai_res_units=monai_res_units,
         )
+        self._quiet_eval_mode = WarningWindow(r"Found \d+ module\(s\) in eval mode at the start of training")
+        #: The groups trained (``("all",)`` when nothing is given).
+        self.trainable: tuple[SegmentationTrainable, ...] = groups
+        if "all" not in groups:
+            selected = segmentation_trainable_names(self.net, groups)
+            if not selected:
+                raise PrivacyConfigError(
+                    f"`SegmentationModule(arch={arch!r}, trainable={list(groups)!r})`: the selection trains no "
+                    "parameter of this network. HINT: choose groups that it has (every network has 'decoder')."
+                )
+            for name, param in self.net.named_parameters():
+                param.requires_grad_(name in selected)
+            self.train()  # Lightning keeps each module's mode: the BatchNorm layers must start in eval mode
         self.loss_kind: LossKind = loss
         self.loss_reduction: LossReduction = loss_reduction
         self.register_buffer("threshold", torch.tensor(float(threshold)))
@@ -368,6 +463,26 @@ class SegmentationModule(pl.LightningModule):
         self.val_iou = nn.ModuleList([_iou() for _ in range(count)])
         self.test_dice = _dice()
         self.test_iou = _iou()
+
+    def train(self, mode: bool = True) -> SegmentationModule:
+        super().train(mode)
+        if "all" not in getattr(self, "trainable", ("all",)):
+            for module in self.net.modules():  # a frozen selection never updates running statistics
+                if isinstance(module, nn.modules.batchnorm._BatchNorm):
+                    module.eval()
+        return self
+
+    # Lightning warns about modules in eval mode at the start of training; with a selection the BatchNorm layers
+    # are in eval mode by design (their statistics are never updated), so that warning is ours to silence.
+    def on_fit_start(self) -> None:
+        if "all" not in self.trainable:
+            self._quiet_eval_mode.open()
+
+    def on_train_start(self) -> None:
+        self._quiet_eval_mode.close()
+
+    def teardown(self, stage: str) -> None:
+        self._quiet_eval_mode.close()
 
     def forward(self, x: Tensor) -> Tensor:
         channels = self.hparams.get("in_channels", 3)
