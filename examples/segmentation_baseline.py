@@ -1,6 +1,7 @@
 """The non-private U-Net baseline on synthetic silhouettes: test Dice per seed and the time taken.
 
-What every private route of `examples/segmentation_pate.py` is compared against. It trains an ordinary
+The evidence that the task is learnable before any private row means anything (issue 21);
+`examples/segmentation_benchmark.py` pre-trains its public model with this recipe. It trains an ordinary
 (non-private) MONAI U-Net on the training patients of `SyntheticSilhouettesDataModule` (target "dog"),
 chooses the sigmoid threshold on the validation patients, and reports the Dice on the test patients
 (per image, images empty in both mask and prediction left out; an image without the target scores 0 as

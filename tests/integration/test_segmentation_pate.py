@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -96,11 +97,12 @@ def test_teachers_then_student_release_patient_level_labels(tmp_path: Path, caps
 
 
 @pytest.mark.slow
-def test_segmentation_pate_example_quick(tmp_path: Path) -> None:
+def test_segmentation_benchmark_quick_runs_every_route_within_its_budget(tmp_path: Path) -> None:
+    """examples/segmentation_benchmark.py --quick: every route at its target ε, DP-SGD's patient-level ε beside it."""
     done = subprocess.run(
         [
             sys.executable,
-            str(ROOT / "examples/segmentation_pate.py"),
+            str(ROOT / "examples/segmentation_benchmark.py"),
             "--quick",
             "--out",
             str(tmp_path / "out"),
@@ -114,7 +116,16 @@ def test_segmentation_pate_example_quick(tmp_path: Path) -> None:
         cwd=tmp_path,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    text = (tmp_path / "out" / "results.txt").read_text()
-    for row in ("non-private U-Net", "teachers (mean)", "PCA: aggregated labels", "AE-PATE student", "P3SGD"):
-        assert row in text
-    assert (tmp_path / "out" / "predictions.png").stat().st_size > 0
+    results = json.loads((tmp_path / "out" / "results.json").read_text())
+    routes = {run["route"] for run in results["runs"]}
+    assert routes == {"P3SGD, all layers", "P3SGD, norm", "DP-SGD, all layers", "DP-SGD, norm", "PCA-PATE", "AE-PATE"}
+    for run in results["runs"]:
+        assert 0 <= run["dice"] <= 1
+        assert run["target_epsilon"] * 0.98 <= run["epsilon"] <= run["target_epsilon"], run  # calibrated, never over
+    for run in (r for r in results["runs"] if r["route"].startswith("DP-SGD")):
+        # a patient of 4 images is protected as a group: its ε is larger than one image's
+        assert run["patient_epsilon"] > run["epsilon"], run
+    assert set(results["references"]) >= {"public model only", "non-private, all layers", "non-private, norm"}
+    assert len(results["teachers_test_dice"]) == 3
+    for name in ("dice_vs_epsilon.png", "predictions.png"):
+        assert (tmp_path / "out" / name).stat().st_size > 0
