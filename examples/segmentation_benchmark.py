@@ -1,4 +1,4 @@
-"""Private segmentation, route by route, at the same patient-level ε: is any of it worth it?
+"""Private segmentation, route by route, at the same target ε: is any of it worth it?
 
 The situation of a hospital that wants a segmentation model: a U-Net pre-trained on *public* patients
 of another site (synthetic silhouettes, site ``reference``, target "dog") transfers imperfectly to its own
@@ -16,9 +16,9 @@ would use private data outside every guarantee):
   dp-accounting's PLD accountant);
 * **PCA-PATE** and **AE-PATE**: K teachers (the public model fine-tuned on disjoint groups of private
   patients) label N public images of the private site (a pool of patients who consented to their images
-  being public, without masks); their maps are compressed (PCA components / an autoencoder fitted on public
-  masks of the reference site), the mean code is released with Gaussian noise at patient-level ε
-  (`PATEAggregator(target_epsilon=...)`), decoded, and a student — the public model — is fine-tuned on
+  being public; their masks are never trained on, only used to score the released labels); their maps are
+  compressed (PCA components / an autoencoder fitted on public masks of the reference site), the mean code
+  is released with Gaussian noise at patient-level ε (`PATEAggregator(target_epsilon=...)`), decoded, and a student — the public model — is fine-tuned on
   those N maps, then semi-supervised on the whole public pool (pseudo-labels: its own thresholded maps
   of the unlabelled pool images, which is post-processing and costs no privacy).
 
@@ -298,6 +298,7 @@ def dpsgd(
     model = _load(args, weights, trainable, lr=args.dp_lr)
     images = len(private.train_dataset)
     steps = max(1, round(args.dp_epochs * images / args.dp_batch))
+    # seeded noise: a reproducible benchmark, not a guarantee; leave seed unset (OS entropy) in real use
     dp = DPSGD(clip_norm=args.dp_clip, target_epsilon=epsilon, batch_size=args.dp_batch, seed=1000 + seed)
     root = str(Path(args.out) / "reports" / f"dpsgd_{'+'.join(trainable)}_eps{epsilon:g}_seed{seed}")
     with contextlib.redirect_stdout(io.StringIO()):
@@ -311,7 +312,8 @@ def dpsgd(
         "noise_multiplier": first.event.noise_multiplier,
         "sample_rate": first.sample_rate,
         "steps": dp.ledger.steps,
-        "patient_epsilon": group_epsilon(dp.ledger, args.images_per_patient),
+        # the group is the largest patient's images: the bound holds for every patient
+        "patient_epsilon": group_epsilon(dp.ledger, max(map(len, private.train_dataset.patient_to_indices.values()))),
     }
 
 
@@ -439,7 +441,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     n_train = len(private.train_patients)
     delta = default_delta(n_train)
     test = _stack(private.test_dataset)
-    pool, _ = _stack(private.public_dataset)  # the private site's public images; their masks are never read
+    pool, _ = _stack(private.public_dataset)  # the private site's public images; masks only score the labels
     atlas = _stack(public.train_dataset)[1]  # public masks of the reference site fit the compressors
     say(
         f"data: {len(public.train_dataset)} public training images (site 'reference'); private site 'hospital_b': "
@@ -521,6 +523,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 results.setdefault("encoded_teacher_maps_dice", {})[f"{name}, ε = {epsilon:g}"] = encoded
             for index, (name, compressor) in enumerate(compressors.items()):
                 for seed in args.seeds:
+                    # seeded noise (a reproducible benchmark); leave seed unset in real use
                     aggregator = PATEAggregator(
                         compressor, args.teachers, delta=delta, target_epsilon=epsilon, seed=7919 * seed + 1 + index
                     )
@@ -560,13 +563,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"\nTest Dice on {len(test[0])} test images of the private site ({seeds}); {n_train} private training "
         f"patients × {args.images_per_patient} images of {args.size}², δ = {delta:.1e}"
     )
-    print(f"{'route':<28} {'target ε':>9} {'ε (ledger)':>11} {'patient ε':>10} {'Dice':>14}")
+    print(f"{'route':<31} {'target ε':>9} {'ε (ledger)':>11} {'patient ε':>10} {'Dice':>14}")
     for name, values in results["references"].items():
         if not values:
             continue
         mean, std = _mean_std(values)
         eps = "0" if name.startswith("public") else "∞"
-        print(f"{name:<28} {eps:>9} {eps:>11} {eps:>10} {mean:8.3f} ± {std:.3f}")
+        print(f"{name:<31} {eps:>9} {eps:>11} {eps:>10} {mean:8.3f} ± {std:.3f}")
     for route, by_eps in results["private"].items():
         for epsilon in args.epsilons:
             runs = by_eps.get(str(epsilon), [])
@@ -575,12 +578,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             mean, std = _mean_std([r["dice"] for r in runs])
             spent = max(r["epsilon"] for r in runs)
             patient = max(r.get("patient_epsilon", r["epsilon"]) for r in runs)
-            print(f"{route:<28} {epsilon:>9g} {spent:>11.3f} {patient:>10.2f} {mean:8.3f} ± {std:.3f}")
+            name = f"{route} (sample ε)" if route.startswith("DP-SGD") else route
+            print(f"{name:<31} {epsilon:>9g} {spent:>11.3f} {patient:>10.2f} {mean:8.3f} ± {std:.3f}")
     if "teachers_query_dice" in results:
         print(
-            f"PATE: {args.teachers} teachers, test Dice {statistics.fmean(results['teachers_test_dice']):.3f}, on the "
-            f"{args.queries} queries {statistics.fmean(results['teachers_query_dice']):.3f}; their maps encoded and "
-            "decoded (no noise): "
+            f"PATE, non-private diagnostics (never released): {args.teachers} teachers, test Dice "
+            f"{statistics.fmean(results['teachers_test_dice']):.3f}, on the {args.queries} queries "
+            f"{statistics.fmean(results['teachers_query_dice']):.3f}; their maps encoded and decoded (no noise): "
             + ", ".join(f"{k} {statistics.fmean(v):.3f}" for k, v in results["encoded_teacher_maps_dice"].items())
         )
     for run in results.get("runs", []):
@@ -590,6 +594,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 f"code = {run['noise_std']:.3g} (S = {run['sensitivity']:.3g}), released maps' Dice "
                 f"{run['labels_dice']:.3f}"
             )
+    print(
+        "ε: each row's own run (a target, calibrated by the library; DP-SGD's target is per image, its patient-level "
+        "ε beside it). The noise is seeded for reproducibility: a benchmark, not a deployment."
+    )
     print(f"wrote {out / 'results.json'}, {out / 'dice_vs_epsilon.png'}, {out / 'predictions.png'}")
     print(f"({time.time() - _START:.0f} s)")
     if not all(math.isfinite(r["dice"]) for r in results["runs"]):

@@ -376,7 +376,9 @@ class SegmentationModule(pl.LightningModule):
             (the normalization layers' affine parameters), ``"bias"``. The rest is frozen
             (``requires_grad=False``): fine-tuning a public pre-trained network privately then releases
             only the selected parameters, and the fewer they are, the less noise they carry. With
-            ``norm="batch"`` and a selection, every BatchNorm stays in eval mode (its statistics are frozen).
+            ``norm="batch"`` and a selection, every BatchNorm stays in eval mode (its statistics are frozen;
+            calling ``.train()`` on ``model.net`` itself would bypass this, and P3SGD would then release the
+            statistics clipped and noised, DPSGD convert the layers to GroupNorm).
 
     Example:
         >>> model = SegmentationModule(arch="monai_unet", in_channels=1, monai_channels=(8, 16))
@@ -468,7 +470,7 @@ class SegmentationModule(pl.LightningModule):
         super().train(mode)
         if "all" not in getattr(self, "trainable", ("all",)):
             for module in self.net.modules():  # a frozen selection never updates running statistics
-                if isinstance(module, nn.modules.batchnorm._BatchNorm):
+                if isinstance(module, nn.modules.batchnorm._NormBase):  # BatchNorm, InstanceNorm with statistics
                     module.eval()
         return self
 
