@@ -18,9 +18,10 @@ would use private data outside every guarantee):
   patients) label N public images of the private site (a pool of patients who consented to their images
   being public; their masks are never trained on, only used to score the released labels); their maps are
   compressed (PCA components / an autoencoder fitted on public masks of the reference site), the mean code
-  is released with Gaussian noise at patient-level ε (`PATEAggregator(target_epsilon=...)`), decoded, and a student — the public model — is fine-tuned on
-  those N maps, then semi-supervised on the whole public pool (pseudo-labels: its own thresholded maps
-  of the unlabelled pool images, which is post-processing and costs no privacy).
+  is released with Gaussian noise at patient-level ε (`PATEAggregator(target_epsilon=...)`), decoded, and
+  a student — the public model — is fine-tuned on those N maps, then semi-supervised on the whole public
+  pool (pseudo-labels: its own thresholded maps of the unlabelled pool images, which is post-processing
+  and costs no privacy).
 
 All ε are at the library's default δ for the private training patients (`default_delta`). Output: a
 table on stdout, ``<out>/results.json``, ``<out>/dice_vs_epsilon.png`` (Dice against ε, mean ± std over
