@@ -372,6 +372,36 @@ def plot(path: Path, results: dict[str, Any], epsilons: list[float]) -> None:
     plt.close(fig)
 
 
+def markdown_table(results: dict[str, Any]) -> str:
+    """The results as a Markdown table: a row per route, a column per target ε, test Dice mean ± std over seeds.
+
+    The references (ε = 0 and ∞) fill every column; DP-SGD's cells add the patient-level ε its run implies.
+    """
+    epsilons = [float(e) for e in results["args"]["epsilons"]]
+    seeds = len(results["args"]["seeds"])
+    head = " | ".join(f"ε = {e:g}" for e in epsilons)
+    lines = [f"| route (test Dice{f', mean ± std over {seeds} seeds' if seeds > 1 else ''}) | {head} |"]
+    lines.append("|---" * (len(epsilons) + 1) + "|")
+    for name, values in results["references"].items():
+        if values:
+            mean, std = _mean_std(values)
+            eps = "ε = 0" if name.startswith("public") else "ε = ∞"
+            lines.append(f"| {name} ({eps}) | " + " | ".join([f"{mean:.3f} ± {std:.3f}"] * len(epsilons)) + " |")
+    for route, by_eps in results["private"].items():
+        cells = []
+        for e in epsilons:
+            runs = by_eps.get(str(e), [])
+            if not runs:
+                cells.append("—")
+                continue
+            mean, std = _mean_std([r["dice"] for r in runs])
+            group = max(r.get("patient_epsilon", 0.0) for r in runs)
+            cells.append(f"{mean:.3f} ± {std:.3f}" + (f" (patient ε {group:.0f})" if group else ""))
+        label = f"{route} (ε per image)" if route.startswith("DP-SGD") else f"{route} (ε per patient)"
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="tiny scale, a smoke test")
@@ -544,6 +574,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     results["seconds"] = time.time() - _START
     (out / "results.json").write_text(json.dumps(results, indent=2))
+    (out / "table.md").write_text(markdown_table(results))
     plot(out / "dice_vs_epsilon.png", results, args.epsilons)
     scores = {
         route: statistics.fmean(r["dice"] for r in results["private"][route][str(grid_epsilon)])

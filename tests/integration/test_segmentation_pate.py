@@ -127,5 +127,7 @@ def test_segmentation_benchmark_quick_runs_every_route_within_its_budget(tmp_pat
         assert run["patient_epsilon"] > run["epsilon"], run
     assert set(results["references"]) >= {"public model only", "non-private, all layers", "non-private, norm"}
     assert len(results["teachers_test_dice"]) == 3
+    table = (tmp_path / "out" / "table.md").read_text()
+    assert "| P3SGD, norm (ε per patient) |" in table and "| DP-SGD, norm (ε per image) |" in table
     for name in ("dice_vs_epsilon.png", "predictions.png"):
         assert (tmp_path / "out" / name).stat().st_size > 0
