@@ -148,7 +148,7 @@ def _grid(
     import matplotlib.pyplot as plt
 
     cols = ["input", "ground truth", *preds]
-    fig, axes = plt.subplots(rows, len(cols), figsize=(1.7 * len(cols), 1.75 * rows + 0.6))
+    fig, axes = plt.subplots(rows, len(cols), figsize=(1.7 * len(cols), 1.75 * rows + 0.6), squeeze=False)
     for r in range(rows):
         truth = masks[r, 0]
         panels = [images[r].permute(1, 2, 0), truth] + [p[r, 0] for p in preds.values()]
@@ -348,7 +348,7 @@ def plot(path: Path, results: dict[str, Any], epsilons: list[float]) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7.5, 4.6))
-    styles = iter([":", "--", "-.", (0, (1, 4))])
+    styles = iter([":", "--", "-.", (0, (5, 2, 1, 2, 1, 2))])
     for name, values in results["references"].items():
         if not values:
             continue
@@ -359,10 +359,19 @@ def plot(path: Path, results: dict[str, Any], epsilons: list[float]) -> None:
     for name, by_eps in results["private"].items():
         xs = [e for e in epsilons if str(e) in by_eps]
         stats = [_mean_std([run["dice"] for run in by_eps[str(e)]]) for e in xs]
-        ax.errorbar(xs, [m for m, _ in stats], yerr=[s for _, s in stats], marker="o", capsize=3, label=name)
+        per_image = name.startswith("DP-SGD")  # another guarantee: dashed, and said in the label
+        ax.errorbar(
+            xs,
+            [m for m, _ in stats],
+            yerr=[s for _, s in stats],
+            marker="s" if per_image else "o",
+            linestyle="--" if per_image else "-",
+            capsize=3,
+            label=f"{name} (ε per image)" if per_image else name,
+        )
     ax.set_xscale("log")
-    ax.set_xticks(epsilons)
-    ax.set_xticklabels([f"{e:g}" for e in epsilons])
+    ax.set_xticks(epsilons, [f"{e:g}" for e in epsilons])
+    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     ax.set_xlabel("target ε (patient-level; DP-SGD: sample-level, its patient-level ε in the table)")
     ax.set_ylabel("test Dice (private site)")
     ax.set_title("Fine-tuning a public U-Net on a private site's patients", fontsize=10)
@@ -484,7 +493,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     public_model = _load(args, weights, ["all"])
     results["public_on_public_site"] = _test_dice(public_model, _stack(public.test_dataset))
     results["references"]["public model only"] = [_test_dice(public_model, test)] * len(args.seeds)
-    preds: dict[str, Tensor] = {"public only": _predict(public_model, test[0][:3])}
+    # The grid: one image with the target from each of the first three test patients that have one.
+    shown: list[int] = []
+    for index, patient in enumerate(private.test_dataset.patient_index.tolist()):
+        seen = {int(private.test_dataset.patient_index[i]) for i in shown}
+        if len(shown) < 3 and patient not in seen and bool(test[1][index].any()):
+            shown.append(index)
+    examples = test[0][shown], test[1][shown]
+    preds: dict[str, Tensor] = {"public only": _predict(public_model, examples[0])}
     say(
         f"public model: Dice {results['public_on_public_site']:.3f} on the public site's test patients, "
         f"{results['references']['public model only'][0]:.3f} on the private site's (the domain shift)"
@@ -503,7 +519,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             results["references"][name].append(_test_dice(model, test))
             say(f"{name}, seed {seed}: Dice {results['references'][name][-1]:.3f}")
             if seed == args.seeds[0]:
-                preds[name] = _predict(model, test[0][:3])
+                preds[name] = _predict(model, examples[0])
 
     def record(route: str, epsilon: float, seed: int, model: SegmentationModule, info: dict[str, Any]) -> None:
         score = _test_dice(model, test)
@@ -512,7 +528,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         extra = f", patient-level ε = {info['patient_epsilon']:.1f}" if "patient_epsilon" in info else ""
         say(f"{route}, ε = {epsilon:g}, seed {seed}: Dice {score:.3f} (ledger ε = {info['epsilon']:.3f}{extra})")
         if seed == args.seeds[0] and epsilon == grid_epsilon:
-            preds[route] = _predict(model, test[0][:3])
+            preds[route] = _predict(model, examples[0])
 
     for trainable in args.trainables:
         groups = ["all"] if trainable == "all" else [trainable]
@@ -588,7 +604,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             if k.replace("public only", "public model only") in results["references"]
         }
     )
-    _grid(out / "predictions.png", test[0][:3], test[1][:3], preds, scores, rows=3)
+    _grid(out / "predictions.png", examples[0], examples[1], preds, scores, rows=len(shown))
 
     seeds = f"mean ± std over {len(args.seeds)} seeds" if len(args.seeds) > 1 else "one seed"
     print(
