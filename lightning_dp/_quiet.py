@@ -31,6 +31,34 @@ class WarningWindow:
             self._entry = None
 
 
+class QuietFrozenModes:
+    """LightningModule hooks that silence Lightning's "modules in eval mode" warning for a model trained in part.
+
+    A model with a ``trainable`` selection other than ``("all",)`` keeps its frozen (BatchNorm) layers in eval
+    mode by design, so that their statistics never move; Lightning warns about such modules at the start of
+    training. Put this class before ``pl.LightningModule`` in the bases; the model sets ``self.trainable``.
+    """
+
+    trainable: tuple[str, ...]
+
+    def on_fit_start(self) -> None:
+        if "all" not in self.trainable:
+            self._eval_mode_window().open()
+
+    def on_train_start(self) -> None:
+        self._eval_mode_window().close()
+
+    def teardown(self, stage: str) -> None:
+        self._eval_mode_window().close()
+
+    def _eval_mode_window(self) -> WarningWindow:
+        window = self.__dict__.get("_quiet_eval_mode")
+        if window is None:
+            window = WarningWindow(r"Found \d+ module\(s\) in eval mode at the start of training")
+            self.__dict__["_quiet_eval_mode"] = window
+        return window
+
+
 class _DropTips(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         return not str(record.getMessage()).startswith("💡 Tip")

@@ -11,7 +11,7 @@ import torch
 import torchmetrics
 from torch import Tensor, nn
 
-from lightning_dp._quiet import WarningWindow
+from lightning_dp._quiet import QuietFrozenModes
 from lightning_dp.errors import PrivacyConfigError, check_count, check_finite_positive
 from lightning_dp.models._optim import configure_optimizers
 from lightning_dp.models.fixers import group_norm_for
@@ -214,7 +214,7 @@ def load_public_weights(path: str | Path, net: nn.Module) -> dict[str, Tensor]:
     return state
 
 
-class ImageClassifier(pl.LightningModule):
+class ImageClassifier(QuietFrozenModes, pl.LightningModule):
     """Image classification with torchmetrics accuracy and AUROC.
 
     Batches are ``(images, labels)`` or ``(images, labels, patients)`` as produced by
@@ -300,7 +300,6 @@ class ImageClassifier(pl.LightningModule):
         self.freeze_backbone = freeze_backbone
         #: The groups trained (resolved: freeze_backbone=True is ("head",), nothing given is ("all",)).
         self.trainable: tuple[TrainableGroup, ...] = groups
-        self._quiet_eval_mode = WarningWindow(r"Found \d+ module\(s\) in eval mode at the start of training")
         if "all" not in groups:
             selected = trainable_parameter_names(self.net, _HEADS[arch], groups)
             if not selected:
@@ -337,18 +336,6 @@ class ImageClassifier(pl.LightningModule):
                 if name != head:
                     child.eval()
         return self
-
-    # Lightning warns about modules in eval mode at the start of training; with a `trainable` subset the frozen
-    # backbone is in eval mode by design (its BatchNorm statistics are never updated), so that warning is ours.
-    def on_fit_start(self) -> None:
-        if "all" not in self.trainable:
-            self._quiet_eval_mode.open()
-
-    def on_train_start(self) -> None:
-        self._quiet_eval_mode.close()
-
-    def teardown(self, stage: str) -> None:
-        self._quiet_eval_mode.close()
 
     def _shared(self, batch: Any) -> tuple[Tensor, Tensor, Tensor]:
         x, y = batch[0], batch[1]

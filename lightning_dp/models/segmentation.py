@@ -33,7 +33,7 @@ from torch import Tensor, nn
 from torchmetrics import Metric
 from torchmetrics.segmentation import DiceScore, MeanIoU
 
-from lightning_dp._quiet import WarningWindow
+from lightning_dp._quiet import QuietFrozenModes
 from lightning_dp.errors import PrivacyConfigError, check_count, check_finite_positive
 from lightning_dp.models._optim import configure_optimizers
 from lightning_dp.models.fixers import fix_model
@@ -334,7 +334,7 @@ def _check_thresholds(owner: str, threshold: Any, grid: Any) -> tuple[float, ...
     return tuple(float(t) for t in sorted(values))
 
 
-class SegmentationModule(pl.LightningModule):
+class SegmentationModule(QuietFrozenModes, pl.LightningModule):
     """Binary segmentation with a per-sample loss, Dice and IoU, and a threshold chosen on validation data.
 
     Batches are ``(images, masks)`` or ``(images, masks, patients)`` as produced by
@@ -443,7 +443,6 @@ class SegmentationModule(pl.LightningModule):
             monai_channels=monai_channels,
             monai_res_units=monai_res_units,
         )
-        self._quiet_eval_mode = WarningWindow(r"Found \d+ module\(s\) in eval mode at the start of training")
         #: The groups trained (``("all",)`` when nothing is given).
         self.trainable: tuple[SegmentationTrainable, ...] = groups
         if "all" not in groups:
@@ -473,18 +472,6 @@ class SegmentationModule(pl.LightningModule):
                 if isinstance(module, nn.modules.batchnorm._NormBase):  # BatchNorm, InstanceNorm with statistics
                     module.eval()
         return self
-
-    # Lightning warns about modules in eval mode at the start of training; with a selection the BatchNorm layers
-    # are in eval mode by design (their statistics are never updated), so that warning is ours to silence.
-    def on_fit_start(self) -> None:
-        if "all" not in self.trainable:
-            self._quiet_eval_mode.open()
-
-    def on_train_start(self) -> None:
-        self._quiet_eval_mode.close()
-
-    def teardown(self, stage: str) -> None:
-        self._quiet_eval_mode.close()
 
     def forward(self, x: Tensor) -> Tensor:
         channels = self.hparams.get("in_channels", 3)
