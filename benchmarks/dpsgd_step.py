@@ -17,9 +17,11 @@ units per level: ConvTranspose2d, PReLU, InstanceNorm), ``monai_unet3d`` (the 3-
 the issue's target is U-Net at 128: DP step ≤ 1.5× the non-private time and memory).
 
 Each variant runs in a fresh subprocess. Peak memory is the peak resident set size during its
-first step above the size before it (Linux ``/proc/self/status``), or the peak CUDA allocation of
-a step on a GPU; time is the median of ``--repeats`` later steps. Denormals are flushed to zero in
-every variant (as the DP callbacks do on CPU).
+second step above the size before its first (Linux ``/proc/self/status``, the high-water mark reset
+through ``/proc/self/clear_refs`` between the two: the first step's own peak depends on the order of
+first allocations, since glibc keeps freed memory), or the peak CUDA allocation of the first step on a
+GPU; time is the median of ``--repeats`` later steps. Denormals are flushed to zero in every variant (as
+the DP callbacks do on CPU).
 
 Opacus modes that fail print their error instead of a time. Seen with Opacus 1.6 (CPU, size 32):
 on the smp networks hooks, ghost and functorch fail on the in-place ReLU/residual additions
@@ -112,8 +114,14 @@ def _rss(key: str) -> int:
     raise RuntimeError(f"{key} not in /proc/self/status")
 
 
+def _reset_peak() -> None:
+    """Resets this process's VmHWM to its current VmRSS (Linux: ``/proc/self/clear_refs``, value 5)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
 def _measure(step: Callable[[], None], repeats: int, device: torch.device) -> tuple[float, float]:
-    """(median seconds of ``repeats`` steps after two warm-up steps, peak MiB of the first step)."""
+    """(median seconds of ``repeats`` steps after warm-up steps, peak MiB of one step; on CUDA the first one)."""
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -122,7 +130,12 @@ def _measure(step: Callable[[], None], repeats: int, device: torch.device) -> tu
         torch.cuda.synchronize()
         peak = (torch.cuda.max_memory_allocated() - start) / 2**20
     else:
+        # The peak of a later step above the memory before the first one: what training needs on top of the model
+        # and the batch (gradient and sum buffers included). The first step's own high-water mark also depends on
+        # the order of first allocations (glibc keeps freed memory), not on the step.
         start = _rss("VmRSS")
+        step()
+        _reset_peak()
         step()
         peak = (_rss("VmHWM") - start) / 2**20
     step()
