@@ -73,6 +73,7 @@ __all__ = [
     "FunctorchRule",
     "GhostTerm",
     "GroupSize",
+    "KeptInputsTerm",
     "LayerRule",
     "LinearRule",
     "MaterializedGrads",
@@ -166,6 +167,15 @@ class GhostTerm(ClippedSumTerm):
             backprops = torch.where(_expand(keep, backprops), backprops, 0.0)
         self.rule.weighted_sum(self.module, activation, backprops * _expand(coeff, backprops), sums)
         self.bias.add_clipped(coeff, keep, sums)
+
+
+@dataclass
+class KeptInputsTerm(GhostTerm):
+    """A materialized call's clipped sum from its input and output gradient (`ProductRule._lighter_term`).
+
+    The norms were taken on the materialized per-sample gradients; the sum is the ghost path's weighted
+    weight gradient, so only the (smaller) input and output gradient are kept until the clip factors are known.
+    """
 
 
 # ---------------------------------------------------------------------- rules
@@ -286,7 +296,8 @@ class ProductRule(LayerRule):
 
     def norms(self, module: nn.Module, activation: Tensor, backprops: Tensor) -> tuple[Tensor, ClippedSumTerm]:
         if not self.use_ghost(module, activation, backprops):
-            return super().norms(module, activation, backprops)
+            sq, term = super().norms(module, activation, backprops)
+            return sq, self._lighter_term(module, activation, backprops, term)
         at, gt = self.ghost_views(module, activation, backprops)
         sq = _ghost_norms(at, gt)
         # The bias gradient is only (B, C_out): materialized, its norm is exact and measured on the very values added
@@ -295,6 +306,26 @@ class ProductRule(LayerRule):
         bias_grads = {} if bias is None else {bias: self.bias_grads(module, backprops)}
         sq = sq + sum_of_squares(list(bias_grads.values()), backprops.shape[0], backprops.device)
         return sq, GhostTerm(self, module, activation, backprops, MaterializedGrads(bias_grads))
+
+    def _lighter_term(
+        self, module: Any, activation: Tensor, backprops: Tensor, term: ClippedSumTerm
+    ) -> ClippedSumTerm:
+        """What to keep for the clipped sum of a materialized call: the smaller of two equivalent terms.
+
+        The per-sample weight gradients (B·p·d numbers) have served their purpose once their norms are taken;
+        the clipped sum Σ_i c_i·g_i is also one weight gradient of the c-weighted output gradients (the ghost
+        path's `GhostTerm`), which needs only the layer's input and output gradient. When those are smaller
+        (a layer with few positions and many weights: DeepLabV3's dilated convolutions at a 16² map, 6× fewer
+        numbers) they are kept and the per-sample gradients freed at once, so that the peak memory holds one
+        layer's per-sample gradients instead of every such layer's. The bias keeps its materialized gradients.
+        """
+        if not isinstance(term, MaterializedGrads) or getattr(module, "groups", 1) != 1:
+            return term
+        weight = module.weight
+        if weight not in term.grads or activation.numel() + backprops.numel() >= term.grads[weight].numel():
+            return term
+        bias = MaterializedGrads({p: g for p, g in term.grads.items() if p is not weight})
+        return KeptInputsTerm(self, module, activation, backprops, bias)
 
     def grouped_norms(
         self, module: nn.Module, activation: Tensor, backprops: Tensor, group_size: GroupSize

@@ -57,7 +57,7 @@ def ways(monkeypatch: pytest.MonkeyPatch) -> list[tuple[nn.Module, str]]:
 
     def spy(self: rules.ProductRule, module: nn.Module, *args: Any) -> tuple[Tensor, rules.ClippedSumTerm]:
         sq, item = original(self, module, *args)
-        seen.append((module, "ghost" if isinstance(item, rules.GhostTerm) else "materialized"))
+        seen.append((module, "ghost" if type(item) is rules.GhostTerm else "materialized"))
         return sq, item
 
     monkeypatch.setattr(rules.ProductRule, "norms", spy)
@@ -141,6 +141,16 @@ CASES: dict[str, Callable[[], _Case]] = {
     "conv2d_stride_dilation_partly_beyond_the_input_tapwise": lambda: _Case(
         nn.Conv2d(3, 4, 3, stride=2, dilation=4, padding=4), _x(3, 6, 7), ["materialized"]
     ),
+    # Materialized, but the layer's input and output gradient are smaller than its per-sample weight gradients: the
+    # clipped sum is computed from them (KeptInputsTerm); plain and tap-wise.
+    "conv2d_kept_inputs": lambda: _Case(nn.Conv2d(16, 16, 3, padding=1), _x(16, 6, 6), ["materialized"]),
+    "conv2d_kept_inputs_reflect": lambda: _Case(
+        nn.Conv2d(16, 16, 3, padding=1, padding_mode="reflect"), _x(16, 6, 6), ["materialized"]
+    ),
+    "conv1d_kept_inputs_stride": lambda: _Case(nn.Conv1d(8, 8, 5, stride=2, padding=2), _x(8, 24), ["materialized"]),
+    "conv2d_kept_inputs_tapwise": lambda: _Case(
+        nn.Conv2d(32, 16, 3, dilation=6, padding=6), _x(32, 6, 6), ["materialized"]
+    ),
     "conv2d_dilated_reflect": lambda: _Case(
         nn.Conv2d(3, 4, 3, dilation=2, padding=2, padding_mode="reflect"), _x(3, 6, 6), ["materialized"]
     ),
@@ -186,6 +196,37 @@ def test_layer_matches_naive_per_sample_loop(name: str, ways: list[tuple[nn.Modu
     check_clipped_sum(model, _output_loss, case.x)
     if case.ways is not None:
         assert [way for m in model.modules() for layer, way in ways if layer is m] == case.ways
+
+
+@pytest.mark.parametrize(
+    ("conv", "spatial", "kept"),
+    [
+        (nn.Conv2d(16, 16, 3, padding=1), 6, rules.KeptInputsTerm),  # 2·16·36 numbers a sample < 16·16·9
+        (nn.Conv2d(32, 16, 3, dilation=6, padding=6), 6, rules.KeptInputsTerm),  # tap-wise, 6·6·48 < 16·32·9
+        (nn.Conv2d(4, 4, 3, padding=1), 8, rules.MaterializedGrads),  # 2·4·64 > 4·4·9: the gradients are smaller
+    ],
+)
+def test_a_materialized_call_keeps_the_smaller_of_its_gradients_and_its_inputs(
+    conv: nn.Conv2d, spatial: int, kept: type
+) -> None:
+    """Once normed, per-sample weight gradients larger than the layer's input and output gradient are freed: the
+    clipped sum is then the c-weighted weight gradient of the kept inputs, equal to Σ_i c_i·g_i (float64)."""
+    torch.manual_seed(0)
+    conv = conv.double()
+    x = _x(conv.in_channels, spatial, spatial)
+    backprops = torch.randn_like(conv(x))
+    rule = rules.ConvRule()
+    assert not rule.use_ghost(conv, x, backprops)  # the norms are materialized either way
+    sq, term = rule.norms(conv, x, backprops)
+    assert type(term) is kept
+    grads = rule.per_sample_grads(conv, x, backprops)
+    torch.testing.assert_close(sq, sum(g.flatten(1).pow(2).sum(1) for g in grads.values()), rtol=1e-12, atol=0)
+    coeff = torch.rand(BATCH, dtype=torch.float64)
+    keep = torch.tensor([True, False, True, True])
+    sums = {p: torch.zeros_like(p) for p in (conv.weight, conv.bias)}
+    term.add_clipped(coeff, keep, sums)
+    for p, g in grads.items():
+        torch.testing.assert_close(sums[p], torch.tensordot(coeff * keep, g, dims=1), rtol=1e-10, atol=1e-12)
 
 
 def test_a_convolution_whose_taps_mostly_read_padding_materializes_tap_by_tap(monkeypatch: pytest.MonkeyPatch) -> None:
