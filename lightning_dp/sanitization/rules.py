@@ -449,7 +449,11 @@ class ConvRule(ProductRule):
     def weighted_sum(self, module: Any, activation: Tensor, weighted: Tensor, sums: Sums) -> None:
         if module.weight in sums:
             x, padding = _conv_geometry(module, activation)
-            sums[module.weight].add_(_conv_weight_grad(module, x, weighted, padding, None, per_sample=False))
+            taps = _live_taps(module, x, weighted, padding)
+            if taps is not None:  # mostly padding: one product per live tap, batch and positions contracted
+                sums[module.weight].add_(_tapwise_weight_sum(module, x, weighted, taps))
+            else:
+                sums[module.weight].add_(_conv_weight_grad(module, x, weighted, padding, None, per_sample=False))
 
 
 class ConvTransposeRule(ProductRule):
@@ -957,6 +961,17 @@ def _tapwise_weight_grad(module: Any, x: Tensor, grad: Tensor, taps: Sequence[_T
         g = grad[:, :, tap.rows, tap.cols].reshape(b, grad.shape[1], -1)
         a = x[:, :, tap.in_rows, tap.in_cols].reshape(b, x.shape[1], -1)
         out[:, :, :, tap.kh, tap.kw] = torch.bmm(g, a.transpose(1, 2))
+    return out
+
+
+def _tapwise_weight_sum(module: Any, x: Tensor, grad: Tensor, taps: Sequence[_Tap]) -> Tensor:
+    """The batch's weight gradient (summed over the samples), tap by tap like `_tapwise_weight_grad`."""
+    weight = module.weight
+    out = torch.zeros(weight.shape, dtype=grad.dtype, device=grad.device)
+    for tap in taps:
+        g = grad[:, :, tap.rows, tap.cols].transpose(0, 1).reshape(grad.shape[1], -1)
+        a = x[:, :, tap.in_rows, tap.in_cols].transpose(0, 1).reshape(x.shape[1], -1)
+        out[:, :, tap.kh, tap.kw] = g @ a.t()
     return out
 
 

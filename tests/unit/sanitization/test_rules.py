@@ -289,6 +289,9 @@ def test_the_tap_wise_gradient_equals_the_grouped_convolution_for_every_geometry
         assert taps is not None
         reference = rules._conv_weight_grad(conv, x, g, (pad, pad), None, per_sample=True)
         torch.testing.assert_close(rules._tapwise_weight_grad(conv, x, g, taps), reference, rtol=0, atol=1e-12)
+        # and the batch's sum (the clipped sum of a ghost-normed or kept-inputs layer) equals the plain one
+        summed = rules._conv_weight_grad(conv, x, g, (pad, pad), None, per_sample=False)
+        torch.testing.assert_close(rules._tapwise_weight_sum(conv, x, g, taps), summed, rtol=0, atol=1e-12)
         checked += 1
     assert checked > 150
 
