@@ -307,9 +307,7 @@ class ProductRule(LayerRule):
         sq = sq + sum_of_squares(list(bias_grads.values()), backprops.shape[0], backprops.device)
         return sq, GhostTerm(self, module, activation, backprops, MaterializedGrads(bias_grads))
 
-    def _lighter_term(
-        self, module: Any, activation: Tensor, backprops: Tensor, term: ClippedSumTerm
-    ) -> ClippedSumTerm:
+    def _lighter_term(self, module: Any, activation: Tensor, backprops: Tensor, term: ClippedSumTerm) -> ClippedSumTerm:
         """What to keep for the clipped sum of a materialized call: the smaller of two equivalent terms.
 
         The per-sample weight gradients (B·p·d numbers) have served their purpose once their norms are taken;
