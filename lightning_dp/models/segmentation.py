@@ -36,6 +36,7 @@ from torchmetrics.segmentation import DiceScore, MeanIoU
 from lightning_dp._quiet import QuietFrozenModes
 from lightning_dp.errors import PrivacyConfigError, check_count, check_finite_positive
 from lightning_dp.models._optim import configure_optimizers
+from lightning_dp.models.classifier import _NORMS  # the "norm" group is the same for both model families
 from lightning_dp.models.fixers import fix_model
 
 __all__ = [
@@ -56,8 +57,6 @@ LossReduction = Literal["mean", "sum", "none"]
 Norm = Literal["batch", "group"]
 #: What `SegmentationModule(trainable=[...])` trains: the union of the named groups.
 SegmentationTrainable = Literal["all", "decoder", "norm", "bias"]
-#: The normalization layers whose weight and bias the "norm" group trains.
-_NORMS = (nn.modules.batchnorm._BatchNorm, nn.GroupNorm, nn.LayerNorm, nn.modules.instancenorm._InstanceNorm)
 
 #: The validation grid of sigmoid thresholds.
 DEFAULT_THRESHOLDS: tuple[float, ...] = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)

@@ -27,7 +27,8 @@ it and the fix.
 Linear layers and (transposed) convolutions choose per call between two ways, by cost
 (`ProductRule`): the *ghost norm* ‖Σ_t g_t a_tᵀ‖² = Σ_{t,s} (a_t·a_s)(g_t·g_s) over the layer's T
 positions costs ~T²(d + p) per sample and keeps nothing; *materializing* the per-sample gradients
-costs ~T·d·p and keeps them for the clipped sum (d = fan-in, p = fan-out). The ghost norm's cost
+costs ~T·d·p and keeps them, or the layer's input and output gradient when those are smaller
+(`KeptInputsTerm`), for the clipped sum (d = fan-in, p = fan-out). The ghost norm's cost
 grows with the square of the spatial size, so high-resolution layers materialize and deep,
 low-resolution ones use the ghost norm (Li et al. 2022; Bu et al. 2023, "mixed ghost clipping").
 After a ghost norm the layer's clipped sum is one ordinary weight gradient computed from the
