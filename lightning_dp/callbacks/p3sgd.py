@@ -27,8 +27,18 @@ noise, the ledger event and the normalizer q·N are those of the loop; the resul
 to float round-off. It is taken only when exactly equivalent: a model whose update releases buffers
 (BatchNorm in training mode), or whose loss couples the images of a batch (checked at the start on a
 float64 copy, as DPSGD's start-up check does), or that has a layer without a per-sample rule, runs the
-loop, and says why in one info line. It is opt-in (``vectorize="auto"``): on 2 CPU cores it measured
-0.70× the loop's speed, so ``vectorize=False``, the loop, is the default.
+loop, and says why in one info line.
+
+**Several local steps: stacked local SGD.** Otherwise (several local epochs or mini-batches, momentum, weight
+decay, or a model the engine above refuses), the copies of a chunk of equal-sized patients are stacked and each
+local step is one ``torch.func`` ``vmap(grad(loss))`` over the chunk (`StackedLocalSGD`): every patient sees the
+loop's mini-batches in the loop's order (drawn from the same generator) and its own copy only, and its Δ_i is
+clipped as in the loop. It needs a ``training_step`` that torch.func can run (no ``.item()``, no in-place buffer
+updates) and no Dropout or BatchNorm in training mode; on start-up it is compared with the loop on two
+pseudo-patients, and a model that fails any of this runs the loop (said in one info line).
+
+Both are opt-in (``vectorize="auto"``); ``vectorize=False``, the loop, is the default. Their speed on CPU and GPU
+is in docs/results/speed.md (benchmarks/p3sgd_vectorized.py).
 """
 
 from __future__ import annotations
@@ -67,6 +77,7 @@ from lightning_dp.sanitization import (
 )
 from lightning_dp.sanitization.per_sample import PerSampleClipper
 from lightning_dp.sanitization.release import check_scales
+from lightning_dp.sanitization.updates import clip_factor
 from lightning_dp.schedules import ConstantNoise, NoiseSchedule
 from lightning_dp.selection import StepAcceptance
 from lightning_dp.training.checks import (
@@ -83,6 +94,7 @@ from lightning_dp.training.checks import (
     take,
     to_float64,
 )
+from lightning_dp.training.stacked import StackedLocalSGD, free_memory_bytes
 from lightning_dp.training.step import ModelStateTarget
 
 __all__ = ["P3SGD"]
@@ -165,13 +177,11 @@ class P3SGD(DPCallback):
             keys: a Trainer runs one DP callback.
         flush_denormal: flush denormal floats to zero on CPU while fitting (``torch.set_flush_denormal``;
             on by default: noised weights can make CPU training up to ~10x slower through denormals).
-        vectorize: ``"auto"``: when a patient's update is one plain SGD step and the model allows it, compute all
-            of a round's per-patient updates in one batched pass (same release, same result as the loop up to
-            float round-off; see the module docstring). ``False`` (default): train patient by patient. On CPU the
-            batched pass measured 0.70× the loop's speed (benchmarks/p3sgd_vectorized.py), so it is opt-in until
-            it is measured faster on a GPU.
+        vectorize: ``"auto"``: compute a round's patient updates in batched passes where that is exactly the loop
+            (one plain local step: per-patient gradients; several local steps: stacked local SGD; see the module
+            docstring; ``round_path`` says which ran). ``False`` (default): train patient by patient.
         vectorize_batch_size: the most images in one batched pass (whole patients; a patient with more images
-            gets a pass of its own). Bounds the memory of the vectorized round.
+            gets a pass of its own), or in one stacked local step. Bounds the memory of the vectorized round.
 
     Example:
         >>> P3SGD(sample_rate=0.1, clip_norm=5.0, noise_scales=(3.0, 1.0), selection_epsilon=0.316, loss_bound=3.0)
@@ -296,11 +306,15 @@ class P3SGD(DPCallback):
         self._state: ModelState | None = None
         self._tick: torch.nn.Parameter | None = None
         self._collate: Callable[[list[Any]], Any] = default_collate
-        self._clipper: PerSampleClipper | None = None  # the vectorized round's engine (None: the loop)
+        self._clipper: PerSampleClipper | None = None  # the one-step batched round's engine
+        self._stacked: StackedLocalSGD | None = None  # stacked local SGD (several local steps)
         self._vector_params: frozenset[int] = frozenset()
-        #: Why rounds run the loop instead of one batched pass (None while the batched pass is used, or before fit).
+        #: Why rounds do not take one batched pass (None while they do, or before fit); see round_path.
         self.vectorize_fallback: str | None = None
-        #: Rounds of this fit whose patient updates were computed in one batched pass (not privacy state).
+        #: How this fit's rounds compute their patients' updates: "batched" (one local step: per-patient gradients in
+        #: batched passes), "stacked" (local SGD of chunks of patients at once, torch.func) or "loop" (one by one).
+        self.round_path: Literal["batched", "stacked", "loop"] = "loop"
+        #: Rounds of this fit whose patient updates were batched or stacked (not privacy state).
         self.vectorized_rounds = 0
 
     def __repr__(self) -> str:
@@ -431,6 +445,7 @@ class P3SGD(DPCallback):
         self._quiet_round_loader.close()
         if stage == "fit":
             self._drop_clipper()
+            self._stacked = None
         super().teardown(trainer, pl_module, stage)
 
     # ------------------------------------------------------------------ the vectorized round: when it applies
@@ -439,10 +454,8 @@ class P3SGD(DPCallback):
             self._clipper.remove()
             self._clipper = None
 
-    def _config_fallback(self) -> str | None:
+    def _one_step_fallback(self) -> str | None:
         """Why the settings make a patient's update more than one plain SGD step (None if they do not)."""
-        if self.vectorize is False:
-            return "vectorize=False"
         if self.local_epochs != 1:
             return f"local_epochs={self.local_epochs} makes several local steps per patient"
         if self.local_momentum != 0:
@@ -469,39 +482,198 @@ class P3SGD(DPCallback):
         released = self._state.float_buffer_names
         if released:
             return f"buffers released with the update ({', '.join(released[:3])})"
-        if self._clipper is not None and frozenset(id(p) for p in self._state.params) != self._vector_params:
+        vectorized = self._clipper is not None or self._stacked is not None
+        if vectorized and frozenset(id(p) for p in self._state.params) != self._vector_params:
             return "the trainable parameters changed since training started"
         return None
 
     def _setup_vectorized(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Builds the per-sample engine if the batched pass is exactly the loop; else says (once) why not."""
+        """Picks how a round computes its patients' updates, and says (once) how.
+
+        One plain local step and a model the per-sample engine covers: one batched pass (``_clipper``). Otherwise
+        (several local steps, or a model the engine does not cover): stacked local SGD over chunks of patients
+        (``_stacked``), if the model runs under ``torch.func`` and matches the loop on start-up. Else the loop.
+        """
         assert self._state is not None
         self._drop_clipper()
+        self._stacked = None
         self._state.refresh()
-        reason = self._config_fallback() or self._model_fallback(pl_module)
+        if self.vectorize is False:
+            self._announce("vectorize=False")
+            return
+        reason = self._model_fallback(pl_module)
         if reason is None:
-            try:
-                clipper = PerSampleClipper(pl_module, self.clip_norm / self.local_lr, "mean")
-            except UnsupportedModelError as err:
-                reason = f"no per-sample gradient rule: {str(err).split('. HINT')[0]}"
-            else:
-                trained = frozenset(id(p) for p in self._state.params)
-                if frozenset(id(p) for p in clipper.params) != trained:
-                    reason = "some trainable parameters are outside the layers the per-sample engine covers"
-                else:
-                    reason = self._independence_fallback(trainer, pl_module)
+            reason = self._one_step_fallback()
+            if reason is None:
+                reason = self._engine_fallback(trainer, pl_module)
                 if reason is None:
-                    self._clipper, self._vector_params = clipper, trained
-                else:
-                    clipper.remove()
+                    self._announce(None)
+                    return
+            stacked_reason = self._stacked_fallback(pl_module)
+            if stacked_reason is None:
+                self._announce(reason, stacked=f"{reason}: each local step is one torch.func pass over stacked copies")
+                return
+            reason = f"{reason}; and stacked local SGD: {stacked_reason}"
         self._announce(reason)
 
-    def _announce(self, reason: str | None) -> None:
-        self.vectorize_fallback = reason
+    def _engine_fallback(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> str | None:
+        """Builds the per-sample engine if one batched pass is exactly the loop; else why not."""
+        assert self._state is not None
+        try:
+            clipper = PerSampleClipper(pl_module, self.clip_norm / self.local_lr, "mean")
+        except UnsupportedModelError as err:
+            return f"no per-sample gradient rule: {str(err).split('. HINT')[0]}"
+        trained = frozenset(id(p) for p in self._state.params)
+        if frozenset(id(p) for p in clipper.params) != trained:
+            reason: str | None = "some trainable parameters are outside the layers the per-sample engine covers"
+        else:
+            reason = self._independence_fallback(trainer, pl_module)
         if reason is None:
+            self._clipper, self._vector_params = clipper, trained
+        else:
+            clipper.remove()
+        return reason
+
+    def _announce(self, reason: str | None, stacked: str | None = None) -> None:
+        self.vectorize_fallback = reason
+        self.round_path = "stacked" if stacked is not None else "batched" if reason is None else "loop"
+        if stacked is not None:
+            rank_zero_info(f"P3SGD: {stacked}.")
+        elif reason is None:
             rank_zero_info("P3SGD: one local step per patient: each round's patient updates are one batched pass.")
         elif self.vectorize is not False:
             rank_zero_info(f"P3SGD: local updates run patient by patient (not vectorized): {reason}.")
+
+    # ------------------------------------------------------------------ stacked local SGD (several local steps)
+    def _stacked_fallback(self, pl_module: pl.LightningModule) -> str | None:
+        """Builds stacked local SGD if the model runs under torch.func and matches the loop; else why not.
+
+        The start-up check trains two pseudo-patients (images picked in a public order, `diverse_indices`) both ways
+        from the current weights and compares their updates; only pass or fail comes out of it, and the model is
+        restored afterwards.
+        """
+        assert self._state is not None and self._original_training_step is not None
+        dropout = [
+            n for n, m in pl_module.named_modules() if isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.training
+        ]
+        if dropout:
+            return (
+                f"Dropout layers in training mode ({', '.join(dropout[:3])}{', ...' if len(dropout) > 3 else ''}) "
+                "draw their masks differently under torch.func"
+            )
+        stacked = StackedLocalSGD(
+            pl_module,
+            self._original_training_step,
+            self._loss_of,
+            self._state.params,
+            self.local_lr,
+            self.local_momentum,
+            self.local_weight_decay,
+        )
+        picked = diverse_indices(self._dataset)
+        half = max(1, len(picked) // 2)
+        pseudo = [picked[:half], picked[half : 2 * half]] if len(picked) >= 2 else [picked, picked]
+        state = self._state
+        theta, other = state.vector(), state.snapshot_other_buffers()
+        try:
+            with torch.enable_grad():
+                looped = []
+                generator = torch.Generator().manual_seed(0)
+                for indices in pseudo:
+                    state.load(theta, other)
+                    self._local_update(indices, pl_module, generator)
+                    looped.append(state.vector() - theta)
+                state.load(theta, other)
+                orders = self._local_orders(pseudo, torch.Generator().manual_seed(0))
+                final = stacked.run(self._stacked_steps(orders, pl_module))
+        except Exception as err:  # noqa: BLE001 - whatever torch.func refuses, the loop still runs the model
+            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            return f"torch.func cannot run training_step on stacked batches ({type(err).__name__}: {first[:160]})"
+        finally:
+            state.load(theta, other)
+        with torch.no_grad():
+            for k, change in enumerate(looped):
+                vmapped = torch.cat(
+                    [(s[k].float() - p.detach().float()).reshape(-1) for s, p in zip(final, state.params)]
+                )
+                gap = float((vmapped - change).norm())
+                if not gap <= 1e-3 * float(change.norm()) + 1e-6:
+                    size = float(change.norm())
+                    return f"stacked local SGD differs from the loop on start-up (by {gap:.3g}, update norm {size:.3g})"
+        self._stacked, self._vector_params = stacked, frozenset(id(p) for p in state.params)
+        return None
+
+    def _local_orders(self, units: Sequence[Sequence[int]], generator: torch.Generator) -> list[list[Tensor]]:
+        """Each unit's image order of each local epoch, drawn from ``generator`` exactly as the loop draws them."""
+        orders = []
+        for indices in units:
+            ix = torch.as_tensor(list(indices))
+            orders.append([ix[torch.randperm(len(ix), generator=generator)] for _ in range(self.local_epochs)])
+        return orders
+
+    def _stacked_steps(self, orders: list[list[Tensor]], pl_module: pl.LightningModule) -> Iterator[list[Any]]:
+        """The local mini-batches of equal-sized units, step by step (each unit's collated on its own)."""
+        size = len(orders[0][0])
+        for epoch in range(self.local_epochs):
+            for start in range(0, size, self.local_batch_size):
+                yield [self._batch(order[epoch][start : start + self.local_batch_size], pl_module) for order in orders]
+
+    def _stacked_chunk(self, pl_module: pl.LightningModule, images_per_step: int) -> int:
+        """Patients per stacked chunk.
+
+        At most vectorize_batch_size images per local step, and a quarter of the free memory for ~6 copies of the
+        trainable parameters per patient (its copy, gradient, momentum and temporaries).
+        """
+        assert self._state is not None
+        param_bytes = sum(p.numel() * p.element_size() for p in self._state.params)
+        by_memory = free_memory_bytes(pl_module.device) // 4 // max(1, 6 * param_bytes)
+        return max(1, min(by_memory, self.vectorize_batch_size // max(1, images_per_step)))
+
+    def _stacked_updates(
+        self,
+        patients: list[int],
+        pl_module: pl.LightningModule,
+        clipped_sum: Tensor,
+        stats: Tensor,
+        generator: torch.Generator,
+    ) -> None:
+        """Adds Σ_i clip_{C_u}(Δ_i) of ``patients`` to ``clipped_sum``, training chunks of equal-sized patients at once.
+
+        The image orders are drawn first, patient by patient in the loop's order, so each patient sees the loop's
+        mini-batches; the clip is the loop's (`clip_factor` of the norm over all released tensors).
+        """
+        assert self._stacked is not None and self._state is not None
+        groups = self._patient_groups
+        orders = dict(zip(patients, self._local_orders([groups[p] for p in patients], generator)))
+        by_size: dict[int, list[int]] = {}
+        for patient in patients:
+            by_size.setdefault(len(groups[patient]), []).append(patient)
+        params = self._state.params
+        for size, members in by_size.items():
+            per_chunk = self._stacked_chunk(pl_module, min(size, self.local_batch_size))
+            for start in range(0, len(members), per_chunk):
+                chunk = members[start : start + per_chunk]
+                final = self._stacked.run(self._stacked_steps([orders[p] for p in chunk], pl_module))
+                with torch.no_grad():
+                    changes = [s.float() - p.detach().float().unsqueeze(0) for s, p in zip(final, params)]
+                    del final
+                    squares = sum(c.double().pow(2).flatten(1).sum(1) for c in changes)
+                    assert isinstance(squares, Tensor)
+                    factors = torch.zeros(len(chunk), dtype=torch.float32, device=clipped_sum.device)
+                    for k, norm in enumerate(squares.sqrt().tolist()):
+                        factor, clipped, finite = clip_factor(norm, self.clip_norm)
+                        factors[k] = factor
+                        stats += torch.tensor(
+                            [1.0, float(clipped), norm if finite else 0.0, float(not finite)], dtype=torch.float64
+                        )
+                    kept = factors > 0
+                    offset = 0
+                    for change in changes:
+                        n = change[0].numel()
+                        if bool(kept.any()):
+                            scaled = change[kept].reshape(int(kept.sum()), -1) * factors[kept].unsqueeze(1)
+                            clipped_sum[offset : offset + n].add_(scaled.sum(0))
+                        offset += n
 
     def _independence_fallback(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> str | None:
         """Whether one batch's loss is the mean of its images' own losses (DPSGD's start-up check, on a copy).
@@ -574,12 +746,13 @@ class P3SGD(DPCallback):
         batch = self._collate(items)
         return pl_module.transfer_batch_to_device(batch, pl_module.device, 0)
 
-    def _local_update(self, patient: int, pl_module: pl.LightningModule, generator: torch.Generator) -> None:
+    def _local_update(self, images: Sequence[int], pl_module: pl.LightningModule, generator: torch.Generator) -> None:
+        """Local SGD over one patient's ``images`` (dataset indices), in the module's parameters."""
         assert self._state is not None and self._original_training_step is not None
         optimizer = torch.optim.SGD(
             self._state.params, lr=self.local_lr, momentum=self.local_momentum, weight_decay=self.local_weight_decay
         )
-        indices = torch.as_tensor(self._patient_groups[patient])
+        indices = torch.as_tensor(list(images))
         step = 0
         for _ in range(self.local_epochs):
             order = indices[torch.randperm(len(indices), generator=generator)]
@@ -685,10 +858,11 @@ class P3SGD(DPCallback):
             int(torch.randint(2**62, (1,), generator=self.sampler.generator))
         )
         theta, other = state.vector(), state.snapshot_other_buffers()
-        if self._clipper is not None:
+        if self._clipper is not None or self._stacked is not None:
             problem = self._model_fallback(pl_module)  # modes and trainable parameters can change during fit
             if problem is not None:
                 self._drop_clipper()
+                self._stacked = None
                 self._announce(problem)
         try:
             clipped_sum = torch.zeros_like(theta)
@@ -697,10 +871,13 @@ class P3SGD(DPCallback):
                 if self._clipper is not None:
                     self._vectorized_updates(mine, pl_module, clipped_sum, stats)
                     self.vectorized_rounds += 1
+                elif self._stacked is not None:
+                    self._stacked_updates(mine, pl_module, clipped_sum, stats, local_generator)
+                    self.vectorized_rounds += 1
                 else:
                     for patient in mine:
                         state.load(theta, other)
-                        self._local_update(patient, pl_module, local_generator)
+                        self._local_update(self._patient_groups[patient], pl_module, local_generator)
                         norm, clipped, finite = state.add_clipped_change(theta, clipped_sum, self.clip_norm)
                         stats += torch.tensor(
                             [1.0, float(clipped), norm if finite else 0.0, float(not finite)], dtype=torch.float64

@@ -12,10 +12,13 @@ Lightning hooks over what lives here:
 * ``trainer.py``: the start-up checks of the Trainer and the Lightning plumbing around the private
   step (refused Trainer settings, the loader in use, the run's length, the log filter, optimizer and
   LR-scheduler steps).
+* ``stacked.py``: local SGD of many patients at once, ``torch.func`` over stacked parameter copies
+  (`StackedLocalSGD`, P3SGD's several-local-step round); plain torch.
 * ``weight_averaging.py``: which callbacks average weights (shared by the DP callbacks and
   `ReleasedWeightAveraging`).
 """
 
 from lightning_dp.training.checks import IndependenceCheck, collate_is_per_sample, float64_copy
+from lightning_dp.training.stacked import StackedLocalSGD
 
-__all__ = ["IndependenceCheck", "collate_is_per_sample", "float64_copy"]
+__all__ = ["IndependenceCheck", "StackedLocalSGD", "collate_is_per_sample", "float64_copy"]

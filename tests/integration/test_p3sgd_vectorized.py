@@ -136,8 +136,8 @@ def test_vectorized_rounds_equal_the_loop(tmp_path: Path, selection: bool) -> No
         _fit(tmp_path / str(mode), model, cb, rounds=4)
         runs[mode] = (cb, _state(model) - start)
     (vec, moved_vec), (loop, moved_loop) = runs["auto"], runs[False]
-    assert vec.vectorized_rounds == 4 and vec.vectorize_fallback is None
-    assert loop.vectorized_rounds == 0 and loop.vectorize_fallback == "vectorize=False"
+    assert vec.vectorized_rounds == 4 and vec.vectorize_fallback is None and vec.round_path == "batched"
+    assert loop.vectorized_rounds == 0 and loop.vectorize_fallback == "vectorize=False" and loop.round_path == "loop"
     assert vec.ledger.entries == loop.ledger.entries and vec.ledger.steps == 4
     assert vec.selection_counts == loop.selection_counts
     assert float(moved_loop.norm()) > 0
@@ -180,7 +180,7 @@ class _Probe(pl.Callback):
         with torch.enable_grad():
             for p in patients:
                 out = torch.zeros_like(theta)
-                cb._local_update(p, pl_module, torch.Generator().manual_seed(0))
+                cb._local_update(cb._patient_groups[p], pl_module, torch.Generator().manual_seed(0))
                 state.add_clipped_change(theta, out, cb.clip_norm)
                 state.load(theta, other)
                 self.loop[p] = out
@@ -223,25 +223,31 @@ def test_a_patient_with_a_huge_update_contributes_exactly_the_bound(tmp_path: Pa
 
 
 @pytest.mark.parametrize(
-    ("model", "kwargs", "reason"),
+    ("kwargs", "reason"),
     [
-        (lambda: TinyClassifier(batchnorm=True), {}, "BatchNorm layers in training mode (net.1)"),
-        (RuleZoo, {"local_momentum": 0.9}, "local_momentum=0.9"),
-        (RuleZoo, {"local_epochs": 2}, "local_epochs=2"),
-        (RuleZoo, {"local_batch_size": 4}, "patients with up to 7 images"),
-        (RuleZoo, {"local_weight_decay": 1e-4}, "local_weight_decay=0.0001"),
-        (lambda: RuleZoo(weighted=True), {}, "couples the images of a batch"),
+        ({"local_momentum": 0.9}, "local_momentum=0.9"),
+        ({"local_epochs": 2}, "local_epochs=2"),
+        ({"local_batch_size": 4}, "patients with up to 7 images"),
+        ({"local_weight_decay": 1e-4}, "local_weight_decay=0.0001"),
+        ({"weighted": True}, "couples the images of a batch"),
     ],
 )
-def test_the_loop_runs_when_the_batched_pass_is_not_the_same(
-    tmp_path: Path, model: Any, kwargs: dict[str, Any], reason: str
+def test_stacked_local_sgd_runs_when_one_batched_pass_is_not_the_same(
+    tmp_path: Path, kwargs: dict[str, Any], reason: str
 ) -> None:
-    module = model()
-    data = TinyPatientDataModule() if isinstance(module, TinyClassifier) else _Data()
+    """Not one plain step, or a loss that couples a batch's images: each patient's own steps, stacked (said why)."""
+    weighted = kwargs.pop("weighted", False)
     cb = _p3sgd(**kwargs)
-    _fit(tmp_path, module, cb, rounds=1, data=data)
-    assert cb.vectorized_rounds == 0 and cb.rounds == 1
+    _fit(tmp_path, RuleZoo(weighted=weighted), cb, rounds=1)
+    assert cb.vectorized_rounds == 1 and cb.rounds == 1 and cb.round_path == "stacked"
     assert cb.vectorize_fallback is not None and reason in cb.vectorize_fallback, cb.vectorize_fallback
+
+
+def test_the_loop_runs_for_batchnorm_in_training_mode(tmp_path: Path) -> None:
+    cb = _p3sgd()
+    _fit(tmp_path, TinyClassifier(batchnorm=True), cb, rounds=1, data=TinyPatientDataModule())
+    assert cb.vectorized_rounds == 0 and cb.rounds == 1 and cb.round_path == "loop"
+    assert cb.vectorize_fallback is not None and "BatchNorm layers in training mode (net.1)" in cb.vectorize_fallback
 
 
 def test_tiny_classifier_without_batchnorm_is_vectorized(tmp_path: Path) -> None:
