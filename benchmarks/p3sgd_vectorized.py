@@ -1,12 +1,16 @@
-"""One P3SGD round: patient by patient (the loop) against one batched pass (``vectorize='auto'``), in one run.
+"""One P3SGD round: patient by patient (the loop) against the vectorized round (``vectorize='auto'``), in one run.
 
-small_cnn on 32x32 images, 100 patients x 20 images, q = 0.1, one local epoch, local_batch_size = 32: each
-patient's update is one SGD step, so the vectorized round applies. Inside one fit the rounds alternate between
+small_cnn (or a GroupNorm ResNet-18) on 32x32 images, 100 patients x 20 images, q = 0.1. ``--local-steps one``:
+one local epoch at local_batch_size = 32, so each patient's update is one SGD step and the round is one batched
+pass of per-patient gradients. ``--local-steps several``: two local epochs of two mini-batches of 10 with
+momentum 0.9 and weight decay 1e-4 (four steps per patient), and the round is stacked local SGD (torch.func
+over chunks of patients). Inside one fit the rounds alternate between
 the two paths; each pair of rounds uses the same sampled patients (the benchmark replays the sample; the order
 within a pair alternates too), and the ratio loop / vectorized of each pair is reported: its median and spread.
 A round is timed whole: sampling, the patients' updates, the release and the Lightning plumbing.
 
-Run: .venv/bin/python benchmarks/p3sgd_vectorized.py [--pairs 10] [--threads 1]
+Run: .venv/bin/python benchmarks/p3sgd_vectorized.py [--local-steps one|several] [--arch small_cnn|resnet18]
+     [--pairs 10] [--threads 1] [--accelerator gpu]
 """
 
 from __future__ import annotations
@@ -32,14 +36,14 @@ class _Alternate(pl.Callback):
         self.p3sgd = p3sgd
         self.warmup = warmup
         self.times: dict[str, list[float]] = {"loop": [], "vectorized": []}
-        self._clipper: Any = None
+        self._paths: tuple[Any, Any] = (None, None)
         self._pending: Any = None
         self._start = 0.0
         self._path = ""
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._clipper = self.p3sgd._clipper
-        if self._clipper is None:
+        self._paths = (self.p3sgd._clipper, self.p3sgd._stacked)
+        if self.p3sgd.round_path == "loop":
             raise SystemExit(f"the vectorized round does not apply: {self.p3sgd.vectorize_fallback}")
         sampler = self.p3sgd.sampler
         assert sampler is not None
@@ -58,7 +62,7 @@ class _Alternate(pl.Callback):
         pair, second = divmod(idx, 2)
         vectorized = bool(second) ^ bool(pair % 2)
         self._path = "vectorized" if vectorized else "loop"
-        self.p3sgd._clipper = self._clipper if vectorized else None
+        self.p3sgd._clipper, self.p3sgd._stacked = self._paths if vectorized else (None, None)
         self._start = time.perf_counter()
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
@@ -67,19 +71,31 @@ class _Alternate(pl.Callback):
             self.times[self._path].append(elapsed)
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self.p3sgd._clipper = self._clipper  # P3SGD removes its engine's hooks at teardown
+        self.p3sgd._clipper, self.p3sgd._stacked = self._paths  # P3SGD removes its engine's hooks at teardown
+
+
+#: The local optimiser of each mode: one plain SGD step per patient, or four steps with momentum and weight decay.
+LOCAL = {
+    "one": {"local_batch_size": 32, "local_epochs": 1},
+    "several": {"local_batch_size": 10, "local_epochs": 2, "local_momentum": 0.9, "local_weight_decay": 1e-4},
+}
 
 
 def alternated_rounds(
-    dataset: Any, sample_rate: float, pairs: int, accelerator: str = "cpu"
+    dataset: Any,
+    sample_rate: float,
+    pairs: int,
+    accelerator: str = "cpu",
+    local_steps: str = "one",
+    arch: str = "small_cnn",
 ) -> tuple[np.ndarray, np.ndarray, str]:
     """Seconds of each timed loop round and vectorized round (``pairs`` pairs after one warm-up pair), and the device.
 
-    small_cnn, one local SGD step per patient (the case the vectorized round covers), q = ``sample_rate``.
+    ``arch`` (small_cnn, or resnet18 with GroupNorm), the local optimiser ``LOCAL[local_steps]``, q = ``sample_rate``.
     """
     torch.manual_seed(0)
-    model = ImageClassifier(arch="small_cnn")
-    p3sgd = P3SGD(sample_rate, 5.0, (1.0,), local_batch_size=32, local_epochs=1, vectorize="auto", seed=0)
+    model = ImageClassifier(arch=arch, norm="group")  # type: ignore[arg-type]
+    p3sgd = P3SGD(sample_rate, 5.0, (1.0,), vectorize="auto", seed=0, **LOCAL[local_steps])
     warmup = 2  # one pair of rounds
     timer = _Alternate(p3sgd, warmup)
     trainer = pl.Trainer(
@@ -99,6 +115,8 @@ def alternated_rounds(
 
 def main() -> None:
     parser = argparse.ArgumentParser()
+    parser.add_argument("--local-steps", choices=sorted(LOCAL), default="one")
+    parser.add_argument("--arch", choices=["small_cnn", "resnet18"], default="small_cnn")
     parser.add_argument("--pairs", type=int, default=10)
     parser.add_argument("--patients", type=int, default=100)
     parser.add_argument("--images-per-patient", type=int, default=20)
@@ -109,12 +127,13 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     dataset = random_patients(args.patients, args.images_per_patient, args.size)
-    loop, vec, device = alternated_rounds(dataset, 0.1, args.pairs, args.accelerator)
+    loop, vec, device = alternated_rounds(dataset, 0.1, args.pairs, args.accelerator, args.local_steps, args.arch)
     ratios = loop / vec
     q25, q50, q75 = np.percentile(ratios, [25, 50, 75])
+    local = ", ".join(f"{k}={v}" for k, v in LOCAL[args.local_steps].items())
     print(
-        f"small_cnn {args.size}x{args.size}, {args.patients} patients x {args.images_per_patient} images, q=0.1, "
-        f"local_batch_size=32, {torch.get_num_threads()} threads, {device}: "
+        f"{args.arch} {args.size}x{args.size}, {args.patients} patients x {args.images_per_patient} images, q=0.1, "
+        f"{local}, {torch.get_num_threads()} threads, {device}: "
         f"{len(ratios)} pairs; round loop median {np.median(loop) * 1000:.0f} ms, vectorized "
         f"{np.median(vec) * 1000:.0f} ms; ratio median {q50:.2f}x (IQR {q25:.2f}-{q75:.2f}, "
         f"min {ratios.min():.2f}, max {ratios.max():.2f})"

@@ -37,8 +37,10 @@ clipped as in the loop. It needs a ``training_step`` that torch.func can run (no
 updates) and no Dropout or BatchNorm in training mode; on start-up it is compared with the loop on two
 pseudo-patients, and a model that fails any of this runs the loop (said in one info line).
 
-Both are opt-in (``vectorize="auto"``); ``vectorize=False``, the loop, is the default. Their speed on CPU and GPU
-is in docs/results/speed.md (benchmarks/p3sgd_vectorized.py).
+With either, and on the loop with ``vectorize="auto"``, the selection scores its candidates on the round's
+images in chunks of ``vectorize_batch_size`` rather than patient by patient. All of this is opt-in
+(``vectorize="auto"``); ``vectorize=False``, the loop, is the default. Their speed on CPU is in
+docs/results/speed.md (benchmarks/p3sgd_vectorized.py).
 """
 
 from __future__ import annotations
@@ -815,30 +817,45 @@ class P3SGD(DPCallback):
     def _round_loss(
         self, candidate_theta: Tensor, patients: list[int], pl_module: pl.LightningModule, trainer: pl.Trainer
     ) -> float:
-        """Mean loss over the round's images at ``candidate_theta`` (summed over ranks), eval mode."""
+        """Mean loss over the round's images at ``candidate_theta`` (summed over ranks), eval mode.
+
+        With ``vectorize="auto"`` the images of all the round's patients go through in chunks of
+        ``vectorize_batch_size`` (patient by patient otherwise). The selection clips this mean to [0, C_o], so its
+        sensitivity to one patient is C_o however the images are batched.
+        """
         assert self._state is not None
         self._state.load(candidate_theta)
         total = torch.zeros(2, dtype=torch.float64, device=pl_module.device)
-        for patient in patients:
-            loss_sum, images = self._patient_loss(patient, pl_module)
-            total[0] += loss_sum
-            total[1] += images
+        if self.vectorize == "auto":  # whole chunks of the round's images: the mean is the same, in fewer passes
+            images = [i for patient in patients for i in self._patient_groups[patient]]
+            total[0] += self._images_loss(images, self.vectorize_batch_size, pl_module)
+            total[1] += len(images)
+        else:
+            for patient in patients:
+                loss_sum, count = self._patient_loss(patient, pl_module)
+                total[0] += loss_sum
+                total[1] += count
         total = trainer.strategy.reduce(total, reduce_op="sum")
         return float(total[0] / total[1]) if total[1] > 0 else 0.0
 
     @torch.no_grad()
     def _patient_loss(self, patient: int, pl_module: pl.LightningModule) -> tuple[float, int]:
         """(Σ of the per-image losses, number of images) of one patient at the current weights, eval mode."""
-        assert self._original_training_step is not None
         indices = self._patient_groups[patient]
+        return self._images_loss(indices, self.local_batch_size, pl_module), len(indices)
+
+    @torch.no_grad()
+    def _images_loss(self, indices: Sequence[int], chunk_size: int, pl_module: pl.LightningModule) -> float:
+        """Σ of the per-image losses of ``indices`` at the current weights, in eval mode, ``chunk_size`` at a time."""
+        assert self._original_training_step is not None
         total = 0.0
         with eval_mode(pl_module):  # each module's own mode comes back (a frozen backbone stays in eval mode)
-            for start in range(0, len(indices), self.local_batch_size):
-                chunk = indices[start : start + self.local_batch_size]
+            for start in range(0, len(indices), chunk_size):
+                chunk = indices[start : start + chunk_size]
                 out = self._original_training_step(self._batch(chunk, pl_module), 0)
                 loss = out["loss"] if isinstance(out, dict) else out
                 total += float(loss) * len(chunk)
-        return total, len(indices)
+        return total
 
     def _patient_losses(self, patients: list[int], pl_module: pl.LightningModule) -> Tensor:
         """The mean loss of each of this rank's patients of the round (a private energy's per-unit losses)."""

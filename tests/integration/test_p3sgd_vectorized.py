@@ -261,3 +261,22 @@ def test_vectorize_must_be_auto_or_false() -> None:
 
     with pytest.raises(PrivacyConfigError, match="vectorize must be 'auto' or False, found True"):
         _p3sgd(vectorize=True)
+
+
+def test_the_selection_scores_candidates_in_chunks_of_the_rounds_images(tmp_path: Path) -> None:
+    """vectorize="auto" on the loop (BatchNorm in training mode): each candidate's loss takes ceil(images/10) passes."""
+    calls: list[int] = []
+
+    class Counting(TinyClassifier):
+        def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+            if not self.training:
+                calls.append(len(batch[0]))
+            return super().training_step(batch, batch_idx)
+
+    scales = {"noise_scales": (0.15, 0.05), "selection_epsilon": 1.0, "loss_bound": 3.0}
+    cb = _p3sgd(vectorize_batch_size=10, **scales)
+    _fit(tmp_path, Counting(), cb, rounds=1, data=TinyPatientDataModule(per_patient=6))
+    assert cb.round_path == "loop"
+    assert calls and max(calls) == 10, calls
+    per_candidate = sum(calls) // 2
+    assert per_candidate % 6 == 0 and len(calls) == 2 * -(-per_candidate // 10), calls
