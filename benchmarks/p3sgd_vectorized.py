@@ -1,16 +1,17 @@
 """One P3SGD round: patient by patient (the loop) against the vectorized round (``vectorize='auto'``), in one run.
 
-small_cnn (or a GroupNorm ResNet-18) on 32x32 images, 100 patients x 20 images, q = 0.1. ``--local-steps one``:
-one local epoch at local_batch_size = 32, so each patient's update is one SGD step and the round is one batched
-pass of per-patient gradients. ``--local-steps several``: two local epochs of two mini-batches of 10 with
-momentum 0.9 and weight decay 1e-4 (four steps per patient), and the round is stacked local SGD (torch.func
-over chunks of patients). Inside one fit the rounds alternate between
-the two paths; each pair of rounds uses the same sampled patients (the benchmark replays the sample; the order
-within a pair alternates too), and the ratio loop / vectorized of each pair is reported: its median and spread.
+small_cnn (``--arch``: or a GroupNorm ResNet-18, or a BatchNorm ResNet-18 with a frozen backbone) on 32x32
+images, 100 patients x 20 images, q = 0.1. ``--local-steps one``: one local epoch at local_batch_size = 32, so
+each patient's update is one SGD step and the round is one batched pass of per-patient gradients.
+``--local-steps several``: two local epochs of two mini-batches of 10 with momentum 0.9 and weight decay 1e-4
+(four steps per patient), and the round is stacked local SGD (torch.func over chunks of patients).
+Inside one fit the rounds alternate between the two paths; each pair of rounds uses the same sampled
+patients (the benchmark replays the sample; the order within a pair alternates too), and the ratio
+loop / vectorized of each pair is reported: its median and spread.
 A round is timed whole: sampling, the patients' updates, the release and the Lightning plumbing.
 
-Run: .venv/bin/python benchmarks/p3sgd_vectorized.py [--local-steps one|several] [--arch small_cnn|resnet18]
-     [--pairs 10] [--threads 1] [--accelerator gpu]
+Run: .venv/bin/python benchmarks/p3sgd_vectorized.py [--local-steps one|several]
+     [--arch small_cnn|resnet18|resnet18_head] [--pairs 10] [--threads 1] [--accelerator gpu]
 """
 
 from __future__ import annotations
@@ -91,10 +92,14 @@ def alternated_rounds(
 ) -> tuple[np.ndarray, np.ndarray, str]:
     """Seconds of each timed loop round and vectorized round (``pairs`` pairs after one warm-up pair), and the device.
 
-    ``arch`` (small_cnn, or resnet18 with GroupNorm), the local optimiser ``LOCAL[local_steps]``, q = ``sample_rate``.
+    ``arch``: small_cnn, resnet18 (GroupNorm, all layers) or resnet18_head (BatchNorm, frozen backbone); the local
+    optimiser ``LOCAL[local_steps]``; q = ``sample_rate``.
     """
     torch.manual_seed(0)
-    model = ImageClassifier(arch=arch, norm="group")  # type: ignore[arg-type]
+    if arch == "resnet18_head":  # the P3SGD paper's head-only setting: BatchNorm ResNet-18, frozen (eval-mode) backbone
+        model = ImageClassifier(arch="resnet18", trainable=["head"])
+    else:
+        model = ImageClassifier(arch=arch, norm="group")  # type: ignore[arg-type]
     p3sgd = P3SGD(sample_rate, 5.0, (1.0,), vectorize="auto", seed=0, **LOCAL[local_steps])
     warmup = 2  # one pair of rounds
     timer = _Alternate(p3sgd, warmup)
@@ -116,7 +121,7 @@ def alternated_rounds(
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--local-steps", choices=sorted(LOCAL), default="one")
-    parser.add_argument("--arch", choices=["small_cnn", "resnet18"], default="small_cnn")
+    parser.add_argument("--arch", choices=["small_cnn", "resnet18", "resnet18_head"], default="small_cnn")
     parser.add_argument("--pairs", type=int, default=10)
     parser.add_argument("--patients", type=int, default=100)
     parser.add_argument("--images-per-patient", type=int, default=20)
