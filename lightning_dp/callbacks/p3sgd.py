@@ -481,6 +481,10 @@ class P3SGD(DPCallback):
                 f"BatchNorm layers in training mode ({', '.join(norms[:3])}{', ...' if len(norms) > 3 else ''}) "
                 "normalize with each patient's batch statistics and release running statistics"
             )
+        if self._stacked is not None:
+            dropout = self._training_dropout(pl_module)
+            if dropout is not None:
+                return dropout
         released = self._state.float_buffer_names
         if released:
             return f"buffers released with the update ({', '.join(released[:3])})"
@@ -547,38 +551,38 @@ class P3SGD(DPCallback):
             rank_zero_info(f"P3SGD: local updates run patient by patient (not vectorized): {reason}.")
 
     # ------------------------------------------------------------------ stacked local SGD (several local steps)
+    @staticmethod
+    def _training_dropout(pl_module: pl.LightningModule) -> str | None:
+        names = [
+            n for n, m in pl_module.named_modules() if isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.training
+        ]
+        if not names:
+            return None
+        return (
+            f"Dropout layers in training mode ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''}) "
+            "draw their masks differently under torch.func"
+        )
+
     def _stacked_fallback(self, pl_module: pl.LightningModule) -> str | None:
         """Builds stacked local SGD if the model runs under torch.func and matches the loop; else why not.
 
         The start-up check trains two pseudo-patients (images picked in a public order, `diverse_indices`) both ways
-        from the current weights and compares their updates; only pass or fail comes out of it, and the model is
-        restored afterwards.
+        from the current weights and compares their updates, and requires the stacked run to leave every buffer as it
+        was (a ``training_step`` that re-assigns a buffer would carry one chunk's data into the next). Only pass or
+        fail comes out of it (the reasons are fixed texts), and the model is restored afterwards.
         """
         assert self._state is not None and self._original_training_step is not None
-        dropout = [
-            n for n, m in pl_module.named_modules() if isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.training
-        ]
-        if dropout:
-            return (
-                f"Dropout layers in training mode ({', '.join(dropout[:3])}{', ...' if len(dropout) > 3 else ''}) "
-                "draw their masks differently under torch.func"
-            )
-        stacked = StackedLocalSGD(
-            pl_module,
-            self._original_training_step,
-            self._loss_of,
-            self._state.params,
-            self.local_lr,
-            self.local_momentum,
-            self.local_weight_decay,
-        )
+        reason = self._training_dropout(pl_module)
+        if reason is not None:
+            return reason
+        state = self._state
         picked = diverse_indices(self._dataset)
         half = max(1, len(picked) // 2)
         pseudo = [picked[:half], picked[half : 2 * half]] if len(picked) >= 2 else [picked, picked]
-        state = self._state
         theta, other = state.vector(), state.snapshot_other_buffers()
         try:
             with torch.enable_grad():
+                used = self._used_parameters(pseudo[0], pl_module)
                 looped = []
                 generator = torch.Generator().manual_seed(0)
                 for indices in pseudo:
@@ -586,24 +590,64 @@ class P3SGD(DPCallback):
                     self._local_update(indices, pl_module, generator)
                     looped.append(state.vector() - theta)
                 state.load(theta, other)
+                stacked = StackedLocalSGD(
+                    pl_module,
+                    self._original_training_step,
+                    self._loss_of,
+                    used,
+                    self.local_lr,
+                    self.local_momentum,
+                    self.local_weight_decay,
+                )
+                buffers = {name: (b, b.detach().clone()) for name, b in pl_module.named_buffers()}
                 orders = self._local_orders(pseudo, torch.Generator().manual_seed(0))
                 final = stacked.run(self._stacked_steps(orders, pl_module))
+                after = dict(pl_module.named_buffers())
+                changed = [
+                    name
+                    for name, (b, value) in buffers.items()
+                    if after.get(name) is not b or not torch.equal(b.detach(), value)
+                ] + [name for name in after if name not in buffers]
         except Exception as err:  # noqa: BLE001 - whatever torch.func refuses, the loop still runs the model
-            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-            return f"torch.func cannot run training_step on stacked batches ({type(err).__name__}: {first[:160]})"
+            # The exception's type only: its message could quote values computed from the training images.
+            return f"torch.func cannot run training_step on stacked batches ({type(err).__name__})"
         finally:
             state.load(theta, other)
+        if changed:
+            return f"training_step changes buffers ({', '.join(changed[:3])}{', ...' if len(changed) > 3 else ''})"
+        by_id = {id(p): s for p, s in zip(used, final)}
         with torch.no_grad():
             for k, change in enumerate(looped):
-                vmapped = torch.cat(
-                    [(s[k].float() - p.detach().float()).reshape(-1) for s, p in zip(final, state.params)]
-                )
-                gap = float((vmapped - change).norm())
+                parts = [
+                    (by_id[id(p)][k].float() - p.detach().float()).reshape(-1)
+                    if id(p) in by_id
+                    else torch.zeros(p.numel(), device=change.device)
+                    for p in state.params
+                ]
+                gap = float((torch.cat(parts) - change).norm())
                 if not gap <= 1e-3 * float(change.norm()) + 1e-6:
-                    size = float(change.norm())
-                    return f"stacked local SGD differs from the loop on start-up (by {gap:.3g}, update norm {size:.3g})"
+                    return (
+                        "stacked local SGD differs from the loop on start-up (by more than 1e-3 of the update's norm)"
+                    )
         self._stacked, self._vector_params = stacked, frozenset(id(p) for p in state.params)
         return None
+
+    def _used_parameters(self, images: Sequence[int], pl_module: pl.LightningModule) -> list[Tensor]:
+        """The trainable parameters a backward pass of ``training_step`` reaches (torch.optim.SGD skips the others).
+
+        torch.func's gradient of an unused parameter is zero, not None: weight decay and momentum would move it
+        where the loop leaves it.
+        """
+        assert self._state is not None and self._original_training_step is not None
+        params = self._state.params
+        for p in params:
+            p.grad = None
+        batch = self._batch(list(images)[: self.local_batch_size], pl_module)
+        self._loss_of(self._original_training_step(batch, 0)).backward()
+        used: list[Tensor] = [p for p in params if p.grad is not None]
+        for p in params:
+            p.grad = None
+        return used
 
     def _local_orders(self, units: Sequence[Sequence[int]], generator: torch.Generator) -> list[list[Tensor]]:
         """Each unit's image order of each local epoch, drawn from ``generator`` exactly as the loop draws them."""
@@ -638,11 +682,13 @@ class P3SGD(DPCallback):
         clipped_sum: Tensor,
         stats: Tensor,
         generator: torch.Generator,
+        start: tuple[Tensor, list[Tensor]],
     ) -> None:
         """Adds Σ_i clip_{C_u}(Δ_i) of ``patients`` to ``clipped_sum``, training chunks of equal-sized patients at once.
 
         The image orders are drawn first, patient by patient in the loop's order, so each patient sees the loop's
-        mini-batches; the clip is the loop's (`clip_factor` of the norm over all released tensors).
+        mini-batches; the clip is the loop's (`clip_factor` of the norm over all released tensors). The model goes
+        back to ``start`` (θ_t and the other buffers) before every chunk, as it does before every patient in the loop.
         """
         assert self._stacked is not None and self._state is not None
         groups = self._patient_groups
@@ -653,14 +699,26 @@ class P3SGD(DPCallback):
         params = self._state.params
         for size, members in by_size.items():
             per_chunk = self._stacked_chunk(pl_module, min(size, self.local_batch_size))
-            for start in range(0, len(members), per_chunk):
-                chunk = members[start : start + per_chunk]
-                final = self._stacked.run(self._stacked_steps([orders[p] for p in chunk], pl_module))
+            for first in range(0, len(members), per_chunk):
+                chunk = members[first : first + per_chunk]
+                self._state.load(*start)
+                final = dict(
+                    zip(
+                        map(id, self._stacked.params),
+                        self._stacked.run(self._stacked_steps([orders[p] for p in chunk], pl_module)),
+                    )
+                )
                 with torch.no_grad():
-                    changes = [s.float() - p.detach().float().unsqueeze(0) for s, p in zip(final, params)]
+                    # A parameter no gradient reaches does not move (torch.optim.SGD skips it): its change is zero.
+                    changes = [
+                        final[id(p)].float() - p.detach().float().unsqueeze(0) if id(p) in final else None
+                        for p in params
+                    ]
                     del final
-                    squares = sum(c.double().pow(2).flatten(1).sum(1) for c in changes)
-                    assert isinstance(squares, Tensor)
+                    squares = torch.zeros(len(chunk), dtype=torch.float64, device=clipped_sum.device)
+                    for c in changes:
+                        if c is not None:
+                            squares += c.double().pow(2).flatten(1).sum(1)
                     factors = torch.zeros(len(chunk), dtype=torch.float32, device=clipped_sum.device)
                     for k, norm in enumerate(squares.sqrt().tolist()):
                         factor, clipped, finite = clip_factor(norm, self.clip_norm)
@@ -670,12 +728,13 @@ class P3SGD(DPCallback):
                         )
                     kept = factors > 0
                     offset = 0
-                    for change in changes:
-                        n = change[0].numel()
-                        if bool(kept.any()):
+                    for p, change in zip(params, changes):
+                        n = p.numel()
+                        if change is not None and bool(kept.any()):
                             scaled = change[kept].reshape(int(kept.sum()), -1) * factors[kept].unsqueeze(1)
                             clipped_sum[offset : offset + n].add_(scaled.sum(0))
                         offset += n
+        self._state.load(*start)
 
     def _independence_fallback(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> str | None:
         """Whether one batch's loss is the mean of its images' own losses (DPSGD's start-up check, on a copy).
@@ -768,6 +827,37 @@ class P3SGD(DPCallback):
                 optimizer.step()
                 step += 1
         optimizer.zero_grad(set_to_none=True)
+
+    def _stacked_round(
+        self,
+        patients: list[int],
+        pl_module: pl.LightningModule,
+        clipped_sum: Tensor,
+        stats: Tensor,
+        generator: torch.Generator,
+        start: tuple[Tensor, list[Tensor]],
+    ) -> bool:
+        """Stacked local SGD of this rank's patients; False (and nothing added) if it failed and the loop must run.
+
+        A batch that cannot be stacked (images of different sizes in one chunk, a field that is not a tensor) shows
+        only in a round: then this round and every later one run the loop, from the same generator state, so the
+        loop trains exactly what it would have. Only the exception's type is said.
+        """
+        assert self._state is not None
+        drawn = generator.get_state()
+        try:
+            self._stacked_updates(patients, pl_module, clipped_sum, stats, generator, start)
+        except Exception as err:  # noqa: BLE001 - the loop runs any model; KeyboardInterrupt and the like propagate
+            self._state.load(*start)
+            clipped_sum.zero_()
+            stats.zero_()
+            generator.set_state(drawn)
+            self._stacked = None
+            self._announce(
+                f"stacked local SGD failed in round {self.rounds} ({type(err).__name__}); the loop runs from now on"
+            )
+            return False
+        return True
 
     def _vectorized_updates(
         self, patients: list[int], pl_module: pl.LightningModule, clipped_sum: Tensor, stats: Tensor
@@ -888,8 +978,9 @@ class P3SGD(DPCallback):
                 if self._clipper is not None:
                     self._vectorized_updates(mine, pl_module, clipped_sum, stats)
                     self.vectorized_rounds += 1
-                elif self._stacked is not None:
-                    self._stacked_updates(mine, pl_module, clipped_sum, stats, local_generator)
+                elif self._stacked is not None and self._stacked_round(
+                    mine, pl_module, clipped_sum, stats, local_generator, (theta, other)
+                ):
                     self.vectorized_rounds += 1
                 else:
                     for patient in mine:

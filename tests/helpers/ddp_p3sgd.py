@@ -1,8 +1,10 @@
 """Runs P3SGD on the tiny patient data with N CPU processes (Lightning DDP, gloo) and saves what it saw.
 
-Usage: python tests/helpers/ddp_p3sgd.py DEVICES OUT_DIR LOCAL_LR ROUNDS [sync|anneal]
+Usage: python tests/helpers/ddp_p3sgd.py DEVICES OUT_DIR LOCAL_LR ROUNDS [sync|anneal|stacked]
 Writes OUT_DIR/result.pt (rank 0): final parameters, per-round parameter changes, ε, rounds. With ``sync``
-the Trainer has sync_batchnorm=True, and the script writes OUT_DIR/refused.txt with P3SGD's error.
+the Trainer has sync_batchnorm=True, and the script writes OUT_DIR/refused.txt with P3SGD's error. With
+``stacked`` the model has no BatchNorm and each patient takes two local epochs with momentum under
+``vectorize="auto"`` (stacked local SGD).
 Every rank checks after every round that all ranks hold identical weights (exits non-zero if not).
 """
 
@@ -52,6 +54,7 @@ def main() -> None:
     devices, out, local_lr, rounds = int(sys.argv[1]), Path(sys.argv[2]), float(sys.argv[3]), int(sys.argv[4])
     sync = sys.argv[5:] == ["sync"]
     anneal = sys.argv[5:] == ["anneal"]
+    stacked = sys.argv[5:] == ["stacked"]
     torch.manual_seed(0)
     cb = P3SGD(
         sample_rate=0.5,
@@ -63,6 +66,7 @@ def main() -> None:
         seed=11,
         noise_schedule=ExponentialDecay(initial=1.0, decay=0.8, every=2) if anneal else None,
         acceptance=AnnealedAcceptance(q0=10.0, mu0=2, energy_noise_multiplier=1.0) if anneal else None,
+        **({"vectorize": "auto", "local_epochs": 2, "local_momentum": 0.5} if stacked else {}),
     )
     recorder = RecordAndCompare()
     trainer = pl.Trainer(
@@ -80,7 +84,7 @@ def main() -> None:
         num_sanity_val_steps=0,
         sync_batchnorm=sync,
     )
-    model = TinyClassifier(hidden=4096)
+    model = TinyClassifier(hidden=4096, batchnorm=not stacked)
     try:
         trainer.fit(model, TinyPatientDataModule(num_patients=20))
     except PrivacyConfigError as err:
@@ -101,6 +105,7 @@ def main() -> None:
                 "selection_counts": cb.selection_counts,
                 "expected_count": cb.sampler.expected_count,
                 "accepted": cb.acceptance.state_dict().get("accepted", cb.rounds),
+                "round_path": cb.round_path,
             },
             out / "result.pt",
         )

@@ -70,3 +70,14 @@ def test_noise_std_under_ddp_is_the_single_process_std(tmp_path: Path) -> None:
         std = float(delta.std())
         ratios = [std / (z * unit) for z in (1.0, 3.0)]
         assert min(abs(r - 1) for r in ratios) < 0.02, f"round noise std {std:.5f} is neither 1·C/n nor 3·C/n"
+
+
+def test_stacked_local_sgd_under_ddp_matches_one_process(tmp_path: Path) -> None:
+    # Each rank stacks its own patients; the clipped sums are all-reduced as in the loop. One mini-batch per local
+    # epoch (6 images, local_batch_size 16), so a patient's update does not depend on which rank draws its order.
+    one = _run(1, tmp_path / "one", 0.1, 4, "stacked")
+    two = _run(2, tmp_path / "two", 0.1, 4, "stacked")
+    assert one["round_path"] == two["round_path"] == "stacked"
+    assert two["rounds"] == one["rounds"] == 4 and two["epsilon"] == one["epsilon"]
+    assert two["selection_counts"] == one["selection_counts"]
+    torch.testing.assert_close(two["params"], one["params"], rtol=0, atol=1e-5)

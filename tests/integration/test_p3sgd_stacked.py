@@ -80,12 +80,11 @@ class _Probe(pl.Callback):
             state.load(theta, other)
             self.loop[p] = out
             out, stats = torch.zeros_like(theta), torch.zeros(4, dtype=torch.float64)
-            cb._stacked_updates([p], pl_module, out, stats, torch.Generator().manual_seed(p))
+            cb._stacked_updates([p], pl_module, out, stats, torch.Generator().manual_seed(p), (theta, other))
             self.alone[p] = (out, stats)
         self.together = torch.zeros_like(theta)
-        cb._stacked_updates(
-            self.patients, pl_module, self.together, torch.zeros(4, dtype=torch.float64), torch.Generator()
-        )
+        zeros = torch.zeros(4, dtype=torch.float64)
+        cb._stacked_updates(self.patients, pl_module, self.together, zeros, torch.Generator(), (theta, other))
         assert torch.equal(state.vector(), theta), "stacked local SGD must not change the model"
 
 
@@ -175,3 +174,72 @@ def test_stack_batches_refuses_a_field_that_is_not_a_tensor() -> None:
         stack_batches([batch, batch])
     x, names = stack_batches([{"x": torch.zeros(2), "y": [torch.ones(1)]}] * 3).values()
     assert tuple(x.shape) == (3, 2) and tuple(names[0].shape) == (3, 1)
+
+
+class _Unused(RuleZoo):
+    """A trainable head that training_step never uses: the loop's SGD skips it (no gradient), weight decay too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.aux = nn.Linear(3, 3)
+
+
+def test_a_parameter_without_gradient_stays_where_the_loop_leaves_it(tmp_path: Path) -> None:
+    runs = {}
+    for mode in ("auto", False):
+        net, cb = _Unused(), _p3sgd(vectorize=mode, noise_scales=(1e-9,), **SEVERAL)
+        start = net.aux.weight.detach().clone()
+        _fit(tmp_path / str(mode), net, cb, rounds=2)
+        runs[mode] = (cb.round_path, net.aux.weight.detach() - start)
+    assert runs["auto"][0] == "stacked" and runs[False][0] == "loop"
+    # Only the release's (negligible) noise moves it, identically in both runs: no weight-decay shrink in either.
+    assert float((runs["auto"][1] - runs[False][1]).abs().max()) <= 1e-9
+
+
+class _Reassigns(RuleZoo):
+    """Re-assigns a buffer from its images (a running mean kept by hand): a chunk's value would reach the next."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("seen", torch.zeros(3))
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        self.seen = 0.5 * self.seen + 0.5 * batch[0].mean((0, 2, 3))
+        return super().training_step(batch, batch_idx) + 0.0 * self.seen.sum()
+
+
+def test_a_training_step_that_reassigns_a_buffer_runs_the_loop(tmp_path: Path) -> None:
+    cb = _p3sgd(**SEVERAL)
+    _fit(tmp_path, _Reassigns(), cb, rounds=1)
+    assert cb.round_path == "loop" and cb.vectorized_rounds == 0
+    assert "training_step changes buffers (seen)" in (cb.vectorize_fallback or ""), cb.vectorize_fallback
+
+
+class _BreakStacking(pl.Callback):
+    """Makes stacked local SGD fail from the first round on (as a batch that cannot be stacked would)."""
+
+    def __init__(self, cb: P3SGD) -> None:
+        self.cb = cb
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        assert self.cb._stacked is not None
+
+        def broken(steps: Any) -> Any:
+            next(iter(steps))  # draws the first mini-batches, as a real failure would, then fails
+            raise RuntimeError("stack expects each tensor to be equal size")
+
+        self.cb._stacked.run = broken  # type: ignore[method-assign]
+
+
+def test_a_round_whose_stacking_fails_runs_the_loop_from_the_same_generator(tmp_path: Path) -> None:
+    """The failed round is re-done by the loop with the orders the loop would have drawn: the same weights."""
+    moved = {}
+    for mode in ("auto", False):
+        net, cb = RuleZoo(), _p3sgd(vectorize=mode, **SEVERAL)
+        start = _state(net)
+        _fit(tmp_path / str(mode), net, cb, rounds=2, extra=[_BreakStacking(cb)] if mode else [])
+        moved[mode] = _state(net) - start
+        if mode:
+            assert cb.round_path == "loop" and cb.vectorized_rounds == 0 and cb.rounds == 2
+            assert "stacked local SGD failed in round 0 (RuntimeError)" in (cb.vectorize_fallback or "")
+    assert torch.equal(moved["auto"], moved[False])
