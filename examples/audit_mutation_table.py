@@ -32,6 +32,7 @@ SCENARIOS: dict[str, Callable[[int], CallbackAudit]] = {
     "P3SGD": lambda steps: p3sgd_audit(steps=steps),
     "P3SGD-selection": lambda steps: p3sgd_audit(noise_scales=(0.5, 1.0), local_steps=3, steps=steps),
     "P3SGD-vectorized": lambda steps: p3sgd_audit(vectorize="auto", steps=steps),
+    "P3SGD-stacked": lambda steps: p3sgd_audit(vectorize="auto", local_steps=3, steps=steps),
 }
 
 

@@ -197,7 +197,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "patient clip at 10·C_u",
         "sanitization/updates.py: clip_factor",
         "per-patient clip bound 10× too large",
-        ("P3SGD",),
+        ("P3SGD", "P3SGD-stacked"),
         _patient_clip_10x,
         steps=20,
     ),

@@ -143,7 +143,8 @@ def p3sgd_audit(
     """A full-batch `P3SGD` audit: patients of ``images_per_patient`` images, ``local_steps`` local SGD steps.
 
     ``vectorize="auto"`` audits the batched round (one local step: every patient's gradient in one pass of the
-    per-sample engine) instead of the patient-by-patient loop.
+    per-sample engine), or with ``local_steps`` > 1 stacked local SGD (torch.func over the patients' parameter
+    copies), instead of the patient-by-patient loop.
     """
     x, y = _images((patients + 1) * images_per_patient, seed)
     ids = torch.arange(patients).repeat_interleave(images_per_patient)

@@ -18,7 +18,7 @@ from torch import Tensor, nn
 from lightning_dp.callbacks import P3SGD
 from lightning_dp.training.stacked import StackedLocalSGD, stack_batches
 from tests.helpers.patients import TinyClassifier, TinyPatientDataModule
-from tests.integration.test_p3sgd_vectorized import RuleZoo, _fit, _p3sgd, _state
+from tests.integration.test_p3sgd_vectorized import RuleZoo, _Data, _fit, _p3sgd, _state
 
 SEVERAL = {"local_epochs": 2, "local_batch_size": 3, "local_momentum": 0.9, "local_weight_decay": 1e-3}
 
@@ -243,3 +243,47 @@ def test_a_round_whose_stacking_fails_runs_the_loop_from_the_same_generator(tmp_
             assert cb.round_path == "loop" and cb.vectorized_rounds == 0 and cb.rounds == 2
             assert "stacked local SGD failed in round 0 (RuntimeError)" in (cb.vectorize_fallback or "")
     assert torch.equal(moved["auto"], moved[False])
+
+
+class _ChunkProbe(pl.Callback):
+    """Forces stacked local SGD onto `_Reassigns` (the start-up check refuses it) and measures chunks' contributions."""
+
+    def __init__(self, cb: P3SGD) -> None:
+        self.cb = cb
+        self.sums: dict[tuple[int, ...], Tensor] = {}
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        from lightning_dp.training.stacked import StackedLocalSGD
+
+        cb, state = self.cb, self.cb._state
+        assert state is not None and cb._original_training_step is not None
+        cb._stacked = StackedLocalSGD(pl_module, cb._original_training_step, cb._loss_of, state.params, cb.local_lr)
+        theta, other = state.vector(), state.snapshot_other_buffers()
+        for patients in ((0, 1), (2, 3), (0, 1, 2, 3)):
+            out = torch.zeros_like(theta)
+            zeros = torch.zeros(4, dtype=torch.float64)
+            cb._stacked_updates(list(patients), pl_module, out, zeros, torch.Generator(), (theta, other))
+            self.sums[patients] = out
+        cb._stacked = None
+        assert torch.equal(state.vector(), theta)
+
+
+def _chunk_data(scale: float) -> _Data:
+    """Patients 0 and 1 with 4 images, 2 and 3 with 2 (two chunks); patient 0's images scaled by ``scale``."""
+    data = _Data(counts=[4, 4, 2, 2])
+    data.train_dataset.x[:4] *= scale
+    return data
+
+
+def test_a_chunk_starts_from_the_rounds_buffers_not_the_previous_chunks(tmp_path: Path) -> None:
+    """Scaling patient 0's images by 50 must not move patients 2-3's contribution: the buffer that patient 0's chunk
+    re-assigned is put back before the next chunk (forced onto a model the start-up check refuses)."""
+    contributions = []
+    for scale in (1.0, 50.0):
+        cb = _p3sgd(clip_norm=100.0, local_epochs=2, local_batch_size=2, vectorize=False)
+        probe = _ChunkProbe(cb)
+        _fit(tmp_path / str(scale), _Reassigns(), cb, rounds=1, data=_chunk_data(scale), extra=[probe])
+        later = probe.sums[(0, 1, 2, 3)] - probe.sums[(0, 1)]
+        assert float((later - probe.sums[(2, 3)]).norm()) <= 1e-5 * float(probe.sums[(2, 3)].norm())
+        contributions.append(later)
+    assert float((contributions[0] - contributions[1]).norm()) <= 1e-5 * float(contributions[0].norm())

@@ -25,6 +25,7 @@ SCENARIOS = {
     "P3SGD": lambda steps: p3sgd_audit(steps=steps),
     "P3SGD-selection": lambda steps: p3sgd_audit(noise_scales=(0.5, 1.0), local_steps=3, steps=steps),
     "P3SGD-vectorized": lambda steps: p3sgd_audit(vectorize="auto", steps=steps),
+    "P3SGD-stacked": lambda steps: p3sgd_audit(vectorize="auto", local_steps=3, steps=steps),
 }
 
 
@@ -93,3 +94,8 @@ def test_subsampled_runs_and_unfollowable_local_batches_are_refused_with_a_hint(
 def test_the_vectorized_scenario_audits_the_batched_round():
     callback, _, _ = p3sgd_audit(vectorize="auto", steps=2).fit(with_canary=True)
     assert callback.vectorize_fallback is None and callback.vectorized_rounds == 2
+
+
+def test_the_stacked_scenario_audits_stacked_local_sgd():
+    callback, _, _ = p3sgd_audit(vectorize="auto", local_steps=3, steps=2).fit(with_canary=True)
+    assert callback.round_path == "stacked" and callback.vectorized_rounds == 2
