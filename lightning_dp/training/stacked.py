@@ -84,7 +84,9 @@ class StackedLocalSGD:
             parameters and the batch (no ``.item()``, no in-place buffer updates, no random layers in training mode).
         loss_of: the scalar loss in what ``training_step`` returns.
         params: the trainable parameters (a subset of ``module.parameters()``); the others stay as they are.
-        lr, momentum, weight_decay: those of ``torch.optim.SGD`` (dampening 0, no Nesterov), as in the loop.
+        lr: the learning rate of ``torch.optim.SGD`` (dampening 0, no Nesterov), as in the loop.
+        momentum: its momentum.
+        weight_decay: its weight decay.
 
     Example:
         >>> net = nn.Linear(2, 1)
