@@ -155,8 +155,8 @@ def _noise_reused() -> Any:
 
 def _buffers_not_restored() -> Any:
     def make(f: Any) -> Any:
-        def mutated(self: Any, vector: Any, other_buffers: Any = None) -> None:
-            f(self, vector, None)  # buffers a patient's local training changed are kept
+        def mutated(self: Any, vector: Any, other_buffers: Any = None, **kwargs: Any) -> None:
+            f(self, vector, None, **kwargs)  # buffers a patient's local training changed are kept
 
         return mutated
 

@@ -917,16 +917,21 @@ class P3SGD(DPCallback):
 
     @torch.no_grad()
     def _round_loss(
-        self, candidate_theta: Tensor, patients: list[int], pl_module: pl.LightningModule, trainer: pl.Trainer
+        self,
+        theta: Tensor,
+        patients: list[int],
+        pl_module: pl.LightningModule,
+        trainer: pl.Trainer,
+        update: Tensor | None = None,
     ) -> float:
-        """Mean loss over the round's images at ``candidate_theta`` (summed over ranks), eval mode.
+        """Mean loss over the round's images at θ_t + server_lr·``update`` (summed over ranks), eval mode.
 
         With ``vectorize="auto"`` the images of all the round's patients go through in chunks of
         ``vectorize_batch_size`` (patient by patient otherwise). The selection clips this mean to [0, C_o], so its
         sensitivity to one patient is C_o however the images are batched.
         """
         assert self._state is not None
-        self._state.load(candidate_theta)
+        self._state.load(theta, add=update, alpha=self.server_lr)
         total = torch.zeros(2, dtype=torch.float64, device=pl_module.device)
         if self.vectorize == "auto":  # whole chunks of the round's images: the mean is the same, in fewer passes
             images = [i for patient in patients for i in self._patient_groups[patient]]
@@ -976,7 +981,8 @@ class P3SGD(DPCallback):
         local_generator = torch.Generator().manual_seed(
             int(torch.randint(2**62, (1,), generator=self.sampler.generator))
         )
-        theta, other = state.vector(), state.snapshot_other_buffers()
+        # θ_t and the clipped sum live in kept workspaces: fresh model-sized vectors cost page faults every round.
+        theta, other = state.vector(out=state.workspace("theta")), state.snapshot_other_buffers()
         if self._clipper is not None or self._stacked is not None:
             problem = self._model_fallback(pl_module)  # modes and trainable parameters can change during fit
             if problem is not None:
@@ -984,7 +990,7 @@ class P3SGD(DPCallback):
                 self._stacked = None
                 self._announce(problem)
         try:
-            clipped_sum = torch.zeros_like(theta)
+            clipped_sum = state.workspace("clipped_sum").zero_()
             stats = torch.zeros(4, dtype=torch.float64)  # patients, clipped, norm sum, non-finite
             with torch.enable_grad():
                 if self._clipper is not None:
@@ -1007,7 +1013,7 @@ class P3SGD(DPCallback):
             stats = trainer.strategy.reduce(stats.to(pl_module.device), reduce_op="sum").cpu()
 
             def loss_of(update: Tensor) -> float:
-                return self._round_loss(torch.add(theta, update, alpha=self.server_lr), mine, pl_module, trainer)
+                return self._round_loss(theta, mine, pl_module, trainer, update=update)
 
             target = ModelStateTarget(state, theta, other, self.server_lr)
             assert self.private_step is not None
@@ -1026,6 +1032,8 @@ class P3SGD(DPCallback):
             # (unclipped, un-noised) change stays in it for a checkpoint to save.
             state.load(theta, other)
             raise
+        finally:
+            state.wipe_workspaces()  # a patient's raw change and the un-noised sum do not outlive the round
         released = result.released
         self.rounds += 1
         self.selection_counts[released.selected] += 1

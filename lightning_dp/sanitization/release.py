@@ -362,7 +362,8 @@ class SelectedRelease(Release):
                         f"`{type(self).__name__}.release`: selecting among {len(zs)} noise scales needs loss_of."
                     )
                 for z in zs[1:]:
-                    candidates.append(base + self._gaussian(base, math.sqrt(z**2 - zs[0] ** 2) * unit))
+                    # the extra noise, with base added in place: one model-sized allocation, not two
+                    candidates.append(self._gaussian(base, math.sqrt(z**2 - zs[0] ** 2) * unit).add_(base))
                 losses = torch.tensor([float(loss_of(c)) for c in candidates])
                 selected = int(torch.multinomial(self.selection.probabilities(losses), 1, generator=self.generator))
         finally:

@@ -138,7 +138,7 @@ class ModelStateTarget:
         return None  # θ_t and the other buffers are already held, unchanged, by this target
 
     def apply(self, update: Tensor) -> None:
-        self.state.load(torch.add(self.theta, update, alpha=self.server_lr), self.other_buffers)
+        self.state.load(self.theta, self.other_buffers, add=update, alpha=self.server_lr)
 
     def restore(self, snapshot: object) -> None:
         self.state.load(self.theta, self.other_buffers)

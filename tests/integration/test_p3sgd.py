@@ -231,3 +231,21 @@ def test_fp16_with_a_grad_scaler_does_not_inflate_the_clipped_update(tmp_path: P
     change = float((_weights(model) - before).norm())
     assert patients > 0 and 0.5 * bound < change <= bound * (1 + 1e-3), (change, bound)
     assert all(p.dtype == torch.float32 for p in model.parameters())
+
+
+def test_no_patients_raw_change_or_unnoised_sum_is_kept_after_a_round(tmp_path: Path) -> None:
+    """θ_t, the clipped sum and a patient's change live in kept workspaces (no page faults per round); the
+    private two are zeroed when the round ends, so no un-noised value outlives it in memory."""
+    cb = _p3sgd()
+    seen: list[tuple[bool, bool]] = []
+
+    class Probe(pl.Callback):
+        def on_train_batch_end(self, *args: Any) -> None:
+            state = cb._state
+            assert state is not None
+            seen.append((bool(state.workspace("change").any()), bool(state.workspace("clipped_sum").any())))
+
+    trainer = _trainer(tmp_path, [cb, Probe()], max_steps=3)
+    trainer.fit(TinyClassifier(), TinyPatientDataModule())
+    assert seen == [(False, False)] * 3
+    assert cb.rounds == 3 and cb.nonfinite_updates == 0

@@ -59,3 +59,51 @@ def test_the_floor_follows_the_buffers_to_another_dtype_and_the_default_keeps_th
 def test_a_bad_floor_is_refused(bad: float) -> None:
     with pytest.raises(PrivacyConfigError, match=r"variance_floor must be a number in \[0, 1\]"):
         ModelState(_net(), variance_floor=bad)
+
+
+class _Mixed(nn.Module):
+    """An fp32 layer, a bf16 parameter, a non-contiguous parameter and a BatchNorm: every branch of `load`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.linear = nn.Linear(4, 3)
+        self.low = nn.Parameter(torch.randn(5).to(torch.bfloat16))
+        self.transposed = nn.Parameter(torch.randn(4, 3).t())  # a (3, 4) view: not contiguous
+        self.norm = nn.BatchNorm1d(3)
+
+
+def test_loading_theta_plus_an_update_writes_their_sum_without_a_model_sized_temporary() -> None:
+    net = _Mixed()
+    assert not net.transposed.is_contiguous()
+    state = ModelState(net, variance_floor=0.25)
+    theta = state.vector()
+    update = torch.randn(theta.shape, generator=torch.Generator().manual_seed(2)).abs() + 0.5
+    state.load(theta, add=update, alpha=-3.0)  # every running variance (1 before) goes below 0: floored at 0.25
+    got = state.vector()
+    assert torch.equal(net.norm.running_var, torch.full((3,), 0.25)), "the floor still applies"
+    state.load(torch.add(theta, update, alpha=-3.0))
+    expected = state.vector()
+    # One fp32 rounding of θ + α·u either way (a vectorized kernel may fuse the multiply-add on one path only).
+    assert torch.allclose(got, expected, rtol=1e-6, atol=1e-6)
+    assert net.low.dtype == torch.bfloat16 and not net.transposed.is_contiguous(), "tensors are written in place"
+
+
+def test_a_kept_workspace_carries_nothing_from_one_patients_change_to_the_next() -> None:
+    net = nn.Sequential(nn.Linear(6, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
+    state = ModelState(net)
+    theta = state.vector()
+    generator = torch.Generator().manual_seed(3)
+    changes = [scale * torch.randn(theta.shape, generator=generator) for scale in (10.0, 0.01)]
+    out = torch.zeros_like(theta)
+    expected = torch.zeros_like(theta, dtype=torch.float64)
+    for change in changes:  # the second, small change must not see the first, large one left in the workspace
+        state.load(theta + change)
+        moved = state.vector().double() - theta.double()  # as loaded: a negative running variance is clamped at 0
+        norm, clipped, finite = state.add_clipped_change(theta, out, 1.0)
+        assert finite and norm == pytest.approx(float(moved.norm()), rel=1e-6)
+        expected += moved * min(1.0, 1.0 / float(moved.norm()))
+    assert clipped is False, "the second change is below the clip norm"
+    assert torch.allclose(out.double(), expected, rtol=1e-5, atol=1e-7)
+    state.wipe_workspaces()
+    assert not state.workspace("change").any(), "a wiped workspace holds no patient's raw change"
