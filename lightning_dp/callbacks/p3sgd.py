@@ -448,6 +448,8 @@ class P3SGD(DPCallback):
         if stage == "fit":
             self._drop_clipper()
             self._stacked = None
+            if self._state is not None:
+                self._state.drop_workspaces()
         super().teardown(trainer, pl_module, stage)
 
     # ------------------------------------------------------------------ the vectorized round: when it applies
@@ -1034,6 +1036,8 @@ class P3SGD(DPCallback):
             raise
         finally:
             state.wipe_workspaces()  # a patient's raw change and the un-noised sum do not outlive the round
+            if self._clipper is not None:
+                self._clipper.reset()  # nor does the batched path's un-noised gradient sum
         released = result.released
         self.rounds += 1
         self.selection_counts[released.selected] += 1

@@ -159,7 +159,7 @@ class ModelState:
         device = released[0].device if released else torch.device("cpu")
         kept = self._workspaces.get(name)
         if kept is None or kept.numel() != self.numel or kept.device != device:
-            kept = self._workspaces[name] = torch.empty(self.numel, dtype=torch.float32, device=device)
+            kept = self._workspaces[name] = torch.zeros(self.numel, dtype=torch.float32, device=device)
         return kept
 
     @torch.no_grad()
@@ -168,6 +168,10 @@ class ModelState:
         for kept in self._workspaces.values():
             kept.zero_()
 
+    def drop_workspaces(self) -> None:
+        """Frees every workspace (at the end of a fit: no model-sized vectors held on the device for nothing)."""
+        self._workspaces.clear()
+
     @torch.no_grad()
     def add_clipped_change(self, theta: Tensor, out: Tensor, clip_norm: float) -> tuple[float, bool, bool]:
         """Adds clip_C(current − ``theta``) to ``out``, tensor by tensor (the change goes through a kept workspace).
@@ -175,7 +179,11 @@ class ModelState:
         Returns (norm of the change, whether it was clipped, whether it was finite). A non-finite
         change adds nothing.
         """
-        change = self.workspace("change") if theta.dtype == torch.float32 else torch.empty_like(theta)
+        change = (
+            self.workspace("change")
+            if theta.dtype == torch.float32 and theta.device == self.workspace("change").device
+            else torch.empty(theta.numel(), dtype=torch.float32, device=theta.device)
+        )
         triples = []
         offset = 0
         for t in self._released_now():

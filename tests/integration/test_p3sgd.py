@@ -233,19 +233,26 @@ def test_fp16_with_a_grad_scaler_does_not_inflate_the_clipped_update(tmp_path: P
     assert all(p.dtype == torch.float32 for p in model.parameters())
 
 
-def test_no_patients_raw_change_or_unnoised_sum_is_kept_after_a_round(tmp_path: Path) -> None:
+@pytest.mark.parametrize("vectorize", [False, "auto"])
+def test_no_patients_raw_change_or_unnoised_sum_is_kept_after_a_round(tmp_path: Path, vectorize: Any) -> None:
     """θ_t, the clipped sum and a patient's change live in kept workspaces (no page faults per round); the
-    private two are zeroed when the round ends, so no un-noised value outlives it in memory."""
-    cb = _p3sgd()
-    seen: list[tuple[bool, bool]] = []
+    private ones, and the batched path's gradient sum, are zeroed when the round ends: no un-noised value
+    outlives it in memory."""
+    cb = _p3sgd(vectorize=vectorize, local_batch_size=64)
+    seen: list[tuple[bool, ...]] = []
 
     class Probe(pl.Callback):
         def on_train_batch_end(self, *args: Any) -> None:
             state = cb._state
             assert state is not None
-            seen.append((bool(state.workspace("change").any()), bool(state.workspace("clipped_sum").any())))
+            kept = [state.workspace("change"), state.workspace("clipped_sum")]
+            if cb._clipper is not None:
+                kept.append(cb._clipper.flat_sum)
+            seen.append(tuple(bool(t.any()) for t in kept))
 
     trainer = _trainer(tmp_path, [cb, Probe()], max_steps=3)
-    trainer.fit(TinyClassifier(), TinyPatientDataModule())
-    assert seen == [(False, False)] * 3
+    trainer.fit(TinyClassifier(batchnorm=False), TinyPatientDataModule())  # BatchNorm would keep the loop
+    assert cb.round_path == ("loop" if vectorize is False else "batched")
+    assert seen == [(False,) * (2 if vectorize is False else 3)] * 3
     assert cb.rounds == 3 and cb.nonfinite_updates == 0
+    assert cb._state is not None and not cb._state._workspaces, "the end of the fit frees the kept vectors"
