@@ -21,6 +21,7 @@ selection scores its candidates on the round's images in batched passes.
 Run:   .venv/bin/python examples/p3sgd_table1.py                   (--scale demo: 100 patients, ~6 min, 2 CPU cores)
        .venv/bin/python examples/p3sgd_table1.py --scale paper     (1,000 patients × 10 patches, 32 px: < 1 h, 2 cores)
        .venv/bin/python examples/p3sgd_table1.py --scale paper --seed 1 --out runs/p3sgd_table1_seed1   (another seed)
+       .venv/bin/python examples/p3sgd_table1.py --summarize runs/p3sgd_table1*/results.json   (mean ± sd over seeds)
        .venv/bin/python examples/p3sgd_table1.py --scale paper --patches 50 --image-size 64 --accelerator gpu
 """
 
@@ -34,6 +35,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytorch_lightning as pl
 import torch
 from _shared import cpu_trainer, quiet_lightning, synthetic_data
@@ -82,6 +84,38 @@ def paper_epsilon(callback: P3SGD, patients: int) -> float:
     return get_accountant("rdp").epsilon(ledger)
 
 
+def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Mean ± sample standard deviation of each row's accuracies, gap and ε over runs (e.g. one per ``--seed``)."""
+    seeds = [run["args"].get("seed", 0) for run in runs]
+    keys = [(r["method"], r["trained"]) for r in runs[0]["rows"]]
+    rows = []
+    for key in keys:
+        found = [[r for r in run["rows"] if (r["method"], r["trained"]) == key] for run in runs]
+        if any(len(f) != 1 for f in found):
+            raise SystemExit(f"--summarize: the row {key} is not in every run (seeds {seeds}); compare like with like")
+        values: dict[str, list[float]] = {"train": [], "test": [], "gap": [], "epsilon": []}
+        for (row,) in found:
+            values["train"].append(row["train"])
+            values["test"].append(row["test"])
+            values["gap"].append(row["train"] - row["test"])
+            if "epsilon" in row:
+                values["epsilon"].append(row["epsilon"])
+        stats = {
+            name: (float(np.mean(v)), float(np.std(v, ddof=1)) if len(v) > 1 else 0.0)
+            for name, v in values.items()
+            if v
+        }
+        rows.append({"method": key[0], "trained": key[1], **stats})
+    print(f"mean ± sd over {len(runs)} runs (seeds {seeds})")
+    header = f"{'method':<20} {'trained':>7} {'train %':>12} {'test %':>12} {'gap':>12}   ε rigorous"
+    print(header + "\n" + "-" * len(header))
+    for r in rows:
+        cells = "".join(f" {r[k][0]:6.1f} ± {r[k][1]:3.1f}" for k in ("train", "test", "gap"))
+        eps = f"{r['epsilon'][0]:.2f}" if "epsilon" in r else ("∞" if "SGD (" in r["method"] else "—")
+        print(f"{r['method']:<20} {r['trained']:>7}{cells}   {eps}")
+    return {"seeds": seeds, "rows": rows}
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--scale", choices=sorted(SCALES), default="demo")
@@ -97,7 +131,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--precision", default="32-true", help="e.g. bf16-mixed on a GPU")
     parser.add_argument("--data-root", default="data/p3sgd_table1")
     parser.add_argument("--out", default="runs/p3sgd_table1")
+    parser.add_argument(
+        "--summarize", nargs="+", metavar="RESULTS_JSON", help="only print mean ± sd over earlier runs' results.json"
+    )
     args = parser.parse_args(argv)
+    if args.summarize:
+        return summarize([json.loads(Path(f).read_text()) for f in args.summarize])
     scale = dict(SCALES[args.scale])
     scale["public"] = args.public_patients or scale["public"]
     scale["sgd_epochs"] = args.sgd_epochs or scale["sgd_epochs"]

@@ -77,3 +77,28 @@ def test_p3sgd_table1_reports_both_epsilons_beside_the_papers_numbers(
         assert run["paper_epsilon"] < run["epsilon"]
         assert run["paper_delta"] > 1e-3 > run["delta"]
     assert "95.23" in printed and "6.97" in printed and "NOT differentially private" in printed
+
+
+def test_p3sgd_table1_summarizes_seeds_as_mean_and_sample_sd(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def run(seed: int, test: float, extra: bool = False) -> Path:
+        rows = [
+            {"method": "SGD (non-private)", "trained": "all", "train": 90.0, "test": test},
+            {"method": "P3SGD {3.0, 1.0}", "trained": "all", "train": 50.0, "test": 50.0, "epsilon": 8.0 + seed},
+        ]
+        if extra:
+            rows.append({"method": "public model only", "trained": "-", "train": 60.0, "test": 60.0})
+        path = tmp_path / f"seed{seed}.json"
+        path.write_text(json.dumps({"args": {"seed": seed}, "rows": rows}))
+        return path
+
+    files = [str(run(0, 80.0)), str(run(1, 84.0)), str(run(2, 88.0))]
+    summary = _run("p3sgd_table1", ["--summarize", *files], monkeypatch)
+    sgd, p3sgd = summary["rows"]
+    assert summary["seeds"] == [0, 1, 2]
+    assert sgd["test"] == pytest.approx((84.0, 4.0)), "mean 84, sample sd of 80/84/88 is 4"
+    assert sgd["gap"] == pytest.approx((6.0, 4.0)) and p3sgd["epsilon"] == pytest.approx((9.0, 1.0))
+    assert "84.0 ± 4.0" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="not in every run"):
+        _run("p3sgd_table1", ["--summarize", str(run(3, 80.0, extra=True)), files[0]], monkeypatch)
