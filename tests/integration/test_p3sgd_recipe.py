@@ -2,8 +2,8 @@
 
 Both once trained ResNet-18 from scratch with all 11M weights released and ended with a NaN validation loss at the
 majority class. Both now follow the recipe that works (public pre-training, then P3SGD fine-tuning of the head).
-The shipped configs run here as a user runs them (6 patches a patient, 10 rounds), to the end; the docs' snippet is the same
-recipe in Python, and a fast test holds it to every setting of the two configs (its code runs, shrunk, in
+The shipped configs run here as a user runs them (6 patches a patient, 10 rounds), to the end; the docs' snippet is
+the same recipe in Python, and a fast test holds it to every setting of the two configs (its code runs, shrunk, in
 tests/docs/test_docs.py). Training the snippet as well cost a minute of the suite and tested the same recipe twice.
 
 Tolerance: the P3SGD step runs at the config's own 300 private patients (6 patches each, 10 rounds), so 540 test
