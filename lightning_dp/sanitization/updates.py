@@ -179,11 +179,9 @@ class ModelState:
         Returns (norm of the change, whether it was clipped, whether it was finite). A non-finite
         change adds nothing.
         """
-        change = (
-            self.workspace("change")
-            if theta.dtype == torch.float32 and theta.device == self.workspace("change").device
-            else torch.empty(theta.numel(), dtype=torch.float32, device=theta.device)
-        )
+        change = self.workspace("change")
+        if theta.dtype != torch.float32 or theta.device != change.device:  # not a `vector()`: a change of its own
+            change = torch.empty(theta.numel(), dtype=torch.float32, device=theta.device)
         triples = []
         offset = 0
         for t in self._released_now():
