@@ -54,6 +54,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -176,7 +177,32 @@ class KeptInputsTerm(GhostTerm):
 
     The norms were taken on the materialized per-sample gradients; the sum is the ghost path's weighted
     weight gradient, so only the (smaller) input and output gradient are kept until the clip factors are known.
+
+    That weight gradient adds every sample's T·d·p products in one floating-point reduction, where a norm of
+    the per-sample gradient says nothing about their size: a crafted sample whose terms cancel (±H at two
+    positions) has a gradient of norm 0, is not clipped, and its ±H erases the other samples' terms in the
+    shared sum ((S + H) − H = 0). The samples whose norm is below ``GHOST_CANCELLATION`` of a bound on their
+    terms' size (`ProductRule.term_mass`) are therefore left out of the reduction: their weight gradients
+    (``exact``, one row per sample of ``exact_rows``) were materialized and normed, and are added as they are.
     """
+
+    exact: MaterializedGrads | None = None
+    exact_rows: Tensor | None = None
+
+    def add_clipped(self, coeff: Tensor, keep: Tensor | None, sums: Sums) -> None:
+        rows = self.exact_rows
+        if rows is None or self.exact is None:
+            super().add_clipped(coeff, keep, sums)
+            return
+        pooled = torch.ones_like(coeff, dtype=torch.bool)
+        pooled[rows] = False
+        if keep is not None:
+            pooled &= keep
+        activation = torch.where(_expand(pooled, self.activation), self.activation, 0.0)
+        backprops = torch.where(_expand(pooled, self.backprops), self.backprops, 0.0)
+        self.rule.weighted_sum(self.module, activation, backprops * _expand(coeff, backprops), sums)
+        self.bias.add_clipped(coeff, keep, sums)
+        self.exact.add_clipped(coeff[rows], None if keep is None else keep[rows], sums)
 
 
 # ---------------------------------------------------------------------- rules
@@ -282,6 +308,22 @@ class ProductRule(LayerRule):
         """(B, C_out): each sample's bias gradient, its output gradient summed over the output positions."""
         return backprops.reshape(backprops.shape[0], backprops.shape[1], -1).sum(2)
 
+    def term_mass(self, module: Any, activation: Tensor, backprops: Tensor) -> Tensor:
+        """(B,) float64: an upper bound on Σ_t ‖g_t‖·‖a_t‖, the size of a sample's weight-gradient terms.
+
+        Σ_t ‖g_t‖‖a_t‖ ≤ ‖g‖·(Σ_t ‖a_t‖²)^½ (Cauchy–Schwarz) and Σ_t ‖a_t‖² ≤ k·‖x‖², since each input value
+        (with the layer's own padding) is read by at most k = the kernel's number of taps positions. One pass over
+        the layer's input and output gradient, where the exact sum would need the unfolded input.
+        """
+        x = (
+            _conv_geometry(module, activation)[0]
+            if isinstance(module, nn.Conv1d | nn.Conv2d | nn.Conv3d)
+            else activation
+        )
+        taps = math.prod(getattr(module, "kernel_size", (1,)))
+        b = backprops.shape[0]
+        return x.reshape(b, -1).double().norm(dim=1) * backprops.reshape(b, -1).double().norm(dim=1) * math.sqrt(taps)
+
     def use_ghost(self, module: Any, activation: Tensor, backprops: Tensor, group_size: GroupSize = 1) -> bool:
         """Whether the ghost norm is cheaper than materializing, for this call (K = ``group_size`` rows a sample).
 
@@ -297,8 +339,11 @@ class ProductRule(LayerRule):
 
     def norms(self, module: nn.Module, activation: Tensor, backprops: Tensor) -> tuple[Tensor, ClippedSumTerm]:
         if not self.use_ghost(module, activation, backprops):
-            sq, term = super().norms(module, activation, backprops)
-            return sq, self._lighter_term(module, activation, backprops, term)
+            grads = self.trained_grads(module, activation, backprops)
+            b, device = backprops.shape[0], backprops.device
+            squares = {p: sum_of_squares([g], b, device) for p, g in grads.items()}
+            sq = sum(squares.values(), torch.zeros(b, dtype=torch.float64, device=device))
+            return sq, self._lighter_term(module, activation, backprops, grads, squares)
         at, gt = self.ghost_views(module, activation, backprops)
         sq = _ghost_norms(at, gt)
         # The bias gradient is only (B, C_out): materialized, its norm is exact and measured on the very values added
@@ -308,7 +353,14 @@ class ProductRule(LayerRule):
         sq = sq + sum_of_squares(list(bias_grads.values()), backprops.shape[0], backprops.device)
         return sq, GhostTerm(self, module, activation, backprops, MaterializedGrads(bias_grads))
 
-    def _lighter_term(self, module: Any, activation: Tensor, backprops: Tensor, term: ClippedSumTerm) -> ClippedSumTerm:
+    def _lighter_term(
+        self,
+        module: Any,
+        activation: Tensor,
+        backprops: Tensor,
+        grads: dict[nn.Parameter, Tensor],
+        squares: Mapping[nn.Parameter, Tensor],
+    ) -> ClippedSumTerm:
         """What to keep for the clipped sum of a materialized call: the smaller of two equivalent terms.
 
         The per-sample weight gradients (B·p·d numbers) have served their purpose once their norms are taken;
@@ -317,14 +369,25 @@ class ProductRule(LayerRule):
         (a layer with few positions and many weights: DeepLabV3's dilated convolutions at a 16² map, 6× fewer
         numbers) they are kept and the per-sample gradients freed at once, so that the peak memory holds one
         layer's per-sample gradients instead of every such layer's. The bias keeps its materialized gradients.
+
+        ``grads`` are the call's per-sample gradients, ``squares`` each one's (B,) squared per-sample norms.
         """
-        if not isinstance(term, MaterializedGrads) or getattr(module, "groups", 1) != 1:
-            return term
         weight = module.weight
-        if weight not in term.grads or activation.numel() + backprops.numel() >= term.grads[weight].numel():
-            return term
-        bias = MaterializedGrads({p: g for p, g in term.grads.items() if p is not weight})
-        return KeptInputsTerm(self, module, activation, backprops, bias)
+        if (
+            getattr(module, "groups", 1) != 1
+            or weight not in grads
+            or activation.numel() + backprops.numel() >= grads[weight].numel()
+        ):
+            return MaterializedGrads(grads)
+        bias = MaterializedGrads({p: g for p, g in grads.items() if p is not weight})
+        # The ghost path's guard (`_ghost_norms`): a sample whose weight gradient is far smaller than its terms keeps
+        # its materialized gradient, normed and added as it is, and stays out of the pooled reduction.
+        cancelling = squares[weight].sqrt() < GHOST_CANCELLATION * self.term_mass(module, activation, backprops)
+        if not bool(cancelling.any()):
+            return KeptInputsTerm(self, module, activation, backprops, bias)
+        rows = torch.nonzero(cancelling).flatten()
+        exact = MaterializedGrads({weight: grads[weight][rows]})
+        return KeptInputsTerm(self, module, activation, backprops, bias, exact, rows)
 
     def grouped_norms(
         self, module: nn.Module, activation: Tensor, backprops: Tensor, group_size: GroupSize
