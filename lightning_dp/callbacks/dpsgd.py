@@ -38,6 +38,7 @@ from lightning_dp.errors import (
     check_sample_rate,
 )
 from lightning_dp.models.fixers import batch_norm_layers, fix_model, is_eval_batch_norm, validate_model
+from lightning_dp.sampling.randomness import UnitStreams, per_row_dropout
 from lightning_dp.sampling.samples import LogicalBatch, PoissonBatches, PoissonSampleSampler, identity_collate
 from lightning_dp.sanitization import GaussianRelease
 from lightning_dp.sanitization.buffers import BufferSnapshot
@@ -442,10 +443,16 @@ class DPSGD(DPCallback):
         self.clipper.reset()
         stats = torch.zeros(4, dtype=torch.float64)  # samples, clipped, norm sum, non-finite
         scale = [_INITIAL_LOSS_SCALE if self._fp16 else 1.0]
+        # Each sample's dropout masks come from its own stream (keyed by the step's secret and its index), anything
+        # else random in training_step from a secret stream of the chunk: never from the publicly seeded generators.
+        streams = UnitStreams(self.sampler.unit_secret(batch.step), "step", pl_module.device)
         try:
             for k, chunk in enumerate(batch.chunks):
-                size = min(self.max_physical_batch_size, batch.size - k * self.max_physical_batch_size)
-                result = self._accumulate_chunk(chunk, size, k, scale)
+                first = k * self.max_physical_batch_size
+                size = min(self.max_physical_batch_size, batch.size - first)
+                keys = [i for i in batch.indices[first : first + size] for _ in range(self.augmentation_multiplicity)]
+                with per_row_dropout(pl_module, streams, keys), streams.unit(("chunk", k)):
+                    result = self._accumulate_chunk(chunk, size, k, scale)
                 stats += torch.tensor([size, result.clipped, result.norm_sum, result.nonfinite], dtype=torch.float64)
             changed = buffers.changed()
         except BaseException:  # an error mid-step (a corrupt image, OOM, Ctrl-C) leaves no data-dependent buffer
@@ -473,12 +480,13 @@ class DPSGD(DPCallback):
             schedulers=[config.scheduler for config in trainer.lr_scheduler_configs],
         )
         assert self.private_step is not None
+        energy = UnitStreams(self.sampler.unit_secret(batch.step), "energy", device)
         result = self.private_step(
             self.steps,
             clipped_sum,
             self.sampler.expected_batch_size,
             target,
-            unit_losses=lambda: self._sample_losses(pl_module, batch),
+            unit_losses=lambda: self._sample_losses(pl_module, batch, energy),
             public_energy=lambda: self._public_loss(trainer, pl_module),
             reduce=lambda t: trainer.strategy.reduce(t.to(device), reduce_op="sum").cpu(),
         )
@@ -492,16 +500,17 @@ class DPSGD(DPCallback):
         self._log_step(pl_module, result, public, stats, names)
 
     @torch.no_grad()
-    def _sample_losses(self, pl_module: pl.LightningModule, batch: LogicalBatch) -> torch.Tensor:
+    def _sample_losses(self, pl_module: pl.LightningModule, batch: LogicalBatch, streams: UnitStreams) -> torch.Tensor:
         """The per-sample losses of this rank's samples of the step, at the current weights (eval mode).
 
-        With augmentation multiplicity K a sample's loss is the mean of its K views' losses (one per sample).
+        With augmentation multiplicity K a sample's loss is the mean of its K views' losses (one per sample). The
+        forward passes draw from a secret stream of the step (eval mode rarely draws any).
         """
         assert self._original_training_step is not None
         step = self._original_training_step
         views = self.augmentation_multiplicity
         losses = []
-        with eval_mode(pl_module):
+        with eval_mode(pl_module), streams.unit("forward"):
             for k, chunk in enumerate(batch.chunks):
                 size = min(self.max_physical_batch_size, batch.size - k * self.max_physical_batch_size)
                 rows = size * views

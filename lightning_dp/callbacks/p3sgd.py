@@ -69,6 +69,7 @@ from lightning_dp.errors import (
     check_sample_rate,
 )
 from lightning_dp.sampling.patients import PoissonPatientSampler
+from lightning_dp.sampling.randomness import UnitStreams, draws_random_numbers, training_dropout, unit_seed
 from lightning_dp.sanitization import (
     GaussianRelease,
     ModelState,
@@ -305,6 +306,12 @@ class P3SGD(DPCallback):
         self._dataset: Any = None
         #: The images of the k-th patient: the sampler draws positions k, a dataset keys patients by any id.
         self._patient_groups: list[list[int]] = []
+        #: The k-th patient's id: it keys the patient's own random streams (augmentation, dropout, image order).
+        self._patient_keys: list[Any] = []
+        #: The secret seed of the patients' random streams (the sampler's secret seed), and this round's secret drawn
+        #: from it and the round's number: it seeds every patient's streams (not the other patients sampled).
+        self._units_seed: int | None = None
+        self._round_secret: int | None = None
         self._state: ModelState | None = None
         self._tick: torch.nn.Parameter | None = None
         self._collate: Callable[[list[Any]], Any] = default_collate
@@ -316,7 +323,8 @@ class P3SGD(DPCallback):
         #: How this fit's rounds compute their patients' updates: "batched" (one local step: per-patient gradients in
         #: batched passes), "stacked" (local SGD of chunks of patients at once, torch.func) or "loop" (one by one).
         self.round_path: Literal["batched", "stacked", "loop"] = "loop"
-        #: Rounds of this fit whose patient updates were batched or stacked (not privacy state).
+        #: Rounds of this fit run on the batched or stacked path (not privacy state; a round whose stacking fails is
+        #: re-done by the loop within the round, silently).
         self.vectorized_rounds = 0
 
     def __repr__(self) -> str:
@@ -374,6 +382,7 @@ class P3SGD(DPCallback):
     def _build(self, trainer: pl.Trainer, pl_module: pl.LightningModule, seeds: list[int]) -> DataLoader[Any]:
         assert self.ledger is not None
         self.sampler = PoissonPatientSampler(len(self._patient_groups), self.sample_rate, seed=seeds[0])
+        self._units_seed = seeds[0]
         rounds = self.rounds_per_epoch or max(1, round(1 / self.sample_rate))
         if self.target_epsilon is not None:
             self.planned_rounds = self._planned_steps(trainer, rounds)
@@ -428,6 +437,7 @@ class P3SGD(DPCallback):
         except TypeError:
             keys = list(groups)
         self._patient_groups = [[int(i) for i in groups[key]] for key in keys]
+        self._patient_keys = keys
         return dataset
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -483,7 +493,7 @@ class P3SGD(DPCallback):
                 f"BatchNorm layers in training mode ({', '.join(norms[:3])}{', ...' if len(norms) > 3 else ''}) "
                 "normalize with each patient's batch statistics and release running statistics"
             )
-        if self._stacked is not None:
+        if self._clipper is not None or self._stacked is not None:
             dropout = self._training_dropout(pl_module)
             if dropout is not None:
                 return dropout
@@ -509,7 +519,11 @@ class P3SGD(DPCallback):
         if self.vectorize is False:
             self._announce("vectorize=False")
             return
-        reason = self._model_fallback(pl_module)
+        reason = (
+            self._model_fallback(pl_module)
+            or self._training_dropout(pl_module)
+            or self._random_step_fallback(pl_module)
+        )
         if reason is None:
             reason = self._one_step_fallback()
             if reason is None:
@@ -566,15 +580,33 @@ class P3SGD(DPCallback):
     # ------------------------------------------------------------------ stacked local SGD (several local steps)
     @staticmethod
     def _training_dropout(pl_module: pl.LightningModule) -> str | None:
-        names = [
-            n for n, m in pl_module.named_modules() if isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.training
-        ]
+        names = [name for name, _ in training_dropout(pl_module)]
         if not names:
             return None
         return (
-            f"Dropout layers in training mode ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''}) "
-            "draw their masks differently under torch.func"
+            f"Dropout layers in training mode ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''}) draw each "
+            "patient's masks from that patient's own random stream only when patients are trained one by one"
         )
+
+    def _random_step_fallback(self, pl_module: pl.LightningModule) -> str | None:
+        """Why training_step cannot run on several patients' images at once: it draws random numbers (None if not).
+
+        Checked on two images picked in a public order: a step that draws from torch's, NumPy's or Python's global
+        generators (a random augmentation inside training_step) would draw one patient's numbers at a position that
+        depends on the other patients of its batch; one by one, each patient draws from its own stream.
+        """
+        assert self._original_training_step is not None and self._state is not None
+        step = self._original_training_step
+        batch = self._batch(diverse_indices(self._dataset)[:2], pl_module)
+        theta, other = self._state.vector(), self._state.snapshot_other_buffers()
+        try:
+            with torch.no_grad():
+                drew = draws_random_numbers(lambda: step(batch, 0), pl_module.device)
+        finally:
+            self._state.load(theta, other)
+        if drew:
+            return "training_step draws random numbers, which each patient draws from its own stream only one by one"
+        return None
 
     def _stacked_fallback(self, pl_module: pl.LightningModule) -> str | None:
         """Builds stacked local SGD if the model runs under torch.func and matches the loop; else why not.
@@ -597,10 +629,11 @@ class P3SGD(DPCallback):
             with torch.enable_grad():
                 used = self._used_parameters(pseudo[0], pl_module)
                 looped = []
-                generator = torch.Generator().manual_seed(0)
-                for indices in pseudo:
+                check = UnitStreams(0, "patient", pl_module.device)  # public streams: the check's pseudo-patients
+                for k, indices in enumerate(pseudo):
                     state.load(theta, other)
-                    self._local_update(indices, pl_module, generator)
+                    with check.unit(k):
+                        self._local_update(indices, pl_module, check.generator(k))
                     looped.append(state.vector() - theta)
                 state.load(theta, other)
                 stacked = StackedLocalSGD(
@@ -613,8 +646,9 @@ class P3SGD(DPCallback):
                     self.local_weight_decay,
                 )
                 buffers = {name: (b, b.detach().clone()) for name, b in pl_module.named_buffers()}
-                orders = self._local_orders(pseudo, torch.Generator().manual_seed(0))
-                final = stacked.run(self._stacked_steps(orders, pl_module))
+                check = UnitStreams(0, "patient", pl_module.device)
+                orders = self._local_orders(pseudo, [check.generator(k) for k in range(len(pseudo))])
+                final = stacked.run(self._stacked_steps(orders, pl_module, check, list(range(len(pseudo)))))
                 after = dict(pl_module.named_buffers())
                 changed = [
                     name
@@ -662,20 +696,33 @@ class P3SGD(DPCallback):
             p.grad = None
         return used
 
-    def _local_orders(self, units: Sequence[Sequence[int]], generator: torch.Generator) -> list[list[Tensor]]:
-        """Each unit's image order of each local epoch, drawn from ``generator`` exactly as the loop draws them."""
+    def _local_orders(
+        self, units: Sequence[Sequence[int]], generators: Sequence[torch.Generator]
+    ) -> list[list[Tensor]]:
+        """Each unit's image order of each local epoch, drawn from its own generator exactly as the loop draws them."""
         orders = []
-        for indices in units:
+        for indices, generator in zip(units, generators):
             ix = torch.as_tensor(list(indices))
             orders.append([ix[torch.randperm(len(ix), generator=generator)] for _ in range(self.local_epochs)])
         return orders
 
-    def _stacked_steps(self, orders: list[list[Tensor]], pl_module: pl.LightningModule) -> Iterator[list[Any]]:
-        """The local mini-batches of equal-sized units, step by step (each unit's collated on its own)."""
+    def _stacked_steps(
+        self, orders: list[list[Tensor]], pl_module: pl.LightningModule, streams: UnitStreams, keys: Sequence[object]
+    ) -> Iterator[list[Any]]:
+        """The local mini-batches of equal-sized units, step by step.
+
+        Each unit's are fetched from its own stream and collated on their own: a unit draws what it draws in the loop.
+        """
         size = len(orders[0][0])
         for epoch in range(self.local_epochs):
             for start in range(0, size, self.local_batch_size):
-                yield [self._batch(order[epoch][start : start + self.local_batch_size], pl_module) for order in orders]
+                yield [
+                    self._collated(
+                        streams.fetch(self._dataset, order[epoch][start : start + self.local_batch_size].tolist(), key),
+                        pl_module,
+                    )
+                    for order, key in zip(orders, keys)
+                ]
 
     def _stacked_chunk(self, pl_module: pl.LightningModule, images_per_step: int) -> int:
         """Patients per stacked chunk.
@@ -694,18 +741,20 @@ class P3SGD(DPCallback):
         pl_module: pl.LightningModule,
         clipped_sum: Tensor,
         stats: Tensor,
-        generator: torch.Generator,
+        streams: UnitStreams,
         start: tuple[Tensor, list[Tensor]],
     ) -> None:
         """Adds Σ_i clip_{C_u}(Δ_i) of ``patients`` to ``clipped_sum``, training chunks of equal-sized patients at once.
 
-        The image orders are drawn first, patient by patient in the loop's order, so each patient sees the loop's
-        mini-batches; the clip is the loop's (`clip_factor` of the norm over all released tensors). The model goes
-        back to ``start`` (θ_t and the other buffers) before every chunk, as it does before every patient in the loop.
+        Each patient's image orders come from its own generator and its images from its own stream, as in the loop,
+        so each patient sees the loop's mini-batches; the clip is the loop's (`clip_factor` of the norm over all
+        released tensors). The model goes back to ``start`` (θ_t and the other buffers) before every chunk, as it does
+        before every patient in the loop.
         """
         assert self._stacked is not None and self._state is not None
-        groups = self._patient_groups
-        orders = dict(zip(patients, self._local_orders([groups[p] for p in patients], generator)))
+        groups, keys = self._patient_groups, self._patient_keys
+        generators = [streams.generator(keys[p]) for p in patients]
+        orders = dict(zip(patients, self._local_orders([groups[p] for p in patients], generators)))
         by_size: dict[int, list[int]] = {}
         for patient in patients:
             by_size.setdefault(len(groups[patient]), []).append(patient)
@@ -718,7 +767,11 @@ class P3SGD(DPCallback):
                 final = dict(
                     zip(
                         map(id, self._stacked.params),
-                        self._stacked.run(self._stacked_steps([orders[p] for p in chunk], pl_module)),
+                        self._stacked.run(
+                            self._stacked_steps(
+                                [orders[p] for p in chunk], pl_module, streams, [keys[p] for p in chunk]
+                            )
+                        ),
                     )
                 )
                 with torch.no_grad():
@@ -817,9 +870,16 @@ class P3SGD(DPCallback):
 
     # ------------------------------------------------------------------ the round
     def _batch(self, indices: Sequence[int] | Tensor, pl_module: pl.LightningModule) -> Any:
-        items = [self._dataset[int(i)] for i in indices]
-        batch = self._collate(items)
-        return pl_module.transfer_batch_to_device(batch, pl_module.device, 0)
+        """The images ``indices``, fetched from the global generators (start-up checks on public positions only)."""
+        return self._collated([self._dataset[int(i)] for i in indices], pl_module)
+
+    def _collated(self, items: list[Any], pl_module: pl.LightningModule) -> Any:
+        return pl_module.transfer_batch_to_device(self._collate(items), pl_module.device, 0)
+
+    def _streams(self, purpose: str, pl_module: pl.LightningModule) -> UnitStreams:
+        """Fresh streams of this round's patients for ``purpose``, seeded from the round's secret."""
+        assert self._round_secret is not None
+        return UnitStreams(self._round_secret, purpose, pl_module.device)
 
     def _local_update(self, images: Sequence[int], pl_module: pl.LightningModule, generator: torch.Generator) -> None:
         """Local SGD over one patient's ``images`` (dataset indices), in the module's parameters."""
@@ -848,33 +908,33 @@ class P3SGD(DPCallback):
         pl_module: pl.LightningModule,
         clipped_sum: Tensor,
         stats: Tensor,
-        generator: torch.Generator,
         start: tuple[Tensor, list[Tensor]],
     ) -> bool:
         """Stacked local SGD of this rank's patients; False (and nothing added) if it failed and the loop must run.
 
         A batch that cannot be stacked (images of different sizes in one chunk, a field that is not a tensor) shows
-        only in a round: then this round and every later one run the loop, from the same generator state, so the
-        loop trains exactly what it would have. Only the exception's type is said.
+        only in a round, and only for some samples of patients. Then this round is re-done by the loop from fresh
+        streams, so it trains exactly what the loop would have; later rounds try the stacked path again. Nothing is
+        said and ``round_path`` stays as chosen at start-up: whether a round's stacking failed depends on which
+        patients were sampled, a fact about the private data.
         """
         assert self._state is not None
-        drawn = generator.get_state()
         try:
-            self._stacked_updates(patients, pl_module, clipped_sum, stats, generator, start)
-        except Exception as err:  # noqa: BLE001 - the loop runs any model; KeyboardInterrupt and the like propagate
+            self._stacked_updates(patients, pl_module, clipped_sum, stats, self._streams("patient", pl_module), start)
+        except Exception:  # noqa: BLE001 - the loop runs any model; KeyboardInterrupt and the like propagate
             self._state.load(*start)
             clipped_sum.zero_()
             stats.zero_()
-            generator.set_state(drawn)
-            self._stacked = None
-            self._announce(
-                f"stacked local SGD failed in round {self.rounds} ({type(err).__name__}); the loop runs from now on"
-            )
             return False
         return True
 
     def _vectorized_updates(
-        self, patients: list[int], pl_module: pl.LightningModule, clipped_sum: Tensor, stats: Tensor
+        self,
+        patients: list[int],
+        pl_module: pl.LightningModule,
+        clipped_sum: Tensor,
+        stats: Tensor,
+        streams: UnitStreams,
     ) -> None:
         """Adds Σ_i clip_{C_u}(Δ_i) of ``patients`` to ``clipped_sum``, in batched passes over whole patients.
 
@@ -885,7 +945,7 @@ class P3SGD(DPCallback):
         """
         assert self._clipper is not None and self._state is not None and self._original_training_step is not None
         clipper, step = self._clipper, self._original_training_step
-        groups = self._patient_groups  # the sampled position k is the k-th patient (any hashable ids)
+        groups, keys = self._patient_groups, self._patient_keys  # the sampled position k is the k-th patient
         chunks: list[list[int]] = []
         rows = 0
         for patient in patients:
@@ -899,7 +959,9 @@ class P3SGD(DPCallback):
         for chunk in chunks:
             if not chunk:
                 continue
-            batch = self._batch([i for p in chunk for i in groups[p]], pl_module)
+            batch = self._collated(
+                [item for p in chunk for item in streams.fetch(self._dataset, groups[p], keys[p])], pl_module
+            )
             sizes = [len(groups[p]) for p in chunk]
 
             def loss(batch: Any = batch) -> Tensor:
@@ -935,40 +997,53 @@ class P3SGD(DPCallback):
         assert self._state is not None
         self._state.load(theta, add=update, alpha=self.server_lr)
         total = torch.zeros(2, dtype=torch.float64, device=pl_module.device)
+        streams = self._streams("score", pl_module)  # fresh: every candidate is scored on the same images
         if self.vectorize == "auto":  # whole chunks of the round's images: the mean is the same, in fewer passes
-            images = [i for patient in patients for i in self._patient_groups[patient]]
-            total[0] += self._images_loss(images, self.vectorize_batch_size, pl_module)
-            total[1] += len(images)
+            total[0] += self._images_loss(patients, self.vectorize_batch_size, pl_module, streams)
+            total[1] += sum(len(self._patient_groups[p]) for p in patients)
         else:
             for patient in patients:
-                loss_sum, count = self._patient_loss(patient, pl_module)
-                total[0] += loss_sum
-                total[1] += count
+                total[0] += self._images_loss([patient], self.local_batch_size, pl_module, streams)
+                total[1] += len(self._patient_groups[patient])
         total = trainer.strategy.reduce(total, reduce_op="sum")
         return float(total[0] / total[1]) if total[1] > 0 else 0.0
 
     @torch.no_grad()
-    def _patient_loss(self, patient: int, pl_module: pl.LightningModule) -> tuple[float, int]:
-        """(Σ of the per-image losses, number of images) of one patient at the current weights, eval mode."""
-        indices = self._patient_groups[patient]
-        return self._images_loss(indices, self.local_batch_size, pl_module), len(indices)
+    def _images_loss(
+        self, patients: Sequence[int], chunk_size: int, pl_module: pl.LightningModule, streams: UnitStreams
+    ) -> float:
+        """Σ of the per-image losses of ``patients``' images at the current weights (eval mode), ``chunk_size`` a pass.
 
-    @torch.no_grad()
-    def _images_loss(self, indices: Sequence[int], chunk_size: int, pl_module: pl.LightningModule) -> float:
-        """Σ of the per-image losses of ``indices`` at the current weights, in eval mode, ``chunk_size`` at a time."""
+        Each patient's images are fetched drawing from its own stream; the forward passes draw from a stream of the
+        round's own (eval mode rarely draws any).
+        """
         assert self._original_training_step is not None
+        step = self._original_training_step
         total = 0.0
+        pending: list[Any] = []
+
+        def evaluate(items: list[Any]) -> float:
+            with streams.unit("forward"):
+                out = step(self._collated(items, pl_module), 0)
+            return float(self._loss_of(out)) * len(items)
+
         with eval_mode(pl_module):  # each module's own mode comes back (a frozen backbone stays in eval mode)
-            for start in range(0, len(indices), chunk_size):
-                chunk = indices[start : start + chunk_size]
-                out = self._original_training_step(self._batch(chunk, pl_module), 0)
-                loss = out["loss"] if isinstance(out, dict) else out
-                total += float(loss) * len(chunk)
+            for patient in patients:
+                pending += streams.fetch(self._dataset, self._patient_groups[patient], self._patient_keys[patient])
+                while len(pending) >= chunk_size:
+                    total += evaluate(pending[:chunk_size])
+                    pending = pending[chunk_size:]
+            if pending:
+                total += evaluate(pending)
         return total
 
     def _patient_losses(self, patients: list[int], pl_module: pl.LightningModule) -> Tensor:
         """The mean loss of each of this rank's patients of the round (a private energy's per-unit losses)."""
-        values = [s / max(n, 1) for s, n in (self._patient_loss(p, pl_module) for p in patients)]
+        streams = self._streams("energy", pl_module)
+        values = [
+            self._images_loss([p], self.local_batch_size, pl_module, streams) / max(len(self._patient_groups[p]), 1)
+            for p in patients
+        ]
         return torch.tensor(values, dtype=torch.float64)
 
     def _private_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> None:
@@ -980,9 +1055,11 @@ class P3SGD(DPCallback):
         state.refresh()  # what a round releases follows requires_grad and train/eval modes
         patients = self.sampler.sample().tolist()
         mine = patients[trainer.global_rank :: trainer.world_size]
-        local_generator = torch.Generator().manual_seed(
-            int(torch.randint(2**62, (1,), generator=self.sampler.generator))
-        )
+        # The round's secret: every patient's image order, augmentation and dropout are drawn from streams keyed by it
+        # and the patient's id (sampling.randomness), never from the global generators that seed_everything seeds. It
+        # is a function of the secret seed and the round's number alone, not of the patients sampled before.
+        assert self._units_seed is not None
+        self._round_secret = unit_seed(self._units_seed, "p3sgd-round", self.rounds)
         # θ_t and the clipped sum live in kept workspaces: fresh model-sized vectors cost page faults every round.
         theta, other = state.vector(out=state.workspace("theta")), state.snapshot_other_buffers()
         if self._clipper is not None or self._stacked is not None:
@@ -995,17 +1072,19 @@ class P3SGD(DPCallback):
             clipped_sum = state.workspace("clipped_sum").zero_()
             stats = torch.zeros(4, dtype=torch.float64)  # patients, clipped, norm sum, non-finite
             with torch.enable_grad():
+                if self._clipper is not None or self._stacked is not None:
+                    self.vectorized_rounds += 1
                 if self._clipper is not None:
-                    self._vectorized_updates(mine, pl_module, clipped_sum, stats)
-                    self.vectorized_rounds += 1
-                elif self._stacked is not None and self._stacked_round(
-                    mine, pl_module, clipped_sum, stats, local_generator, (theta, other)
+                    self._vectorized_updates(mine, pl_module, clipped_sum, stats, self._streams("patient", pl_module))
+                elif self._stacked is None or not self._stacked_round(
+                    mine, pl_module, clipped_sum, stats, (theta, other)
                 ):
-                    self.vectorized_rounds += 1
-                else:
+                    streams = self._streams("patient", pl_module)
                     for patient in mine:
                         state.load(theta, other)
-                        self._local_update(self._patient_groups[patient], pl_module, local_generator)
+                        key = self._patient_keys[patient]
+                        with streams.unit(key):  # the patient's augmentation and dropout: its own stream
+                            self._local_update(self._patient_groups[patient], pl_module, streams.generator(key))
                         norm, clipped, finite = state.add_clipped_change(theta, clipped_sum, self.clip_norm)
                         stats += torch.tensor(
                             [1.0, float(clipped), norm if finite else 0.0, float(not finite)], dtype=torch.float64
@@ -1035,6 +1114,7 @@ class P3SGD(DPCallback):
             state.load(theta, other)
             raise
         finally:
+            self._round_secret = None
             state.wipe_workspaces()  # a patient's raw change and the un-noised sum do not outlive the round
             if self._clipper is not None:
                 self._clipper.reset()  # nor does the batched path's un-noised gradient sum

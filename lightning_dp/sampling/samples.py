@@ -20,12 +20,13 @@ from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
 from lightning_dp.errors import PrivacyConfigError, check_count, check_sample_rate
 from lightning_dp.sampling.patients import inclusion_threshold, secure_seed
+from lightning_dp.sampling.randomness import UnitStreams
 
 __all__ = ["LogicalBatch", "PoissonBatches", "PoissonSampleSampler", "identity_collate"]
 
 
-def _step_seed(seed: int, step: int) -> int:
-    digest = hashlib.sha256(f"lightning-dp/poisson/{seed}/{step}".encode()).digest()
+def _step_seed(seed: int, step: int, purpose: str = "poisson") -> int:
+    digest = hashlib.sha256(f"lightning-dp/{purpose}/{seed}/{step}".encode()).digest()
     return int.from_bytes(digest[:8], "little") >> 1
 
 
@@ -80,17 +81,27 @@ class PoissonSampleSampler:
         """This rank's share of step ``step``'s sample."""
         return self.indices(step)[self.rank :: self.world_size]
 
+    def unit_secret(self, step: int) -> int:
+        """The secret of step ``step``'s per-sample random streams (augmentation, dropout): from the secret seed.
+
+        It seeds `lightning_dp.sampling.randomness.UnitStreams`: each sample's randomness in the step is a function
+        of this secret and the sample's index alone, never of the other samples in the step or of a public seed.
+        """
+        return _step_seed(self.seed, step, "units")
+
 
 class LogicalBatch(NamedTuple):
     """One DP step's data on this rank: the step number, its number of samples and its physical chunks (collated).
 
     With augmentation multiplicity K a chunk of s samples holds s·K rows (each sample's K views, consecutive);
-    ``size`` counts samples.
+    ``size`` counts samples. ``indices`` are the samples' dataset indices, in the chunks' order (they key each
+    sample's random streams in the step).
     """
 
     step: int
     size: int
     chunks: list[Any]
+    indices: tuple[int, ...] = ()
 
 
 class PoissonBatches(IterableDataset[LogicalBatch]):
@@ -105,6 +116,11 @@ class PoissonBatches(IterableDataset[LogicalBatch]):
     (``dataset[i]`` K times: a dataset with a random transform gives K augmented views), so a chunk of
     s samples holds s·K rows, sample-major, and a sample's views are never split across chunks. The
     sample itself, and so the privacy accounting, is the same as with K = 1.
+
+    Each sample is fetched drawing from a random stream of its own (`UnitStreams` keyed by the step's secret,
+    `PoissonSampleSampler.unit_secret`, and the sample's index): its augmentation does not depend on the other
+    samples of the step, nor on the global generators that ``seed_everything`` seeds, in the main process and in
+    DataLoader workers alike.
 
     Args:
         dataset: the map-style training dataset.
@@ -156,11 +172,14 @@ class PoissonBatches(IterableDataset[LogicalBatch]):
         """The logical batch of ``step`` on this rank."""
         indices: Sequence[int] = self.sampler.local_indices(step).tolist()
         size, views = self.max_physical_batch_size, self.augmentation_multiplicity
+        streams = UnitStreams(self.sampler.unit_secret(step), "data")
         chunks = [
-            self.collate_fn([self.dataset[i] for i in indices[start : start + size] for _ in range(views)])
+            self.collate_fn(
+                [item for i in indices[start : start + size] for item in streams.fetch(self.dataset, [i], i, views)]
+            )
             for start in range(0, len(indices), size)
         ]
-        return LogicalBatch(step, len(indices), chunks)
+        return LogicalBatch(step, len(indices), chunks, tuple(indices))
 
     def __iter__(self) -> Iterator[LogicalBatch]:
         info = get_worker_info()

@@ -141,8 +141,8 @@ class _SampleLossSpy:
     def __init__(self, cb: DPSGD) -> None:
         self.cb, self.original, self.calls = cb, cb._sample_losses, 0
 
-    def __call__(self, pl_module: Any, batch: LogicalBatch) -> Tensor:
-        losses = self.original(pl_module, batch)
+    def __call__(self, pl_module: Any, batch: LogicalBatch, streams: Any) -> Tensor:
+        losses = self.original(pl_module, batch, streams)
         with torch.no_grad():
             rows = [F.cross_entropy(pl_module(c[0]), c[1], reduction="none") for c in batch.chunks]
             expected = torch.cat(rows).double().reshape(batch.size, K).mean(1).cpu() if rows else losses

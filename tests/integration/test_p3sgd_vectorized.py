@@ -17,6 +17,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_dp.callbacks import P3SGD
+from lightning_dp.sampling.randomness import UnitStreams
 from tests.helpers.patients import TinyClassifier, TinyPatientDataModule
 
 COUNTS = [1, 4, 7, 2, 5, 3, 6, 2, 1, 7, 4, 3]  # images of each patient
@@ -185,10 +186,11 @@ class _Probe(pl.Callback):
                 state.load(theta, other)
                 self.loop[p] = out
                 out, stats = torch.zeros_like(theta), torch.zeros(4, dtype=torch.float64)
-                cb._vectorized_updates([p], pl_module, out, stats)
+                cb._vectorized_updates([p], pl_module, out, stats, UnitStreams(0, "patient"))
                 self.alone[p] = (out, stats)
             self.together = torch.zeros_like(theta)
-            cb._vectorized_updates(patients, pl_module, self.together, torch.zeros(4, dtype=torch.float64))
+            zeros = torch.zeros(4, dtype=torch.float64)
+            cb._vectorized_updates(patients, pl_module, self.together, zeros, UnitStreams(0, "patient"))
         assert torch.equal(state.vector(), theta), "the batched pass must not change the model"
 
 

@@ -1,0 +1,164 @@
+"""Each unit's training randomness depends on that unit alone (issue 31, item 2).
+
+Augmentation in the dataset, dropout in the model and the order of a patient's images are part of the mechanism.
+At q = 1 every unit is in the step, so adding one unit may move the clipped sum by at most C (its own clipped
+contribution): the other units' flips, jitter and dropout masks must stay what they were. Before the fix they were
+drawn from the global generator that every config seeds publicly (``seed_everything``), in the order the units were
+processed, and one unit moved the sum by 3.8·C (P3SGD) and 6.4·C (DPSGD). Each case runs the same callback seed
+twice, on D and on D plus one unit appended (its index or id comes last, so the others keep theirs), and compares
+the clipped sums the release received (1e-4·C allows for the float round-off of a sum in another order).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import pytorch_lightning as pl
+import torch
+from torch import Tensor, nn
+from torch.utils.data import DataLoader
+
+from lightning_dp.callbacks import DPSGD, P3SGD
+from lightning_dp.training.step import PrivateStep
+from tests.helpers.patients import TinyClassifier, TinyPatientDataset
+from tests.helpers.samples import IndexedSamples
+
+CLIP = 0.05  # below every unit's norm: each unit contributes exactly C
+
+
+class _Augmented:
+    """Random sign flips and jitter drawn from the global generator, as torchvision's transforms draw them."""
+
+    def __getitem__(self, i: int) -> Any:
+        x, *rest = super().__getitem__(i)  # type: ignore[misc]
+        sign = 1.0 if float(torch.rand(())) < 0.5 else -1.0
+        return (sign * x + 0.3 * torch.randn_like(x), *rest)
+
+
+class _Samples(_Augmented, IndexedSamples):
+    def drop_last(self) -> _Samples:
+        """D: the same samples without the last one (generated once, so that the others are identical)."""
+        self.x, self.y = self.x[:-1], self.y[:-1]
+        return self
+
+
+class _PatientImages(_Augmented, TinyPatientDataset):
+    def drop_last(self) -> _PatientImages:
+        """D: the same patients without the last one."""
+        last = self.num_patients - 1
+        keep = len(self.y) - len(self.patient_to_indices.pop(last))
+        self.x, self.y, self.patient = self.x[:keep], self.y[:keep], self.patient[:keep]
+        self.num_patients = last
+        return self
+
+
+class _Data(pl.LightningDataModule):
+    def __init__(self, dataset: Any, workers: int = 0) -> None:
+        super().__init__()
+        self.train_dataset = dataset
+        self.workers = workers
+
+    def train_dataloader(self) -> DataLoader:  # type: ignore[type-arg]
+        return DataLoader(self.train_dataset, batch_size=8, num_workers=self.workers)
+
+
+class _DropoutNet(TinyClassifier):
+    def __init__(self, dropout: bool = True) -> None:
+        super().__init__(batchnorm=False)
+        if dropout:
+            self.net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.5), nn.Linear(16, 2))
+
+
+def _sums(monkeypatch: pytest.MonkeyPatch) -> list[Tensor]:
+    """The clipped sums handed to the release, step by step."""
+    seen: list[Tensor] = []
+    original = PrivateStep.__call__
+
+    def record(self: PrivateStep, step: int, clipped_sum: Tensor, *args: Any, **kwargs: Any) -> Any:
+        seen.append(clipped_sum.detach().clone())
+        return original(self, step, clipped_sum, *args, **kwargs)
+
+    monkeypatch.setattr(PrivateStep, "__call__", record)
+    return seen
+
+
+def _fit(root: Path, dropout: bool, callback: pl.Callback, data: pl.LightningDataModule) -> None:
+    pl.seed_everything(0, verbose=False)  # what every shipped config does: a public seed
+    model = _DropoutNet(dropout)  # the same initial weights in every run
+    trainer = pl.Trainer(
+        max_steps=1,
+        callbacks=[callback],
+        default_root_dir=root,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
+    trainer.fit(model, data)
+
+
+def _moved_by_one_unit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, run: Any) -> tuple[float, float]:
+    """(‖sum(D + unit) − sum(D)‖ / C, ‖sum(D)‖ / C) for ``run(root, with_unit)``."""
+    sums = _sums(monkeypatch)
+    run(tmp_path / "without", False)
+    run(tmp_path / "with", True)
+    without, with_unit = sums
+    return float((with_unit - without).norm()) / CLIP, float(without.norm()) / CLIP
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_dpsgd_one_sample_moves_the_sum_by_at_most_c(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, workers: int
+) -> None:
+    def run(root: Path, with_unit: bool) -> None:
+        data = _Samples(num_samples=17) if with_unit else _Samples(num_samples=17).drop_last()
+        callback = DPSGD(clip_norm=CLIP, noise_multiplier=1.0, sample_rate=1.0, max_physical_batch_size=6, seed=3)
+        _fit(root, True, callback, _Data(data, workers))
+
+    moved, total = _moved_by_one_unit(tmp_path, monkeypatch, run)
+    assert total > 2  # the others' sum is large: a change of their randomness would show
+    assert moved <= 1 + 1e-4
+
+
+@pytest.mark.parametrize(
+    ("path", "settings", "dropout"),
+    [
+        ("loop", {}, True),  # Dropout: each patient trained alone, its masks from its own stream
+        ("batched", {"vectorize": "auto"}, False),  # one local step: one batched pass, images fetched per patient
+        ("stacked", {"vectorize": "auto", "local_epochs": 2, "local_batch_size": 2}, False),
+    ],
+)
+def test_p3sgd_one_patient_moves_the_sum_by_at_most_c(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, path: str, settings: dict[str, Any], dropout: bool
+) -> None:
+    callbacks: list[P3SGD] = []
+
+    def run(root: Path, with_unit: bool) -> None:
+        data = _PatientImages(num_patients=9, per_patient=3)
+        data = data if with_unit else data.drop_last()
+        callback = P3SGD(sample_rate=1.0, clip_norm=CLIP, local_lr=0.5, seed=3, **settings)
+        callbacks.append(callback)
+        _fit(root, dropout, callback, _Data(data))
+
+    moved, total = _moved_by_one_unit(tmp_path, monkeypatch, run)
+    assert [cb.round_path for cb in callbacks] == [path, path]
+    assert total > 2
+    assert moved <= 1 + 1e-4
+
+
+def test_p3sgd_paths_agree_on_augmented_patients(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A patient draws the same augmentation on every path: stacked local SGD gives the loop's clipped sum."""
+    sums = _sums(monkeypatch)
+    paths = []
+    for mode in ("auto", False):
+        callback = P3SGD(
+            sample_rate=1.0, clip_norm=1.0, local_lr=0.5, seed=3, local_epochs=2, local_batch_size=2, vectorize=mode
+        )
+        _fit(tmp_path / str(mode), False, callback, _Data(_PatientImages(num_patients=6, per_patient=3)))
+        paths.append(callback.round_path)
+    assert paths == ["stacked", "loop"]
+    stacked, loop = sums
+    assert float((stacked - loop).norm()) <= 1e-5 * float(loop.norm())
