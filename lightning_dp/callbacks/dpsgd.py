@@ -439,7 +439,9 @@ class DPSGD(DPCallback):
             )
         self._sync_clipper(pl_module)
         assert self.clipper is not None
-        buffers = BufferSnapshot(pl_module)  # every dtype: an int count or a bool flag is released like a mean
+        # Buffers of every dtype (an int count or a bool flag is released like a mean) and parameters, whatever their
+        # requires_grad: a training_step that writes one (a weight average, an input mean) releases it un-noised.
+        buffers = BufferSnapshot(pl_module, parameters=True)
         self.clipper.reset()
         stats = torch.zeros(4, dtype=torch.float64)  # samples, clipped, norm sum, non-finite
         scale = [_INITIAL_LOSS_SCALE if self._fp16 else 1.0]
@@ -461,9 +463,11 @@ class DPSGD(DPCallback):
         if changed:
             buffers.restore()
             raise UnsupportedModelError(
-                f"`DPSGD`: the training step changed buffers of {type(pl_module).__name__} ({changed[:5]}): running "
-                "statistics, counts or flags updated from private samples (buffers of any dtype are in the "
-                "checkpoint) would be released without noise. They were restored and nothing was released. HINT: "
+                f"`DPSGD`: the training step changed buffers or parameters of {type(pl_module).__name__} "
+                f"({changed[:5]}) outside the gradient step: running statistics, counts, flags or averages updated "
+                "from private samples (buffers of any dtype and parameters, frozen or not, are in the checkpoint) "
+                "would be released without noise. Buffers and frozen parameters were restored and nothing was "
+                "released. HINT: "
                 "freeze them (eval mode, or compute them from public data before training); a count of steps is "
                 "public: keep it outside the model's buffers (a plain attribute, or update it in a callback's "
                 "on_train_batch_end)."

@@ -79,6 +79,7 @@ from lightning_dp.sanitization import (
     Selection,
     updates,
 )
+from lightning_dp.sanitization.buffers import BufferSnapshot
 from lightning_dp.sanitization.per_sample import PerSampleClipper
 from lightning_dp.sanitization.release import check_scales
 from lightning_dp.schedules import ConstantNoise, NoiseSchedule
@@ -107,7 +108,7 @@ __all__ = ["P3SGD"]
 _CAUSES = {
     "coupled": "the loss or a layer couples the images of a batch (a class-weighted mean, batch statistics)",
     "not_per_sample": "part of the gradient is not computed per image (a parameter used outside its own layer)",
-    "buffers": "training_step changes buffers of the model",
+    "buffers": "training_step changes buffers or frozen parameters of the model",
 }
 
 
@@ -645,23 +646,19 @@ class P3SGD(DPCallback):
                     self.local_momentum,
                     self.local_weight_decay,
                 )
-                buffers = {name: (b, b.detach().clone()) for name, b in pl_module.named_buffers()}
+                before = BufferSnapshot(pl_module, parameters=True)  # buffers and frozen parameters, by value
                 check = UnitStreams(0, "patient", pl_module.device)
                 orders = self._local_orders(pseudo, [check.generator(k) for k in range(len(pseudo))])
                 final = stacked.run(self._stacked_steps(orders, pl_module, check, list(range(len(pseudo)))))
-                after = dict(pl_module.named_buffers())
-                changed = [
-                    name
-                    for name, (b, value) in buffers.items()
-                    if after.get(name) is not b or not torch.equal(b.detach(), value)
-                ] + [name for name in after if name not in buffers]
+                changed = before.changed()
         except Exception as err:  # noqa: BLE001 - whatever torch.func refuses, the loop still runs the model
             # The exception's type only: its message could quote values computed from the training images.
             return f"torch.func cannot run training_step on stacked batches ({type(err).__name__})"
         finally:
             state.load(theta, other)
         if changed:
-            return f"training_step changes buffers ({', '.join(changed[:3])}{', ...' if len(changed) > 3 else ''})"
+            listed = f"{', '.join(changed[:3])}{', ...' if len(changed) > 3 else ''}"
+            return f"training_step changes buffers or frozen parameters ({listed})"
         by_id = {id(p): s for p, s in zip(used, final)}
         with torch.no_grad():
             for k, change in enumerate(looped):

@@ -4,6 +4,11 @@ A buffer is in ``state_dict()`` and in a published checkpoint whatever its dtype
 (``int64``) or a flag set from the labels (``bool``) is as much a release as a running mean. A step can change
 a buffer in place (``self.count += …``) or re-assign it (``self.count = self.count + …``: the module then holds a
 new tensor and the old one is unchanged), or register a new one; all three are seen here, by name.
+
+So is a parameter, whatever its ``requires_grad`` says: a weight average or a running input mean kept in a frozen
+``nn.Parameter`` and updated by ``training_step`` is in the checkpoint too. With ``parameters=True`` a snapshot
+also holds the frozen parameters by value (restored like buffers) and watches the trainable ones by identity and
+version counter (an in-place write by ``training_step`` bumps it; what the optimizer does afterwards is not seen).
 """
 
 from __future__ import annotations
@@ -11,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-__all__ = ["BufferSnapshot", "reseat", "same_values"]
+__all__ = ["BufferSnapshot", "reseat", "reseat_parameters", "same_values"]
 
 
 def same_values(a: Tensor, b: Tensor) -> bool:
@@ -37,6 +42,9 @@ class BufferSnapshot:
         module: the module.
         names: the buffers to hold (qualified names); all of them if None. Only then is a buffer registered
             after the snapshot counted as a change (and removed by `restore`).
+        parameters: also watch the parameters: the frozen ones by value (restored by `restore`), the trainable ones
+            by identity and version counter (an in-place write or a re-assignment is a change; `restore` puts a
+            re-assigned one back but cannot undo an in-place write), and a parameter registered since.
 
     Example:
         >>> net = nn.BatchNorm1d(2)
@@ -48,12 +56,18 @@ class BufferSnapshot:
         ([], 0)
     """
 
-    def __init__(self, module: nn.Module, names: list[str] | None = None) -> None:
+    def __init__(self, module: nn.Module, names: list[str] | None = None, parameters: bool = False) -> None:
         self.module = module
         self.complete = names is None
         named = dict(module.named_buffers())
         chosen = list(named) if names is None else names
         self.entries = [(name, named[name], named[name].detach().clone()) for name in chosen]
+        params = dict(module.named_parameters()) if parameters else {}
+        #: Frozen parameters, by value: (name, the Parameter, its value).
+        self.frozen = [(n, p, p.detach().clone()) for n, p in params.items() if not p.requires_grad]
+        #: Trainable parameters, by identity and version counter.
+        self.trained = [(n, p, p._version) for n, p in params.items() if p.requires_grad]
+        self.parameters = parameters
 
     def tensors(self) -> list[Tensor]:
         """The held buffers (the tensor objects that were in the module at the snapshot)."""
@@ -66,6 +80,12 @@ class BufferSnapshot:
         if self.complete:
             known = {name for name, _, _ in self.entries}
             changed += [name for name in now if name not in known]
+        if self.parameters:
+            params = dict(self.module.named_parameters())
+            changed += [n for n, p, old in self.frozen if params.get(n) is not p or not same_values(p.detach(), old)]
+            changed += [n for n, p, version in self.trained if params.get(n) is not p or p._version != version]
+            known = {n for n, _, _ in self.frozen} | {n for n, _, _ in self.trained}
+            changed += [n for n in params if n not in known]
         return changed
 
     @torch.no_grad()
@@ -82,6 +102,32 @@ class BufferSnapshot:
                 ref.data = old.clone()
             else:
                 ref.copy_(old)
+        if self.parameters:
+            held = [(n, p) for n, p, _ in self.frozen] + [(n, p) for n, p, _ in self.trained]
+            reseat_parameters(self.module, held)
+            for _, p, old in self.frozen:
+                if p.shape != old.shape:
+                    p.data = old.clone()
+                else:
+                    p.copy_(old)
+
+
+def reseat_parameters(module: nn.Module, parameters: list[tuple[str, nn.Parameter]]) -> None:
+    """Makes each named parameter of ``module`` the given Parameter again; parameters registered since are removed.
+
+    Values are not touched.
+    """
+    held = set()
+    for name, ref in parameters:
+        owner, leaf = _owner(module, name)
+        if owner._parameters.get(leaf) is not ref:  # re-assigned, set to None or deleted
+            owner.__dict__.pop(leaf, None)
+            owner._buffers.pop(leaf, None)
+            owner._parameters[leaf] = ref
+        held.add(name)
+    for name in [n for n, _ in module.named_parameters() if n not in held]:
+        owner, leaf = _owner(module, name)
+        delattr(owner, leaf)
 
 
 def reseat(module: nn.Module, buffers: list[tuple[str, Tensor]], remove_others: bool = False) -> None:

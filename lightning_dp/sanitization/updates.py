@@ -5,8 +5,10 @@ trainable parameters *and* the running statistics of normalization layers in tra
 (BatchNorm, InstanceNorm with ``track_running_stats``), plus any buffer the user names. They go
 through the same clipping and noise. Every other buffer — integer buffers (``num_batches_tracked``),
 the buffers of modules in eval mode (a frozen backbone), and constants such as an input-normalization
-mean, a pruning mask or a spectral-norm vector — is restored after each unit's local update: no
-statistic of private data leaves un-sanitized, and no constant drifts with the noise.
+mean, a pruning mask or a spectral-norm vector — is restored after each unit's local update, and so is
+every frozen parameter (``requires_grad=False``: a weight average or a running input mean that ``training_step``
+keeps in a frozen ``nn.Parameter`` is as much a release as a buffer): no statistic of private data leaves
+un-sanitized, and no constant drifts with the noise.
 
 A released running variance is noised like everything else, so it can come out near zero or negative. What
 is loaded into the buffer is floored at a public ``variance_floor`` (a fraction of the variance the module had
@@ -25,7 +27,7 @@ from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _NormBase
 
 from lightning_dp.errors import PrivacyConfigError, check_in_interval
-from lightning_dp.sanitization.buffers import reseat
+from lightning_dp.sanitization.buffers import reseat, reseat_parameters
 
 __all__ = ["ClipResult", "ModelState", "clip_factor", "clip_update"]
 
@@ -35,7 +37,7 @@ class ModelState:
 
     Released: the trainable parameters, the running statistics of normalization layers in training
     mode, and the float buffers named in ``release_buffers``, as they are when `refresh` is called (at
-    the start of every round). All other buffers are kept aside and restored by `load`.
+    the start of every round). All other buffers and the frozen parameters are kept aside and restored by `load`.
 
     Args:
         module: the model.
@@ -90,6 +92,8 @@ class ModelState:
         # buffers), computed once from the variances the module starts with.
         self._floors: dict[str, Tensor] = {}
         self._workspaces: dict[str, Tensor] = {}
+        #: (version counter, data pointer) of each kept-aside tensor when its saved value was last in it.
+        self._written: dict[int, tuple[int, int]] = {}
         for name, m in module.named_modules():
             if isinstance(m, _NormBase) and m.running_var is not None:
                 v0 = m.running_var.detach().double().cpu()
@@ -118,6 +122,7 @@ class ModelState:
                 floor = torch.zeros(var.shape)
             self.variance_floors.append((var, floor.to(device=var.device, dtype=var.dtype)))
         self.params = [p for p in module.parameters() if p.requires_grad]
+        self._param_names = list(module.named_parameters())
         statistics = {id(t) for m in norms for t in (m.running_mean, m.running_var) if t is not None}
         named = dict(module.named_buffers())  # one name per tensor
         statistics |= {id(named[name]) for name in self.release_buffers}
@@ -125,7 +130,10 @@ class ModelState:
         self._float_names = [n for n, b in named.items() if b.is_floating_point() and id(b) in statistics]
         self.float_buffers = [named[n] for n in self._float_names]
         released = {id(b) for b in self.float_buffers}
-        self.other_buffers = [b for b in named.values() if id(b) not in released]
+        #: What `load` restores: the buffers that are not released and the frozen parameters.
+        self.other_buffers = [b for b in named.values() if id(b) not in released] + [
+            p for p in module.parameters() if not p.requires_grad
+        ]
         self.numel = sum(t.numel() for t in self._released())
 
     @property
@@ -211,6 +219,8 @@ class ModelState:
 
     @torch.no_grad()
     def snapshot_other_buffers(self) -> list[Tensor]:
+        """Copies of the tensors `load` restores (the buffers that are not released, the frozen parameters)."""
+        self._written = {id(b): (b._version, b.data_ptr()) for b in self.other_buffers}
         return [b.detach().clone() for b in self.other_buffers]
 
     @torch.no_grad()
@@ -226,10 +236,12 @@ class ModelState:
 
         With ``add``, ``vector + alpha·add`` is written tensor by tensor, with no model-sized temporary.
 
-        A buffer re-assigned since `refresh` (``self.count = self.count + …`` in ``training_step``) gets its original
-        tensor back, and a buffer registered since is removed: the module holds no tensor a patient's data made.
+        A buffer or parameter re-assigned since `refresh` (``self.count = self.count + …`` in ``training_step``) gets
+        its original tensor back, and one registered since is removed: the module holds no tensor a patient's data
+        made. ``other_buffers`` (from `snapshot_other_buffers`) go back into the tensors that were written since.
         """
         reseat(self.module, self._buffer_names, remove_others=True)
+        reseat_parameters(self.module, self._param_names)
         offset = 0
         for t in self._released():
             n = t.numel()
@@ -246,7 +258,11 @@ class ModelState:
             offset += n
         if other_buffers is not None:
             for b, saved in zip(self.other_buffers, other_buffers):
-                b.copy_(saved)
+                # Written since its value was saved or last restored (an in-place write bumps the version counter;
+                # a `.data` swap changes the pointer): restore it. A large frozen backbone is not copied for nothing.
+                if self._written.get(id(b)) != (b._version, b.data_ptr()):
+                    b.copy_(saved)
+                    self._written[id(b)] = (b._version, b.data_ptr())
         # Noise can push a running variance to zero or below; flooring it is post-processing (costs no privacy).
         # A NaN variance (only a NaN in the model itself can put one there) becomes the floor as well.
         for var, floor in self.variance_floors:

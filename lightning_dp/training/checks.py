@@ -293,7 +293,8 @@ class IndependenceCheck:
         module, step = self.module, self.training_step
         singles = [take(batch, i, size) for i in range(size)]
         params = [p for p in module.parameters() if p.requires_grad]
-        before = BufferSnapshot(self.module)  # every dtype: an int count or a bool flag is a release too
+        # Buffers of every dtype (an int count or a bool flag is a release too) and parameters, frozen or not.
+        before = BufferSnapshot(self.module, parameters=True)
         with dropout_off(module):
             alone_losses = [self._reduced(self.loss_of(step(s, 0)), 1) for s in singles]
             alone_grads = [self._gradient(loss, params) for loss in alone_losses]
@@ -377,9 +378,10 @@ def refuse_cause(name: str, cause: Cause | None) -> None:
     if cause == "buffers":
         raise UnsupportedModelError(
             f"`DPSGD`: a training step of {name} changes buffers of the model (running statistics that are not "
-            "BatchNorm's: a custom normalizer, a quantization observer, ActNorm) or counts and flags (int and bool "
-            "buffers). They would be released without noise. HINT: freeze them (eval mode, or compute them from "
-            "public data before training)."
+            "BatchNorm's: a custom normalizer, a quantization observer, ActNorm), counts and flags (int and bool "
+            "buffers), or parameters outside the gradient step (a weight average or an input mean kept in an "
+            "nn.Parameter, frozen or not). They would be released without noise. HINT: freeze them (eval mode, or "
+            "compute them from public data before training)."
         )
     if cause == "coupled":
         raise UnsupportedModelError(
