@@ -16,6 +16,12 @@ the ledger's accountant (RDP by default), and the thesis' closed form ε = ρ + 
 comparison (it is a valid but looser bound). The noise is drawn, and the ledger charged, by
 `GaussianRelease` — the same call the training engines use; nothing here draws noise of its own.
 
+The noise's seed comes from the OS CSPRNG for every release by default. With a user ``seed`` it is derived
+from that seed *and* a digest of what is released (the teachers' codes among it), so the release is then a
+deterministic function of (seed, codes): whoever has the seed can recompute the noise of both neighbouring
+data sets and tell them apart with certainty. The ε holds only while the seed stays secret; a `PrivacyWarning`
+says so whenever a seed is set.
+
 A student trained on the public inputs and the decoded maps ĝ(z̄_n) is post-processing of the release.
 """
 
@@ -23,6 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -34,6 +41,7 @@ from lightning_dp.callbacks.base import state_digest
 from lightning_dp.errors import (
     PrivacyBudgetExceededError,
     PrivacyConfigError,
+    PrivacyWarning,
     check_count,
     check_finite_positive,
     check_in_interval,
@@ -305,6 +313,18 @@ class PATEReport:
 _NOISE_DOMAIN = b"lightning-dp/pate-noise-seed/v1"
 
 
+def _seeded_release_message(owner: str) -> str:
+    """The `PrivacyWarning` of a release whose noise is seeded by the user (it never holds the seed's value)."""
+    return (
+        f"`{owner}(seed=...)`: the aggregation noise is derived from this seed and a digest of the teachers' codes, "
+        "so the released labels are a deterministic function of (seed, codes): anyone who has the seed can "
+        "recompute the noise for two neighbouring data sets and tell them apart with certainty. The ε reported "
+        "holds only while the seed stays as secret as the patients' data (and cannot be guessed: small numbers "
+        "such as 0 can); the release file does not store it, but your config or script does. HINT: seed=None (the "
+        "default) draws every release's noise from the OS CSPRNG; set a seed only for reproducibility studies."
+    )
+
+
 def _release_seed(seed: int | None, *request: object) -> int | None:
     """The noise seed of one release: BLAKE2b keyed with the user ``seed``, of a digest of ``request``.
 
@@ -312,9 +332,15 @@ def _release_seed(seed: int | None, *request: object) -> int | None:
     r = z₂/z₁, and exposes the teachers' mean code exactly; at z₁ = z₂ the difference of two releases is the
     noise-free difference of their means. So every release's generator is seeded from the user seed *and*
     what it releases (the ledger position, z, the codes or the request): different releases never share
-    noise, while the identical request repeats the identical release (which tells nothing new). The user
-    seed is the key — the only randomness; the request only separates releases, it never seeds the noise
-    alone. ``None`` stays ``None`` (fresh OS noise for every release).
+    noise, while the identical request repeats the identical release (which tells nothing new). ``None``
+    stays ``None`` (fresh OS noise for every release, independent of the data).
+
+    What holds with a seed: the noise is a deterministic function of the seed and of ``request`` — the
+    teachers' codes included, i.e. of the private data. The user seed is the only secret in it (the request
+    separates releases; without the seed it determines nothing): to whoever does not know the seed, the
+    generator's seed is a keyed BLAKE2b digest (63 bits) and the noise as unpredictable as that; to whoever
+    knows it, the noise of any candidate data set is known exactly and the release is not private at all
+    (hence the `PrivacyWarning` whenever a seed is set). A seed with few possible values can be guessed.
 
     Args:
         seed: the user's seed, or ``None``.
@@ -360,18 +386,23 @@ class PATEAggregator:
         target_epsilon: calibrate z to spend at most this ε.
         accountant: "rdp" (default) or "prv".
         ledger: the ledger to charge (a new patient-level one by default).
-        seed: key of the noise generator; ``None`` (default) draws the noise's seed from the OS at every call.
-            A given seed is mixed with the ledger's position, z and a digest of the codes
-            released: two different releases never share noise, even from two aggregators with the same seed
-            on one ledger, and only the identical request on the identical ledger position repeats its noise
-            (the identical release: no new information). The seed is the noise's only source of randomness:
-            with it, the noise is reproducible, so keep it as secret as the data.
+        seed: key of the noise generator; ``None`` (default) draws the noise's seed from the OS CSPRNG at every
+            call, independently of the data. A given seed is mixed with the ledger's position, z and a digest of
+            the codes released: two different releases never share noise, even from two aggregators with the
+            same seed on one ledger, and only the identical request on the identical ledger position repeats its
+            noise (the identical release: no new information). The noise is then a deterministic function of the
+            seed and the teachers' codes: anyone who has the seed tells two neighbouring data sets apart with
+            certainty, so the ε holds only while the seed stays as secret as the data (a `PrivacyWarning` says
+            so). The seed is kept in memory only, never in a report or a message.
+
+    Warns:
+        PrivacyWarning: ``seed`` is set (the release is reproducible by anyone who has it).
 
     Example:
         >>> from lightning_dp.segmentation import PCACompressor
         >>> g = torch.Generator().manual_seed(0)
         >>> pca = PCACompressor(code_dim=4).fit((torch.rand(20, 1, 4, 4, generator=g) > 0.5).float())
-        >>> agg = PATEAggregator(pca, num_teachers=3, delta=1e-7, target_epsilon=2.0, seed=0)
+        >>> agg = PATEAggregator(pca, num_teachers=3, delta=1e-7, target_epsilon=2.0)
         >>> result = agg.aggregate(torch.rand(3, 5, 1, 4, 4, generator=g))
         >>> result.maps.shape, result.report.num_queries, result.report.epsilon <= 2.0, agg.ledger.steps
         (torch.Size([5, 1, 4, 4]), 5, True, 5)
@@ -419,6 +450,8 @@ class PATEAggregator:
             )
         self.ledger = ledger if ledger is not None else PrivacyLedger("patient", delta)
         self.delta = float(delta)
+        if seed is not None:
+            warnings.warn(_seeded_release_message(owner), PrivacyWarning, stacklevel=2)
         self._seed = seed
 
     @property

@@ -17,7 +17,9 @@ settings, or resuming it from a checkpoint, reuses those labels and that ledger 
 a new aggregation over the same private patients (other settings, more queries, retrained teachers) is
 charged to the same ledger, so the ε reported grows with every release and is never reset. A damaged
 release file, one of other private data, or a resume that does not find the release its checkpoint was
-trained on is an error, never a silent fresh aggregation.
+trained on is an error, never a silent fresh aggregation. The release file never holds the noise ``seed``: a
+release is found by what it was made of (teachers, public images, settings), whatever the seed, and a seed set is
+warned about (whoever has it can recompute the noise; see `PATEAggregator`).
 
 The release is made when the training loader is first asked for (``train_dataloader``), not in ``setup``:
 Lightning restores a checkpoint's datamodule state (``load_state_dict``) after ``setup``, so only then is it
@@ -33,23 +35,32 @@ import hashlib
 import inspect
 import os
 import tempfile
+import warnings
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import pytorch_lightning as pl
 import torch
+from pytorch_lightning.utilities import rank_zero_warn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_dp.accounting import PrivacyLedger, get_accountant
 from lightning_dp.callbacks.base import state_digest
-from lightning_dp.errors import PrivacyBudgetExceededError, PrivacyConfigError, PrivacyStateError, check_in_interval
+from lightning_dp.errors import (
+    PrivacyBudgetExceededError,
+    PrivacyConfigError,
+    PrivacyStateError,
+    PrivacyWarning,
+    check_in_interval,
+)
 from lightning_dp.segmentation.compression import AutoencoderCompressor, Compressor
 from lightning_dp.segmentation.pate import (
     _SPENT,
     PATEAggregator,
     PATEReport,
     _release_seed,
+    _seeded_release_message,
     pate_noise_multiplier,
     thesis_epsilon_of_ledger,
 )
@@ -73,8 +84,10 @@ _SAME = (
 )
 #: Of those, the ones that define the private patients themselves (one ledger per set of private patients).
 _PRIVATE_DATA = tuple(key for key in _SAME if key not in ("num_teachers", "teacher_seed"))
-#: Format of the release file and of the checkpoint state.
-_RELEASE_FORMAT = 1
+#: Format of the release file. 2: requests no longer hold the noise seed (1 held it in clear; read, then rewritten).
+_RELEASE_FORMAT = 2
+#: Format of the checkpoint state (the digest of the release trained on).
+_STATE_FORMAT = 1
 #: The release file's name when ``release_path`` is not given (next to the teachers' checkpoints).
 _DEFAULT_RELEASE = "pate_release.pt"
 #: Errors of rank 0's release that every rank raises as they are (others become a PrivacyStateError).
@@ -98,7 +111,12 @@ class PATEStudentDataModule(pl.LightningDataModule):
         batch_size: batch size of the student's training loader.
         seed: key of the aggregation noise, mixed with a digest of the request (teachers' checkpoint digests,
             public images, settings) and the ledger's position, so that two different releases never share
-            noise, in one release file or in two; ``None`` (default) draws fresh noise from the OS.
+            noise, in one release file or in two; ``None`` (default) draws fresh noise from the OS CSPRNG,
+            independent of the data. With a seed, the labels are a deterministic function of the seed and the
+            teachers' codes: whoever has it tells two neighbouring data sets apart with certainty, so the ε holds
+            only while the seed stays as secret as the data (a `PrivacyWarning` says so). The seed is not
+            stored in the release file, the report or the checkpoint state, and it does not choose among stored
+            releases: a release is reused by what it was made of, whatever the seed.
         report_path: where the PATE privacy report is written (text); ``None``: not written.
         release_path: the release file: the noisy labels of every aggregation over these private patients and
             the one ledger they were charged to (SHA-256 checked). An aggregation whose teachers (checkpoint
@@ -114,6 +132,9 @@ class PATEStudentDataModule(pl.LightningDataModule):
             (raised by ``train_dataloader``, before any noise is drawn or any file written).
         PrivacyBudgetExceededError: a new aggregation does not fit under ``target_epsilon`` with the releases
             already in the file.
+
+    Warns:
+        PrivacyWarning: ``seed`` is set (the labels are reproducible by anyone who has it).
     """
 
     def __init__(
@@ -164,6 +185,8 @@ class PATEStudentDataModule(pl.LightningDataModule):
                 "the teachers' checkpoints)."
             )
         self.release_path = str(release_path)
+        if seed is not None:
+            rank_zero_warn(_seeded_release_message(owner), category=PrivacyWarning)
         self.report: PATEReport | None = None
         self._train: TensorDataset | None = None
         self._release_digest: str | None = None
@@ -263,7 +286,8 @@ class PATEStudentDataModule(pl.LightningDataModule):
         if self.num_queries is not None:
             queries = queries[: self.num_queries]
 
-        # Everything that decides the labels; equal requests get the stored labels back, never fresh noise.
+        # Everything that decides the labels; equal requests get the stored labels back, never fresh noise. Not
+        # the noise seed: the request is stored in the release file in clear, and the seed must stay secret.
         request = {
             "teachers": [_file_digest(p) for p in self.checkpoints],
             "compressor": [type(self.compressor).__name__, _primitives(self.compressor)],
@@ -271,7 +295,6 @@ class PATEStudentDataModule(pl.LightningDataModule):
             "atlas": state_digest(atlas_masks),
             "target_epsilon": float(self.target_epsilon),
             "delta": float(self.delta),
-            "seed": self.seed,
             "accountant": "rdp",
         }
         self._private_data = {key: reference.get(key) for key in _PRIVATE_DATA}
@@ -315,13 +338,13 @@ class PATEStudentDataModule(pl.LightningDataModule):
             raise errors.get(outcome[1], PrivacyStateError)(
                 outcome[2] if outcome[1] in errors else f"rank 0's PATE release failed: {outcome[1]}: {outcome[2]}"
             )
-        _, request, digest, maps, report = outcome
+        _, request, digest, maps, report, accepted = outcome
         if request != self._request:
             raise PrivacyStateError(
                 "`PATEStudentDataModule`: rank 0 released labels for another request (teachers, public images or "
                 "settings) than this rank prepared. HINT: give every rank the same data and settings."
             )
-        if resumed is not None and digest != resumed:
+        if resumed is not None and resumed not in accepted:
             raise PrivacyStateError(
                 f"`PATEStudentDataModule`: the checkpoint was trained on the PATE release {resumed[:12]}…, but rank 0 "
                 f"released {digest[:12]}…. HINT: resume with the settings of the run that wrote the checkpoint."
@@ -333,12 +356,13 @@ class PATEStudentDataModule(pl.LightningDataModule):
                 Path(self.report_path).write_text(str(self.report) + "\n")
         self._train = TensorDataset(self._queries, maps.float())
 
-    def _release_once(self, resumed: str | None) -> tuple[dict[str, Any], str, torch.Tensor, PATEReport]:
+    def _release_once(self, resumed: str | None) -> tuple[dict[str, Any], str, torch.Tensor, PATEReport, list[str]]:
         """Reads the release file, reuses or makes the release (charged to the file's ledger) and writes it.
 
         Runs on one process, under an exclusive lock on the release file (two runs started together see each
         other's release). With ``resumed`` (the release a restored checkpoint was trained on), a file without
-        that release is an error raised before anything is drawn or written.
+        that release is an error raised before anything is drawn or written. Returns the request, the
+        release's digest, its maps, its report and the digests a checkpoint trained on it may hold.
         """
         assert self._request is not None
         request = self._request
@@ -353,7 +377,7 @@ class PATEStudentDataModule(pl.LightningDataModule):
                         "aggregation would draw new noise on a new ledger. Nothing was drawn or written. HINT: point "
                         "release_path at the file the first run wrote (restore it from a backup if it is lost)."
                     )
-                if entry is None or _entry_digest(entry) != resumed:
+                if entry is None or resumed not in _entry_digests(entry, self.seed):
                     raise PrivacyStateError(
                         f"`PATEStudentDataModule`: the checkpoint was trained on the PATE release {resumed[:12]}…, but "
                         f"with these teachers, public images and settings {self.release_path!r} "
@@ -361,10 +385,11 @@ class PATEStudentDataModule(pl.LightningDataModule):
                         + ". Nothing was drawn or written. HINT: resume with the settings of the run that wrote the "
                         "checkpoint."
                     )
-            ledger = store["ledger"]
+            ledger, fresh = store["ledger"], entry is None
             if entry is None:
                 entry = self._aggregate(request, ledger, self._queries, self._atlas_masks, len(store["releases"]))
                 store["releases"].append(entry)
+            if fresh or store["migrated"]:  # a new release, or a format-1 file that held the seed in clear
                 _write_release(self.release_path, self._private_data, ledger, store["releases"])
         report = PATEReport(**entry["report"])
         report = dataclasses.replace(
@@ -373,7 +398,7 @@ class PATEStudentDataModule(pl.LightningDataModule):
             thesis_epsilon=thesis_epsilon_of_ledger(ledger),
             ledger_queries=ledger.steps,
         )
-        return request, _entry_digest(entry), entry["maps"], report
+        return request, _entry_digest(entry), entry["maps"], report, _entry_digests(entry, self.seed)
 
     def _aggregate(
         self,
@@ -404,14 +429,16 @@ class PATEStudentDataModule(pl.LightningDataModule):
             z = pate_noise_multiplier(self.target_epsilon, self.delta, len(queries), before=ledger)
             self.compressor.bottleneck_noise = z * self.compressor.sensitivity / len(teachers)
         self.compressor.fit(atlas_masks)
-        aggregator = PATEAggregator(
-            self.compressor,
-            len(teachers),
-            delta=self.delta,
-            target_epsilon=self.target_epsilon,
-            ledger=ledger,
-            seed=_release_seed(self.seed, "student", request, index, ledger.steps),
-        )
+        with warnings.catch_warnings():  # this datamodule warned of its seed when it was built: not twice
+            warnings.filterwarnings("ignore", message=r"`PATEAggregator\(seed=\.\.\.\)`", category=PrivacyWarning)
+            aggregator = PATEAggregator(
+                self.compressor,
+                len(teachers),
+                delta=self.delta,
+                target_epsilon=self.target_epsilon,
+                ledger=ledger,
+                seed=_release_seed(self.seed, "student", request, index, ledger.steps),
+            )
         released = aggregator.aggregate(maps)
         return {
             "request": request,
@@ -425,7 +452,7 @@ class PATEStudentDataModule(pl.LightningDataModule):
         if self._release_digest is None:
             return {}
         state: dict[str, Any] = {
-            "format_version": _RELEASE_FORMAT,
+            "format_version": _STATE_FORMAT,
             "release": self._release_digest,
             "release_path": self.release_path,
         }
@@ -510,11 +537,20 @@ def _entry_digest(entry: dict[str, Any]) -> str:
     return state_digest({"request": entry["request"], "codes": entry["codes"], "maps": entry["maps"]})
 
 
+def _entry_digests(entry: dict[str, Any], seed: int | None) -> list[str]:
+    """The digests a checkpoint trained on ``entry`` may hold: today's, and format 1's (whose request held the seed).
+
+    The format-1 digest is recomputed from this run's seed, so a checkpoint written before still resumes; nothing
+    of it is stored.
+    """
+    return [_entry_digest(entry), _entry_digest({**entry, "request": {**entry["request"], "seed": seed}})]
+
+
 def _check_state(state: Any) -> str:
     """The release digest in a checkpoint's PATEStudentDataModule state, after checking its checksum."""
     if (
         not isinstance(state, dict)
-        or state.get("format_version") != _RELEASE_FORMAT
+        or state.get("format_version") != _STATE_FORMAT
         or not isinstance(state.get("release"), str)
         or state.get("checksum") != state_digest({k: v for k, v in state.items() if k != "checksum"})
     ):
@@ -526,9 +562,12 @@ def _check_state(state: Any) -> str:
 
 
 def _read_release(path: str, private_data: dict[str, Any], delta: float) -> dict[str, Any]:
-    """The release file's ledger and releases, checked (checksum, format, private data); empty if no file."""
+    """The release file's ledger and releases, checked (checksum, format, private data); empty if no file.
+
+    A format-1 file is read too, its requests without the ``seed`` they held (``migrated``: rewrite the file).
+    """
     if not os.path.exists(path):
-        return {"ledger": PrivacyLedger("patient", delta), "releases": []}
+        return {"ledger": PrivacyLedger("patient", delta), "releases": [], "migrated": False}
     hint = (
         "HINT: restore the file from a backup; if it is lost, what it spent is lost with it — do not start a "
         "fresh ledger over the same patients (the ε it would print would not count the earlier releases)."
@@ -545,7 +584,7 @@ def _read_release(path: str, private_data: dict[str, Any], delta: float) -> dict
             f"`PATEStudentDataModule`: the release file {path!r} is corrupt: its SHA-256 checksum does not match its "
             f"content (a damaged or edited file). Nothing was released. {hint}"
         )
-    if body.get("format_version") != _RELEASE_FORMAT:
+    if body.get("format_version") not in (1, _RELEASE_FORMAT):
         raise PrivacyStateError(
             f"`PATEStudentDataModule`: the release file {path!r} has format_version {body.get('format_version')!r}, "
             f"expected {_RELEASE_FORMAT}. HINT: use the lightning-dp version that wrote it."
@@ -563,7 +602,11 @@ def _read_release(path: str, private_data: dict[str, Any], delta: float) -> dict
         )
     ledger = PrivacyLedger("patient", 1e-7)
     ledger.load_state_dict(body["ledger"])
-    return {"ledger": ledger, "releases": list(body["releases"])}
+    releases = list(body["releases"])
+    migrated = body["format_version"] == 1
+    if migrated:
+        releases = [{**e, "request": {k: v for k, v in e["request"].items() if k != "seed"}} for e in releases]
+    return {"ledger": ledger, "releases": releases, "migrated": migrated}
 
 
 def _write_release(path: str, private_data: dict[str, Any], ledger: PrivacyLedger, releases: list[Any]) -> None:

@@ -2,18 +2,33 @@
 
 from __future__ import annotations
 
+import struct
 import types
+import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from lightning_dp.data import SyntheticSilhouettesDataModule
-from lightning_dp.errors import PrivacyBudgetExceededError, PrivacyStateError
+from lightning_dp.errors import PrivacyBudgetExceededError, PrivacyStateError, PrivacyWarning
 from lightning_dp.models import SegmentationModule
 from lightning_dp.segmentation import PATEStudentDataModule, PCACompressor, pate_epsilon
+from lightning_dp.training.privacy import state_digest
 
-DATA = {"num_patients": 16, "images_per_patient": 4, "image_size": 16, "public_fraction": 0.3, "augment": False}
+#: A seed that cannot be there by chance: its text and its binary forms are looked for in the files written.
+SEED = 918273645
+#: The warning of a seeded release (tests that set a seed on purpose ignore it; one test checks it).
+SEEDED = "ignore:`PATEStudentDataModule\\(seed=:lightning_dp.errors.PrivacyWarning"
+
+DATA: dict[str, Any] = {
+    "num_patients": 16,
+    "images_per_patient": 4,
+    "image_size": 16,
+    "public_fraction": 0.3,
+    "augment": False,
+}
 
 
 def _teachers(tmp: Path) -> list[str]:
@@ -93,6 +108,7 @@ def test_rerun_and_resume_reuse_the_release_and_its_ledger(tmp_path: Path) -> No
     assert torch.equal(_labels(resumed), _labels(first)) and resumed.report == first.report
 
 
+@pytest.mark.filterwarnings(SEEDED)
 def test_a_new_aggregation_adds_to_the_same_ledger(tmp_path: Path) -> None:
     teachers = _teachers(tmp_path)
     first = _student(tmp_path, teachers, seed=0)
@@ -121,6 +137,7 @@ def test_a_new_aggregation_adds_to_the_same_ledger(tmp_path: Path) -> None:
     assert back.report is not None and back.report.epsilon == more.report.epsilon
 
 
+@pytest.mark.filterwarnings(SEEDED)
 def test_a_damaged_release_or_a_lost_one_on_resume_is_an_error(tmp_path: Path) -> None:
     teachers = _teachers(tmp_path)
     first = _student(tmp_path, teachers, seed=0)
@@ -163,6 +180,7 @@ def test_the_default_release_path_is_next_to_the_teachers(tmp_path: Path, monkey
     assert explicit.release_path == "runs/release.pt"  # a path given is used as given
 
 
+@pytest.mark.filterwarnings(SEEDED)
 def test_one_seed_never_gives_two_release_files_the_same_noise(tmp_path: Path) -> None:
     """A second release file over the same teachers (a lost file, another directory): another request under the
     same seed draws other noise; the identical request draws the identical release (no new information)."""
@@ -179,6 +197,100 @@ def test_one_seed_never_gives_two_release_files_the_same_noise(tmp_path: Path) -
         maps = [SegmentationModule.load_from_checkpoint(t).eval()(_labels_inputs(first)).sigmoid() for t in teachers]
     mean = torch.stack([first.compressor.encode(m) for m in maps]).mean(0)
     assert float(((c2 - r * c1) / (1 - r) - mean).abs().max()) > 0.1 * first.report.noise_std
+
+
+def _seed_traces(raw: bytes) -> list[str]:
+    """Where ``SEED`` appears in ``raw``: as text, or as the little/big-endian 4- and 8-byte integers pickle and
+    torch.save write (pickle stores 918273645 as 4 raw bytes, so a search for the digits alone finds nothing)."""
+    forms = {"text": str(SEED).encode(), "hex": f"{SEED:x}".encode()}
+    forms.update({fmt: struct.pack(fmt, SEED) for fmt in ("<i", ">i", "<q", ">q")})
+    return [name for name, form in forms.items() if form in raw]
+
+
+def _holds_seed(obj: Any) -> bool:
+    """Whether nested dicts, lists and tuples hold ``SEED``: as a number, in a string, or in an integer tensor."""
+    if isinstance(obj, dict):
+        return any(_holds_seed(key) or _holds_seed(value) for key, value in obj.items())
+    if isinstance(obj, (list, tuple)):
+        return any(_holds_seed(item) for item in obj)
+    if isinstance(obj, torch.Tensor):
+        return not obj.is_floating_point() and bool((obj == SEED).any())
+    return str(SEED) in obj if isinstance(obj, str) else obj == SEED
+
+
+def test_a_seed_is_warned_about_and_kept_out_of_the_release_file(tmp_path: Path) -> None:
+    """Issue 31, item 11: the seed makes the labels a deterministic function of (seed, codes), so it is warned about
+    (once, without its value) and stored nowhere: not in the release file, its report, or the checkpoint state.
+    Reruns and resumes still reuse the release, whatever the seed, and never draw new noise."""
+    teachers = _teachers(tmp_path)
+    with pytest.warns(PrivacyWarning, match=r"`PATEStudentDataModule\(seed=\.\.\.\)`.*HINT: seed=None") as seen:
+        first = _student(tmp_path, teachers, seed=SEED)
+    seeded = [w for w in seen if "seed=...)" in str(w.message)]
+    assert len(seeded) == 1 and str(SEED) not in str(seeded[0].message)  # once, not again from its aggregator
+
+    release = tmp_path / "pate_release.pt"
+    kept = release.read_bytes()
+    stored = torch.load(release, weights_only=True)
+    assert stored["format_version"] == 2 and "seed" not in stored["releases"][0]["request"]
+    assert _seed_traces(kept) == [] and not _holds_seed(stored)
+    assert str(SEED) not in (tmp_path / "report.txt").read_text()
+    state = first.state_dict()
+    assert not _holds_seed(state) and _seed_traces(str(state).encode()) == []
+
+    # A rerun with another seed, or none, and a resume: the same labels, no new charge, the file untouched.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", PrivacyWarning)
+        other = _student(tmp_path, teachers, seed=SEED + 1)
+    again = _student(tmp_path, teachers)
+    for dm in (other, again):
+        assert torch.equal(_labels(dm), _labels(first)) and dm.report == first.report
+    data = SyntheticSilhouettesDataModule(root=str(tmp_path / "data"), **DATA)
+    resumed = PATEStudentDataModule(data, teachers, PCACompressor(code_dim=4), num_queries=6, report_path=None)
+    resumed.setup("fit")
+    resumed.load_state_dict(state)
+    resumed.train_dataloader()
+    assert torch.equal(_labels(resumed), _labels(first)) and release.read_bytes() == kept
+
+    with warnings.catch_warnings():  # no seed: nothing to warn about
+        warnings.simplefilter("error", PrivacyWarning)
+        PATEStudentDataModule(data, teachers, PCACompressor(code_dim=4))
+
+
+@pytest.mark.filterwarnings(SEEDED)
+def test_a_release_file_of_format_1_loses_its_seed_and_keeps_its_release_and_ledger(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A format-1 file (its requests held the seed in clear) and a checkpoint trained on it: the resume reuses the
+    release without drawing, and the file is rewritten in format 2 without the seed, its ledger unchanged."""
+    teachers = _teachers(tmp_path)
+    first = _student(tmp_path, teachers, seed=SEED)
+    release = tmp_path / "pate_release.pt"
+    body = {k: v for k, v in torch.load(release, weights_only=True).items() if k != "checksum"}
+    body["format_version"] = 1
+    for entry in body["releases"]:
+        entry["request"]["seed"] = SEED
+    torch.save({**body, "checksum": state_digest(body)}, release)
+    assert _seed_traces(release.read_bytes()) == ["<i"]  # how format 1 kept it
+    old = {k: body["releases"][0][k] for k in ("request", "codes", "maps")}
+    state = {"format_version": 1, "release": state_digest(old), "release_path": str(release)}
+    state["checksum"] = state_digest(state)
+
+    def no_draw(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a resume drew new noise")
+
+    monkeypatch.setattr(PATEStudentDataModule, "_aggregate", no_draw)
+    data = SyntheticSilhouettesDataModule(root=str(tmp_path / "data"), **DATA)
+    resumed = PATEStudentDataModule(
+        data, teachers, PCACompressor(code_dim=4), num_queries=6, seed=SEED, report_path=None
+    )
+    resumed.setup("fit")
+    resumed.load_state_dict(state)
+    resumed.train_dataloader()
+    assert torch.equal(_labels(resumed), _labels(first)) and resumed.report == first.report
+    assert resumed.state_dict()["release"] == first.state_dict()["release"]  # the next checkpoint: today's digest
+    migrated = torch.load(release, weights_only=True)
+    assert migrated["format_version"] == 2 and migrated["ledger"] == body["ledger"]
+    assert _seed_traces(release.read_bytes()) == [] and not _holds_seed(migrated)
 
 
 class _Strategy:
