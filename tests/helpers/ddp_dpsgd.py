@@ -39,6 +39,8 @@ PHASES: dict[str, dict[str, Any]] = {
         "num_samples": 40,
         "sample_rate": 0.3,
         "hidden": 32,
+        "dropout": 0.3,  # every sample's masks and jitter from its own stream: the same on any rank
+        "jitter": 0.1,
         "loss_weight": 1.0,
         "lr": 0.5,
         "clip_norm": 0.5,
@@ -77,22 +79,24 @@ PHASES: dict[str, dict[str, Any]] = {
 class IndexedDataset(Dataset[tuple[Tensor, Tensor, Tensor]]):
     """``n`` 8-feature samples ``(x, y, index)``; the index lets the test see which samples a rank got."""
 
-    def __init__(self, n: int, dim: int = 8, seed: int = 0) -> None:
+    def __init__(self, n: int, dim: int = 8, seed: int = 0, jitter: float = 0.0) -> None:
         g = torch.Generator().manual_seed(seed)
         self.x = torch.randn(n, dim, generator=g)
         self.y = (self.x.sum(1) > 0).long()
+        self.jitter = jitter  # random jitter drawn from the global generator, as a torchvision transform draws it
 
     def __len__(self) -> int:
         return len(self.y)
 
     def __getitem__(self, i: int) -> tuple[Tensor, Tensor, Tensor]:
-        return self.x[i], self.y[i], torch.tensor(i)
+        x = self.x[i] + self.jitter * torch.randn_like(self.x[i]) if self.jitter else self.x[i]
+        return x, self.y[i], torch.tensor(i)
 
 
 class IndexedDataModule(pl.LightningDataModule):
-    def __init__(self, n: int) -> None:
+    def __init__(self, n: int, jitter: float = 0.0) -> None:
         super().__init__()
-        self.train_dataset = IndexedDataset(n)
+        self.train_dataset = IndexedDataset(n, jitter=jitter)
 
     def train_dataloader(self) -> DataLoader[tuple[Tensor, Tensor, Tensor]]:
         return DataLoader(self.train_dataset, batch_size=8, shuffle=True)
@@ -101,9 +105,9 @@ class IndexedDataModule(pl.LightningDataModule):
 class MLP(pl.LightningModule):
     """Linear–ReLU–Linear, mean cross-entropy scaled by ``loss_weight``, plain SGD (momentum 0)."""
 
-    def __init__(self, hidden: int, loss_weight: float, lr: float, dim: int = 8) -> None:
+    def __init__(self, hidden: int, loss_weight: float, lr: float, dim: int = 8, dropout: float = 0.0) -> None:
         super().__init__()
-        self.net = nn.Sequential(nn.Linear(dim, hidden), nn.ReLU(), nn.Linear(hidden, 2))
+        self.net = nn.Sequential(nn.Linear(dim, hidden), nn.ReLU(), nn.Dropout(dropout), nn.Linear(hidden, 2))
         self.loss_weight = loss_weight
         self.lr = lr
 
@@ -164,7 +168,7 @@ def run_phase(phase: str, devices: int, root: Path) -> dict[str, Any]:
     """Trains one phase; returns what it recorded (the same on every rank)."""
     cfg = PHASES[phase]
     torch.manual_seed(0)
-    model = MLP(cfg["hidden"], cfg["loss_weight"], cfg["lr"])
+    model = MLP(cfg["hidden"], cfg["loss_weight"], cfg["lr"], dropout=cfg.get("dropout", 0.0))
     cb = DPSGD(
         clip_norm=cfg["clip_norm"],
         noise_multiplier=cfg["noise_multiplier"],
@@ -189,7 +193,7 @@ def run_phase(phase: str, devices: int, root: Path) -> dict[str, Any]:
         limit_val_batches=0,
         num_sanity_val_steps=0,
     )
-    trainer.fit(model, IndexedDataModule(cfg["num_samples"]))
+    trainer.fit(model, IndexedDataModule(cfg["num_samples"], jitter=cfg.get("jitter", 0.0)))
     assert cb.ledger is not None and cb.sampler is not None
     return {
         "params": _params(model),

@@ -24,7 +24,7 @@ from lightning_dp.callbacks import P3SGD  # noqa: E402
 from lightning_dp.errors import PrivacyConfigError  # noqa: E402
 from lightning_dp.schedules import ExponentialDecay  # noqa: E402
 from lightning_dp.selection import AnnealedAcceptance  # noqa: E402
-from tests.helpers.patients import TinyClassifier, TinyPatientDataModule  # noqa: E402
+from tests.helpers.patients import TinyClassifier, TinyPatientDataModule, TinyPatientDataset  # noqa: E402
 
 
 def _params(module: torch.nn.Module) -> torch.Tensor:
@@ -48,6 +48,14 @@ class RecordAndCompare(pl.Callback):
                 raise SystemExit(f"weights differ across ranks after round {trainer.global_step}")
         assert self.previous is not None
         self.deltas.append(_params(pl_module) - self.previous)
+
+
+class JitteredPatients(TinyPatientDataset):
+    """Random jitter drawn from the global generator in ``__getitem__``, as a torchvision transform draws it."""
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        x, y, patient = super().__getitem__(i)
+        return x + 0.1 * torch.randn_like(x), y, patient
 
 
 def main() -> None:
@@ -85,8 +93,10 @@ def main() -> None:
         sync_batchnorm=sync,
     )
     model = TinyClassifier(hidden=4096, batchnorm=not stacked)
+    data = TinyPatientDataModule(num_patients=20)
+    data.train_dataset = JitteredPatients(num_patients=20)  # each patient's jitter from its own stream, on any rank
     try:
-        trainer.fit(model, TinyPatientDataModule(num_patients=20))
+        trainer.fit(model, data)
     except PrivacyConfigError as err:
         if not sync:
             raise
