@@ -312,7 +312,7 @@ class ProductRule(LayerRule):
         """(B,) float64: an upper bound on Σ_t ‖g_t‖·‖a_t‖, the size of a sample's weight-gradient terms.
 
         Σ_t ‖g_t‖‖a_t‖ ≤ ‖g‖·(Σ_t ‖a_t‖²)^½ (Cauchy–Schwarz) and Σ_t ‖a_t‖² ≤ k·‖x‖², since each input value
-        (with the layer's own padding) is read by at most k = the kernel's number of taps positions. One pass over
+        (with the layer's own padding) is read at no more than k positions, k the kernel's number of taps. One pass over
         the layer's input and output gradient, where the exact sum would need the unfolded input.
         """
         x = (
@@ -322,7 +322,9 @@ class ProductRule(LayerRule):
         )
         taps = math.prod(getattr(module, "kernel_size", (1,)))
         b = backprops.shape[0]
-        return x.reshape(b, -1).double().norm(dim=1) * backprops.reshape(b, -1).double().norm(dim=1) * math.sqrt(taps)
+        # In the tensors' own dtype (no float64 copy of a large input): an overflow to inf only flags the sample.
+        sizes = x.reshape(b, -1).norm(dim=1).double() * backprops.reshape(b, -1).norm(dim=1).double()
+        return sizes * math.sqrt(taps)
 
     def use_ghost(self, module: Any, activation: Tensor, backprops: Tensor, group_size: GroupSize = 1) -> bool:
         """Whether the ghost norm is cheaper than materializing, for this call (K = ``group_size`` rows a sample).
