@@ -34,6 +34,7 @@ CORRECT_STEPS = 50
 SCENARIOS: dict[str, Callable[[int], CallbackAudit]] = {
     "DPSGD": lambda steps: dpsgd_audit("conv", steps=steps),
     "DPSGD-transpose": lambda steps: dpsgd_audit("transpose", steps=steps),
+    "DPSGD-kept": lambda steps: dpsgd_audit("kept", steps=steps),
     "P3SGD": lambda steps: p3sgd_audit(steps=steps),
     "P3SGD-selection": lambda steps: p3sgd_audit(noise_scales=(0.5, 1.0), local_steps=3, steps=steps),
     "P3SGD-vectorized": lambda steps: p3sgd_audit(vectorize="auto", steps=steps),

@@ -26,6 +26,7 @@ STEPS = 50
 SCENARIOS = {
     "DPSGD": lambda steps: dpsgd_audit("conv", steps=steps),
     "DPSGD-transpose": lambda steps: dpsgd_audit("transpose", steps=steps),
+    "DPSGD-kept": lambda steps: dpsgd_audit("kept", steps=steps),
     "P3SGD": lambda steps: p3sgd_audit(steps=steps),
     "P3SGD-selection": lambda steps: p3sgd_audit(noise_scales=(0.5, 1.0), local_steps=3, steps=steps),
     "P3SGD-vectorized": lambda steps: p3sgd_audit(vectorize="auto", steps=steps),
@@ -132,6 +133,30 @@ def test_layers_the_reference_cannot_follow_are_refused_with_a_hint(layer):
         audit()
     middle.eval()  # frozen statistics, dropout off: the reference follows it
     assert audit().level == "patient"
+
+
+def test_the_kept_scenario_audits_the_kept_inputs_term_and_the_tapwise_path(monkeypatch):
+    from lightning_dp.sanitization import rules
+
+    kept_layers, tapwise_layers = [], []
+    kept, live = rules.KeptInputsTerm.__init__, rules._live_taps
+
+    def count_kept(self, rule, module, *args, **kwargs):
+        kept_layers.append(tuple(module.weight.shape))
+        kept(self, rule, module, *args, **kwargs)
+
+    def count_live(module, *args, **kwargs):
+        taps = live(module, *args, **kwargs)
+        if taps is not None:
+            tapwise_layers.append(tuple(module.weight.shape))
+        return taps
+
+    monkeypatch.setattr(rules.KeptInputsTerm, "__init__", count_kept)
+    monkeypatch.setattr(rules, "_live_taps", count_live)
+    dpsgd_audit("kept", steps=2).fit(with_canary=True)
+    # Both 16-channel convolutions keep their inputs for the clipped sum; only the dilated one is read tap by tap.
+    assert set(kept_layers) == {(16, 16, 3, 3), (8, 16, 3, 3)} and len(kept_layers) >= 2 * 2 * 4, kept_layers
+    assert set(tapwise_layers) == {(8, 16, 3, 3)} and len(tapwise_layers) >= 2 * 4, tapwise_layers
 
 
 def test_the_vectorized_scenario_audits_the_batched_round():
