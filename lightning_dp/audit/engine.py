@@ -193,6 +193,8 @@ class CallbackAuditResult:
     @property
     def detectable_factor(self) -> float:
         """The leak factor on μ (μ_true = factor·μ_allowed) the ε comparison catches with probability `POWER`."""
+        if not self.mu_allowed > 0:
+            return math.inf
         return 1.0 + (self.threshold_se + float(stats.norm.ppf(POWER))) * self.mu_se / self.mu_allowed
 
     def to_dict(self) -> dict[str, Any]:
@@ -373,7 +375,8 @@ class CallbackAudit:
         callback: builds the callback to audit from a seed (``lambda seed: DPSGD(..., seed=seed)``), configured
             as the run to audit is, with ``sample_rate=1.0``.
         model: builds the model (called once per world under the same torch seed: both worlds start equal).
-            Its parameters that require grad are the ones audited; eval-mode layers stay in eval mode.
+            Its parameters that require grad are the ones audited; eval-mode layers stay in eval mode. Dropout
+            (p > 0) and normalization that uses batch or running statistics must be in eval mode.
         population: ``(x, y)`` — the other units' images and labels; for patient-level callbacks
             ``(x, y, patients)`` with one patient id per image.
         canary: ``(x, y)`` of the canary unit (one sample for DPSGD; the images of one patient for P3SGD).
@@ -385,6 +388,11 @@ class CallbackAudit:
         significance: the bound holds with probability ≥ 1 − significance.
         seed: seeds the model's initialization and the callbacks (public; never derived from data).
         trainer_kwargs: more arguments for the Trainer (e.g. ``precision``).
+
+    Raises:
+        PrivacyConfigError: a callback that samples (q < 1), population and canary tensors that do not match the
+            privacy unit, P3SGD local mini-batches the reference cannot follow, or layers in training mode that the
+            eval-mode reference cannot follow (Dropout, BatchNorm, normalization with running statistics).
 
     Example:
         >>> from lightning_dp.callbacks import DPSGD
