@@ -1,9 +1,14 @@
 """The audit's mutation table: each planted privacy bug, where it is, and whether `CallbackAudit` catches it.
 
 Runs the white-box audit of the callbacks' own step (lightning_dp.audit.CallbackAudit) on the correct
-code and under every mutant of lightning_dp.audit.mutants.MUTANTS, and prints a Markdown table
-(mutant, where, caught, ε_lower vs ε_upper, the canary projection's mean and spread). A mutant is caught
-when ε_lower > ε_upper.
+code and under every mutant of lightning_dp.audit.mutants.MUTANTS, and prints two Markdown tables:
+
+* the audit's power per scenario (correct code at each of ``--power-steps``): ε_lower against ε_upper, how
+  many standard errors μ̂ lies from μ_allowed (the μ whose ε_GDP is ε_upper) and where the catch threshold is,
+  the smallest leak factor on μ the ε comparison catches with probability 0.9, and the noise checks' worst
+  statistic against its limit;
+* the mutants: which check catches each (ε, fresh noise, noise vs ledger, noise as released, state), with the
+  ε comparison's margin in standard errors and its plug-in catch probability, and the worst failed noise check.
 
     python examples/audit_mutation_table.py            # ~3 minutes on 2 CPU cores
     python examples/audit_mutation_table.py --json docs/audit_mutations.json
@@ -28,7 +33,8 @@ CORRECT_STEPS = 50
 
 SCENARIOS: dict[str, Callable[[int], CallbackAudit]] = {
     "DPSGD": lambda steps: dpsgd_audit("conv", steps=steps),
-    "DPSGD (ConvTranspose, eval BatchNorm)": lambda steps: dpsgd_audit("transpose", steps=steps),
+    "DPSGD-transpose": lambda steps: dpsgd_audit("transpose", steps=steps),
+    "DPSGD-kept": lambda steps: dpsgd_audit("kept", steps=steps),
     "P3SGD": lambda steps: p3sgd_audit(steps=steps),
     "P3SGD-selection": lambda steps: p3sgd_audit(noise_scales=(0.5, 1.0), local_steps=3, steps=steps),
     "P3SGD-vectorized": lambda steps: p3sgd_audit(vectorize="auto", steps=steps),
@@ -46,27 +52,32 @@ def audit(scenario: str, mutant: Mutant | None, steps: int) -> CallbackAuditResu
         return SCENARIOS[scenario](steps).run()
 
 
-def row(name: str, where: str, scenario: str, result: CallbackAuditResult, expect_caught: bool) -> dict[str, Any]:
-    caught = not result.passed
-    reasons = [
-        name
-        for name, failed in (
-            ("ε", result.epsilon_lower > result.epsilon_upper),
-            ("fresh noise", not result.noise_fresh),
-            ("state", bool(result.changed_state)),
-        )
-        if failed
-    ]
+def row(name: str, where: str, scenario: str, result: CallbackAuditResult, expect: str | None) -> dict[str, Any]:
+    """One table row; ``expect`` is the check that must catch the mutant (None: correct code must pass)."""
+    failed = [c for c in result.checks if not c.passed]
+    # The noise check closest to failing (or the failed one): its statistic against its limit.
+    closest = failed[0] if failed else min(result.checks, key=lambda c: abs(c.statistic - c.limit) / c.limit)
     return {
         "mutant": name,
         "where": where,
         "scenario": scenario,
         "steps": result.steps,
-        "caught": caught,
-        "caught_by": ", ".join(reasons),
-        "as_expected": caught == expect_caught,
+        "caught": not result.passed,
+        "caught_by": ", ".join(result.failed),
+        "as_expected": result.passed if expect is None else expect in result.failed,
         "epsilon_lower": round(result.epsilon_lower, 2),
         "epsilon_upper": round(result.epsilon_upper, 2),
+        "mu": round(result.mu, 2),
+        "mu_allowed": round(result.mu_allowed, 2),
+        "margin_se": round(result.margin_se, 2),
+        "threshold_se": round(result.threshold_se, 2),
+        "power": round(result.power, 4),
+        "detectable_factor": round(result.detectable_factor, 3),
+        "noise_check": closest.name,
+        "noise_statistic": round(closest.statistic, 3),
+        "noise_limit": round(closest.limit, 3),
+        "noise_where": closest.worst,
+        "checks": {c.name: [round(c.statistic, 4), round(c.limit, 4), c.worst] for c in result.checks},
         "mean_in": round(result.mean_in, 3),
         "mean_out": round(result.mean_out, 3),
         "noise_sd": round(result.noise_sd, 3),
@@ -76,30 +87,55 @@ def row(name: str, where: str, scenario: str, result: CallbackAuditResult, expec
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--steps", type=int, default=None, help="steps per world for every row (default: each row's own)"
+        "--steps", type=int, default=None, help="steps per world for every mutant row (default: each row's own)"
+    )
+    parser.add_argument(
+        "--power-steps", default=f"{CORRECT_STEPS},200", help="steps of the correct-code rows, comma-separated"
     )
     parser.add_argument("--json", type=Path, default=None, help="also write the rows here")
     args = parser.parse_args(argv)
     rows = []
     start = time.perf_counter()
-    for scenario in SCENARIOS:
-        result = audit(scenario, None, args.steps or CORRECT_STEPS)
-        rows.append(row("(correct code)", "—", scenario, result, expect_caught=False))
+    for steps in (int(s) for s in args.power_steps.split(",")):
+        for scenario in SCENARIOS:
+            rows.append(row("(correct code)", "—", scenario, audit(scenario, None, steps), expect=None))
     for mutant in MUTANTS:
         for scenario in scenario_for(mutant):
-            steps = args.steps or mutant.steps
-            rows.append(row(mutant.name, mutant.where, scenario, audit(scenario, mutant, steps), expect_caught=True))
-    print(
-        "| mutant | where | scenario | T | caught | ε_lower | ε_upper | canary mean in / out (units of C) | noise sd |"
-    )
-    print("|---|---|---|---|---|---|---|---|---|")
+            result = audit(scenario, mutant, args.steps or mutant.steps)
+            rows.append(row(mutant.name, mutant.where, scenario, result, expect=mutant.check))
+    print("| scenario | T | passes | ε_lower | ε_upper | μ̂ − μ_allowed (SE) | caught above (SE) | ×μ caught at 90 % |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(
-            f"| {r['mutant']} | `{r['where']}` | {r['scenario']} | {r['steps']} | "
-            f"{'yes (' + r['caught_by'] + ')' if r['caught'] else 'no'} | "
-            f"{r['epsilon_lower']:.2f} | {r['epsilon_upper']:.2f} | {r['mean_in']:.2f} / {r['mean_out']:.2f} | "
-            f"{r['noise_sd']:.2f} |"
-        )
+        if r["mutant"] == "(correct code)":
+            print(
+                f"| {r['scenario']} | {r['steps']} | {'yes' if not r['caught'] else 'NO (' + r['caught_by'] + ')'} | "
+                f"{r['epsilon_lower']:.2f} | {r['epsilon_upper']:.2f} | {r['margin_se']:+.2f} | "
+                f"{r['threshold_se']:.2f} | {r['detectable_factor']:.2f} |"
+            )
+    print("\n| scenario | T | " + " | ".join(f"{name} (statistic / limit)" for name in rows[0]["checks"]) + " |")
+    print("|---|---|" + "---|" * len(rows[0]["checks"]))
+    for r in rows:
+        if r["mutant"] == "(correct code)":
+            cells = [f"{s:.3f} / {limit:.3f}" for s, limit, _ in r["checks"].values()]
+            print(f"| {r['scenario']} | {r['steps']} | " + " | ".join(cells) + " |")
+    print(
+        "\n| mutant | where | scenario | T | caught by | ε_lower | ε_upper | μ̂ − μ_allowed (SE) | plug-in power (ε) "
+        "| failed noise check: statistic / limit (where) |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        if r["mutant"] != "(correct code)":
+            noise = (
+                f"{r['noise_check']}: {r['noise_statistic']:.3f} / {r['noise_limit']:.3f} ({r['noise_where']})"
+                if r["noise_check"] in r["caught_by"]
+                else "—"
+            )
+            print(
+                f"| {r['mutant']} | `{r['where']}` | {r['scenario']} | {r['steps']} | "
+                f"{'**' + r['caught_by'] + '**' if r['caught'] else 'NOT CAUGHT'} | "
+                f"{r['epsilon_lower']:.2f} | {r['epsilon_upper']:.2f} | {r['margin_se']:+.2f} | {r['power']:.4f} | "
+                f"{noise} |"
+            )
     print(f"\n{sum(r['as_expected'] for r in rows)}/{len(rows)} rows as expected, {time.perf_counter() - start:.0f} s")
     if args.json is not None:
         args.json.write_text(json.dumps(rows, indent=1) + "\n")

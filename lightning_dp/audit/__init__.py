@@ -1,6 +1,7 @@
 """Empirical privacy audits: lower bounds on ε that a correct implementation must not exceed.
 
 * `bounds`: ε lower bounds from attack scores (Clopper–Pearson, Gaussian-DP reading, one-run).
+* `noise`: the white-box audit's noise checks (fresh at every lag; nowhere below the ledger's multiplier).
 * `CallbackAudit`: the white-box audit of the code that trains — the user's own `DPSGD` or `P3SGD` callback fits
   a real model with and without a canary unit, every released update observed (`scenarios` has ready set-ups;
   `mutants` the planted bugs it is checked against).
@@ -18,6 +19,7 @@ from lightning_dp.audit.bounds import (
     epsilon_one_run,
     epsilon_threshold,
     gdp_epsilon,
+    gdp_mu,
     one_run_ceiling,
     one_run_p_value,
 )
@@ -38,6 +40,7 @@ __all__ = [
     "epsilon_one_run",
     "epsilon_threshold",
     "gdp_epsilon",
+    "gdp_mu",
     "one_run_ceiling",
     "one_run_p_value",
 ]

@@ -36,7 +36,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import numpy as np
 import torch
@@ -61,6 +61,9 @@ __all__ = ["MembershipAudit", "MembershipAuditResult"]
 CLASSES = 10
 #: Spread of a canary patient's images around its point (the point itself has std 3 per feature).
 CANARY_SPREAD = 0.5
+SeedRole = Literal["model", "sampler", "noise"]
+#: What each run seeds: its model's initialization, its sampler and its noise (see `MembershipAudit.run_seed`).
+SEED_ROLES: tuple[SeedRole, ...] = get_args(SeedRole)
 
 AuditLevel = Literal["sample", "patient"]
 
@@ -129,7 +132,8 @@ class MembershipAudit:
         delta: as for `StepAudit`.
         accountant: as for `StepAudit`.
         significance: as for `StepAudit`.
-        seed: public seed of the data, the coins, the samplers and the noise (``None``: from the OS).
+        seed: public seed of the data, the coins, the samplers and the noise (``None``: from the OS); every
+            generator of the audit gets its own seed derived from it (`run_seed`), no two alike.
         progress: called with (run, runs) after each model.
 
     Example:
@@ -230,9 +234,19 @@ class MembershipAudit:
         g = torch.Generator().manual_seed(self.seed + 1)
         return torch.rand(self.runs, self.canaries, generator=g) < 0.5
 
+    def run_seed(self, run: int, role: SeedRole) -> int:
+        """The seed of ``run``'s ``role`` (one of `SEED_ROLES`): ``seed + 3·(run + 1) + k``, k the role's index.
+
+        Distinct for every (run, role) and from the data's ``seed`` and the coins' ``seed + 1``, however many
+        runs: two generators with one seed would draw the same stream (torch's global and per-object
+        generators are the same algorithm), coupling one run's noise with another run's sampling or
+        initialization.
+        """
+        return self.seed + len(SEED_ROLES) * (run + 1) + SEED_ROLES.index(role)
+
     # ------------------------------------------------------------------ training
     def _model(self, run: int) -> nn.Module:
-        torch.manual_seed(self.seed + 7919 * (run + 1))  # a public initialization
+        torch.manual_seed(self.run_seed(run, "model"))  # a public initialization
         return nn.Sequential(nn.Linear(self.features, self.hidden), nn.Tanh(), nn.Linear(self.hidden, CLASSES))
 
     def train(self, run: int, x: Tensor, y: Tensor) -> tuple[nn.Module, PrivacyLedger]:
@@ -252,14 +266,14 @@ class MembershipAudit:
             clip_norm=self.clip_norm,
             sample_rate=self.sample_rate,
             schedule=self.schedule,
-            seed=self.seed + 37 * (run + 1),
+            seed=self.run_seed(run, "noise"),
         )
         return PrivateStep(release)
 
     def _train_samples(self, run: int, x: Tensor, y: Tensor) -> tuple[nn.Module, PrivacyLedger]:
         model = self._model(run)
         ledger = PrivacyLedger("sample", self.delta)
-        sampler = PoissonSampleSampler(len(x), self.sample_rate, seed=self.seed + 31 * (run + 1))
+        sampler = PoissonSampleSampler(len(x), self.sample_rate, seed=self.run_seed(run, "sampler"))
         optimizer = torch.optim.SGD(model.parameters(), lr=self.lr)
         normalizer = sampler.expected_batch_size
         params = dict(model.named_parameters())
@@ -293,7 +307,7 @@ class MembershipAudit:
         """P3SGD rounds (one noise scale, server rate 1) over patients x: (patients, k, features)."""
         model = self._model(run)
         ledger = PrivacyLedger("patient", self.delta)
-        sampler = PoissonPatientSampler(len(x), self.sample_rate, seed=self.seed + 31 * (run + 1))
+        sampler = PoissonPatientSampler(len(x), self.sample_rate, seed=self.run_seed(run, "sampler"))
         normalizer = sampler.expected_count  # q·N_p, as P3SGD: never the private count of the round
         state = ModelState(model)
         names = [name for name, p in model.named_parameters() if p.requires_grad]

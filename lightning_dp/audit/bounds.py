@@ -35,6 +35,7 @@ __all__ = [
     "epsilon_one_run",
     "epsilon_threshold",
     "gdp_epsilon",
+    "gdp_mu",
     "one_run_ceiling",
     "one_run_p_value",
 ]
@@ -218,6 +219,23 @@ def gdp_epsilon(mu: float, delta: float) -> float:
     while gap(hi) > 0:
         hi *= 2
     return float(optimize.brentq(gap, 0.0, hi, xtol=1e-9))
+
+
+def gdp_mu(epsilon: float, delta: float) -> float:
+    """The μ whose μ-Gaussian DP has ε = ``epsilon`` at δ (the inverse of `gdp_epsilon`; ``inf`` for ε = inf).
+
+    Example:
+        >>> round(gdp_mu(gdp_epsilon(3.0, 1e-5), 1e-5), 6)
+        3.0
+    """
+    if not epsilon > 0:
+        return 0.0
+    if math.isinf(epsilon):
+        return math.inf
+    hi = 1.0
+    while gdp_epsilon(hi, delta) < epsilon:
+        hi *= 2
+    return float(optimize.brentq(lambda mu: gdp_epsilon(mu, delta) - epsilon, 0.0, hi, xtol=1e-9))
 
 
 def epsilon_gdp(bound: ThresholdBound, delta: float) -> tuple[float, float]:

@@ -18,22 +18,35 @@ the canary's direction, in units of the clip norm C, is y_t ~ N(b, z²) with b =
 present, 0 if not.
 
 **Verdict rule** (the Gaussian-DP reading, valid for full-batch Gaussian steps, where every step's
-trade-off curve is Gaussian): y_t ~ N(b·β·m_t, s²), with m_t the canary's clipped norm by the auditor's
-reference (units of C; 1 while the clip is active) and β the factor by which the step really lets the
-canary through (1 for correct code). β is estimated by least squares in each world and bounded from
-below; s, the noise sd, is measured on the d − 1 directions orthogonal to the canary (where, once the
-population is subtracted, only the noise is left) and bounded from above (`gdp_mu_lower`), jointly with
-confidence 1 − significance. The T steps compose to μ = β·√(Σ m_t²)/s, so ε_lower = ε_GDP(μ_lower, δ).
-The audit *passes* when ε_lower ≤ ε_upper, the ε the callback's own accountant reports for the run's
-ledger. With several noise scales (P3SGD's selection) s is the root mean square of the scales used,
-which makes the reading conservative. The canary's loss is weighted (``canary_weight``) so that its
-gradient is far above C, and C is set above the population's gradients: a wrong clip then moves the
-canary alone.
+trade-off curve is Gaussian), read *per step*: y_t ~ N(b·β·m_t, κ²·r_t²), with m_t the canary's clipped norm
+by the auditor's reference (units of C; 1 while the clip is active), r_t the multiplier the release reports
+for step t (logged as ``privacy/noise_multiplier``: the selected candidate's with several noise scales; the
+ledger's where it is not logged), κ one common noise factor (1 for correct code) and β the factor by which
+the step really lets the canary through (1 for correct code). β is estimated by weighted least squares in
+each world and bounded from below; κ is measured on the d − 1 directions orthogonal to the canary (where,
+once the population is subtracted, only the noise is left) and bounded from above (`gdp_mu_lower`), jointly
+with confidence 1 − significance. The T steps compose to μ = β·√(Σ m_t²/r_t²)/κ, so ε_lower = ε_GDP(μ_lower, δ).
+The audit *passes* when ε_lower ≤ ε_upper, the ε the callback's own accountant reports for the run's ledger,
+**and** the noise passes three checks (`lightning_dp.audit.noise`, each with false-alarm probability
+`NOISE_CHECK_SIGNIFICANCE`): it is fresh (no two steps correlate, at any lag, within or across the worlds),
+it is nowhere below the ledger's multiplier (pooled, per step, per parameter tensor, per coordinate and along
+the canary's direction: a tensor or slice released without noise, or a ledger that records more noise than
+was drawn, fails here), and each step's noise is what the release reports (the per-step reading's
+condition); and no state outside the released tensors changed. The canary's loss is weighted
+(``canary_weight``) so that its gradient is far above C, and C is set above the population's gradients: a
+wrong clip then moves the canary alone.
 
-What it does not see: subsampling (q < 1 is refused here: the simulated `StepAudit` covers the sampler
-with Clopper–Pearson bounds), an accountant that is wrong only for q < 1, and anything that leaks without
-moving the mean or the spread of the canary's projection. A passing audit is a lower bound from one
-attack, not a proof; a leaking bug can pass it (the mutation table in docs/results/audit.md lists what it catches).
+**Power.** The result states how far the run's μ̂ lies above or below μ_allowed (the μ whose ε_GDP is
+ε_upper) in standard errors (``margin_se``), the catch probability that margin gives (``power``), and the
+smallest leak factor on μ the ε comparison catches with probability 0.9 at this run's length
+(``detectable_factor``): a catch by a margin of a standard error or two is a coin flip, not a catch.
+
+What it does not see, or refuses: subsampling (q < 1 is refused here: the simulated `StepAudit` covers the
+sampler with Clopper–Pearson bounds), an accountant that is wrong only for q < 1, models whose training-mode
+function the eval-mode reference cannot follow (Dropout, BatchNorm or normalization with running statistics
+in training mode: refused), and anything that leaks without moving the mean or the spread of the release's
+noise. A passing audit is a lower bound from one attack, not a proof; a leaking bug can pass it (the mutation
+table in docs/results/audit.md lists what it catches).
 """
 
 from __future__ import annotations
@@ -55,32 +68,49 @@ import torch.nn.functional as F
 from numpy.typing import NDArray
 from scipy import stats
 from torch import Tensor, nn
-from torch.nn.modules.batchnorm import _NormBase
+from torch.nn.modules.batchnorm import _BatchNorm, _NormBase
 from torch.utils.data import DataLoader, Dataset
 
-from lightning_dp.audit.bounds import gdp_epsilon
+from lightning_dp.audit.bounds import gdp_epsilon, gdp_mu
+from lightning_dp.audit.noise import (
+    NoiseCheck,
+    fresh_noise,
+    ledger_multipliers,
+    noise_as_released,
+    noise_vs_ledger,
+)
 from lightning_dp.errors import PrivacyConfigError, check_count
 
 __all__ = ["CallbackAudit", "CallbackAuditResult"]
 
-#: False-alarm probability of the fresh-noise check (a reused noise vector correlates at 1, far beyond it).
+#: False-alarm probability of each noise check (fresh noise; noise vs ledger; noise as released): each fails
+#: correct code with probability at most this (a reused noise vector correlates at ~1, an un-noised tensor's
+#: sd is ~0: far beyond their limits).
 NOISE_CHECK_SIGNIFICANCE = 1e-3
 #: The verdict rule, as printed in results and reports.
-VERDICT_RULE = "Gaussian-DP reading of the per-step canary projections (full batch)"
+VERDICT_RULE = (
+    "Gaussian-DP reading of the canary projections, each step at its released multiplier (full batch); "
+    "noise fresh at every lag, nowhere below the ledger's multiplier, as released at every step; no state changed"
+)
+#: The power the catch probability and the detectable leak factor are stated at.
+POWER = 0.9
 
 
 @dataclass
 class CallbackAuditResult:
-    """What a `CallbackAudit` measured. ``passed``: ε_lower ≤ ε_upper.
+    """What a `CallbackAudit` measured. ``passed``: ε_lower ≤ ε_upper, every noise check passed, no state changed.
 
     ``beta`` is the estimated factor by which the step lets the canary through (1 for a correct step; a clip
-    bound 10× too large shows as up to 10), ``mu`` the run's estimated Gaussian-DP μ, ``mu_lower`` its bound.
+    bound 10× too large shows as up to 10), ``mu`` the run's estimated Gaussian-DP μ, ``mu_lower`` its bound,
+    ``mu_se`` its standard error and ``mu_allowed`` the μ whose ε_GDP is ε_upper.
     ``mean_in``/``mean_out`` are the canary projection's means in units of C (1 and 0 for a correct step),
     ``sd_in``/``sd_out`` its spread (the noise multiplier z for a correct step), ``noise_sd`` the noise
     std measured on the directions orthogonal to the canary (also ≈ z), ``canary_norm`` the canary's
     clipped contribution norm by the auditor's reference, in units of C (1: the clip is active),
     ``population_clipped`` the fraction of the population's contributions the clip changed (0 is best: a bug in
-    the clip then moves only the canary, not the population the auditor subtracts).
+    the clip then moves only the canary, not the population the auditor subtracts). ``checks`` holds the three
+    noise checks (`lightning_dp.audit.noise`); ``released_multipliers`` and ``ledger_multipliers`` the
+    multiplier each step of the "in" world reported and was charged.
     """
 
     mechanism: str
@@ -90,6 +120,8 @@ class CallbackAuditResult:
     epsilon_upper: float
     mu_lower: float
     mu: float
+    mu_se: float
+    mu_allowed: float
     beta: float
     mean_in: float
     mean_out: float
@@ -99,8 +131,7 @@ class CallbackAuditResult:
     noise_multiplier: float
     canary_norm: float
     population_clipped: float
-    noise_correlation: float
-    noise_correlation_limit: float
+    checks: tuple[NoiseCheck, ...]
     changed_state: list[str]
     delta: float
     significance: float
@@ -108,33 +139,93 @@ class CallbackAuditResult:
     verdict_rule: str = VERDICT_RULE
     in_projections: NDArray[np.float64] = field(default_factory=lambda: np.zeros(0), repr=False)
     out_projections: NDArray[np.float64] = field(default_factory=lambda: np.zeros(0), repr=False)
+    released_multipliers: NDArray[np.float64] = field(default_factory=lambda: np.zeros(0), repr=False)
+    ledger_multipliers: NDArray[np.float64] = field(default_factory=lambda: np.zeros(0), repr=False)
+
+    def check(self, name: str) -> NoiseCheck:
+        """The noise check called ``name`` ("fresh noise", "noise vs ledger", "noise as released")."""
+        return next(c for c in self.checks if c.name == name)
+
+    @property
+    def noise_correlation(self) -> float:
+        """The largest correlation between two steps' noise (any lag, within or across the worlds)."""
+        return self.check("fresh noise").statistic
+
+    @property
+    def noise_correlation_limit(self) -> float:
+        return self.check("fresh noise").limit
 
     @property
     def noise_fresh(self) -> bool:
-        """No two consecutive steps' noise correlate beyond chance (a reused or re-seeded generator shows here)."""
-        return self.noise_correlation <= self.noise_correlation_limit
+        """No two steps' noise correlate beyond chance (a reused or re-seeded generator shows here)."""
+        return self.check("fresh noise").passed
+
+    @property
+    def failed(self) -> list[str]:
+        """The checks the run failed: "ε", the names of the noise checks, "state"."""
+        out = ["ε"] if self.epsilon_lower > self.epsilon_upper else []
+        out += [c.name for c in self.checks if not c.passed]
+        return out + (["state"] if self.changed_state else [])
 
     @property
     def passed(self) -> bool:
-        """ε_lower ≤ ε_upper, the noise is fresh at every step, and nothing outside the parameters changed."""
-        return self.epsilon_lower <= self.epsilon_upper and self.noise_fresh and not self.changed_state
+        """ε_lower ≤ ε_upper, every noise check passed, and nothing outside the released tensors changed."""
+        return not self.failed
+
+    @property
+    def threshold_se(self) -> float:
+        """How many standard errors μ_lower lies below μ̂: μ̂ must exceed μ_allowed by this much to be caught."""
+        return (self.mu - self.mu_lower) / self.mu_se if self.mu_se > 0 else math.inf
+
+    @property
+    def margin_se(self) -> float:
+        """(μ̂ − μ_allowed) / se(μ̂): how far the run lies above the leak ε_upper allows (below it: negative)."""
+        return (self.mu - self.mu_allowed) / self.mu_se if self.mu_se > 0 else -math.inf
+
+    @property
+    def power(self) -> float:
+        """The ε comparison's catch probability were μ̂ the run's true μ: Φ(margin_se − threshold_se).
+
+        For a mutant, how far from a coin flip (0.5) its catch is; for correct code, its false-alarm estimate.
+        """
+        return float(stats.norm.cdf(self.margin_se - self.threshold_se))
+
+    @property
+    def detectable_factor(self) -> float:
+        """The leak factor on μ (μ_true = factor·μ_allowed) the ε comparison catches with probability `POWER`."""
+        if not self.mu_allowed > 0:
+            return math.inf
+        return 1.0 + (self.threshold_se + float(stats.norm.ppf(POWER))) * self.mu_se / self.mu_allowed
 
     def to_dict(self) -> dict[str, Any]:
-        out = {k: v for k, v in asdict(self).items() if k not in ("in_projections", "out_projections")}
-        out.update(passed=self.passed, noise_fresh=self.noise_fresh, kind="white-box audit of the callback's own step")
+        skip = ("in_projections", "out_projections", "released_multipliers", "ledger_multipliers")
+        out = {k: v for k, v in asdict(self).items() if k not in skip}
+        out.update(
+            passed=self.passed,
+            failed=self.failed,
+            noise_fresh=self.noise_fresh,
+            margin_se=self.margin_se,
+            threshold_se=self.threshold_se,
+            power=self.power,
+            detectable_factor=self.detectable_factor,
+            kind="white-box audit of the callback's own step",
+        )
         return out
 
     def summary(self) -> str:
         verdict = "passed" if self.passed else "FAILED: the run leaks more than its ε says"
-        if not self.noise_fresh:
-            verdict += f" (noise of consecutive steps correlates: {self.noise_correlation:.3f})"
+        for check in self.checks:
+            if not check.passed:
+                verdict += f" ({check.name}: {check.statistic:.3f} vs limit {check.limit:.3f} at {check.worst})"
         if self.changed_state:
             verdict += f" (state outside the parameters changed: {self.changed_state[:5]})"
         return (
             f"{self.mechanism} ({self.level} level, {self.steps} steps): ε_lower {self.epsilon_lower:.2f} vs "
             f"ε_upper {self.epsilon_upper:.2f} [{self.accountant}] at δ={self.delta:g}: {verdict}. Canary projection "
             f"(units of C): in {self.mean_in:.3f} ± {self.sd_in:.3f}, out {self.mean_out:.3f} ± {self.sd_out:.3f}; "
-            f"noise sd {self.noise_sd:.3f} (configured z {self.noise_multiplier:.3f})."
+            f"noise sd {self.noise_sd:.3f} (configured z {self.noise_multiplier:.3f}); μ̂ {self.mu:.2f} vs allowed "
+            f"{self.mu_allowed:.2f}: {self.margin_se:+.1f} SE (caught above {self.threshold_se:.1f}); a leak of "
+            f"×{self.detectable_factor:.2f} in μ is caught with probability {POWER:g}."
         )
 
 
@@ -192,10 +283,15 @@ class _Module(pl.LightningModule):
 
 
 class _Observer(pl.Callback):
-    """Reads the trainable parameters before the first step and after every step."""
+    """Reads the trainable parameters before the first step and after every step, and each step's multiplier.
+
+    The multiplier is what the callback logs as ``privacy/noise_multiplier`` for the step (the release's
+    `StepRelease.noise_multiplier`: with several noise scales, the selected candidate's); NaN if not logged.
+    """
 
     def __init__(self) -> None:
         self.thetas: list[Tensor] = []
+        self.released: list[float] = []
         self.model: nn.Module | None = None
         self.state: dict[str, Tensor] = {}
 
@@ -215,6 +311,8 @@ class _Observer(pl.Callback):
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         assert isinstance(pl_module, _Module)
         self.thetas.append(_flat(pl_module.model))
+        logged = trainer.callback_metrics.get("privacy/noise_multiplier")
+        self.released.append(math.nan if logged is None else float(logged))
 
 
 def _weighted_loss(logits: Tensor, y: Tensor, w: Tensor) -> Tensor:
@@ -243,6 +341,33 @@ def _flat(model: nn.Module) -> Tensor:
     return torch.cat([p.detach().double().reshape(-1) for _, p in _trainable(model)])
 
 
+@dataclass
+class _World:
+    """One world's measurements, per step t, in units of C.
+
+    ``y``: the residual's projection on the canary's direction; ``m``: the canary's clipped norm by the
+    reference; ``orthogonal``: (T, d) the residual less its projection (noise only); ``residual``: (T, d) the
+    release less every other unit's clipped contribution; ``released``: the multiplier the callback logged for
+    the step (NaN if none); ``ledger``: the Gaussian multiplier the world's ledger charges at each step;
+    ``tensors``: (name, numel) of the audited parameters, in the order of the d coordinates.
+    """
+
+    callback: Any
+    y: NDArray[np.float64]
+    m: NDArray[np.float64]
+    orthogonal: NDArray[np.float64]
+    residual: NDArray[np.float64]
+    released: NDArray[np.float64]
+    ledger: NDArray[np.float64]
+    tensors: list[tuple[str, int]]
+
+    def scales(self) -> NDArray[np.float64]:
+        """r_t: the released multiplier of each step; the ledger's where none was logged, else the configured z."""
+        fallback = self.ledger if len(self.ledger) == len(self.y) else np.full(len(self.y), np.nan)
+        scales = np.where(np.isfinite(self.released), self.released, fallback)
+        return np.where(np.isfinite(scales), scales, float(self.callback.release.noise_multiplier(0)))
+
+
 class CallbackAudit:
     """Audits a DP callback by training a small model with it, with and without a canary unit.
 
@@ -250,7 +375,8 @@ class CallbackAudit:
         callback: builds the callback to audit from a seed (``lambda seed: DPSGD(..., seed=seed)``), configured
             as the run to audit is, with ``sample_rate=1.0``.
         model: builds the model (called once per world under the same torch seed: both worlds start equal).
-            Its parameters that require grad are the ones audited; eval-mode layers stay in eval mode.
+            Its parameters that require grad are the ones audited; eval-mode layers stay in eval mode. Dropout
+            (p > 0) and normalization that uses batch or running statistics must be in eval mode.
         population: ``(x, y)`` — the other units' images and labels; for patient-level callbacks
             ``(x, y, patients)`` with one patient id per image.
         canary: ``(x, y)`` of the canary unit (one sample for DPSGD; the images of one patient for P3SGD).
@@ -262,6 +388,11 @@ class CallbackAudit:
         significance: the bound holds with probability ≥ 1 − significance.
         seed: seeds the model's initialization and the callbacks (public; never derived from data).
         trainer_kwargs: more arguments for the Trainer (e.g. ``precision``).
+
+    Raises:
+        PrivacyConfigError: a callback that samples (q < 1), population and canary tensors that do not match the
+            privacy unit, P3SGD local mini-batches the reference cannot follow, or layers in training mode that the
+            eval-mode reference cannot follow (Dropout, BatchNorm, normalization with running statistics).
 
     Example:
         >>> from lightning_dp.callbacks import DPSGD
@@ -313,7 +444,6 @@ class CallbackAudit:
         self.canary_weight = float(canary_weight)
         self._population_clipped: list[float] = []
         self._changed_state: list[str] = []
-        self._dimension = 0
         if not 0.0 < significance < 1.0:
             raise PrivacyConfigError(f"`{owner}(significance={significance})`: must be in (0, 1), e.g. 0.05.")
         self.significance = float(significance)
@@ -321,6 +451,40 @@ class CallbackAudit:
         self.trainer_kwargs = dict(trainer_kwargs or {})
         if self.level == "patient":
             self._check_patient_settings(probe)
+        self._check_followable()
+
+    def _check_followable(self) -> None:
+        """Refuses a model whose training-mode function the auditor's eval-mode reference cannot follow.
+
+        Dropout draws random masks from a generator the auditor does not see; BatchNorm in training mode
+        normalizes by the batch's (or the patient's) statistics, and a normalization layer that tracks running
+        statistics uses them only in eval mode. In either case the reference computes other contributions than
+        the callback did, the population is not subtracted, and the verdict reads a wrong residual (measured:
+        a P3SGD clip 10× too large passed with a training-mode BatchNorm, ε_lower 151 against ε_upper 166).
+        """
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(self.seed)
+            model = self.model()
+        found = [
+            f"{name or 'model'} ({type(m).__name__}(p={m.p}))"
+            for name, m in model.named_modules()
+            if isinstance(m, nn.modules.dropout._DropoutNd) and m.training and m.p > 0
+        ]
+        found += [
+            f"{name or 'model'} ({type(m).__name__} in training mode)"
+            for name, m in model.named_modules()
+            if isinstance(m, _NormBase) and m.training and (isinstance(m, _BatchNorm) or m.track_running_stats)
+        ]
+        if found:
+            raise PrivacyConfigError(
+                f"`CallbackAudit`: {len(found)} layer(s) of the model behave differently in training mode, which the "
+                f"auditor's eval-mode reference cannot follow: {', '.join(found[:5])}. Dropout draws masks the auditor "
+                "does not see, and normalization in training mode uses batch statistics, so the other units' "
+                "contributions cannot be subtracted and the verdict would read noise that is not there. HINT: audit "
+                "the model with these layers in eval mode (call .eval() on them in the model factory: frozen, public "
+                "statistics; dropout off) or replace BatchNorm by GroupNorm; the engines themselves are audited the "
+                "same way."
+            )
 
     def _check_patient_settings(self, probe: Any) -> None:
         counts = torch.unique(self.population[2], return_counts=True)[1].tolist() + [len(self.canary[1])]
@@ -441,81 +605,104 @@ class CallbackAudit:
                 current[k] = current[k] - callback.local_lr * d
         return torch.cat([(current[k] - params[k]).reshape(-1) for k in params])
 
-    def _projections(self, callback: Any, observer: _Observer, data: _Units) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """Per step, in units of C: canary projection, squared noise, canary norm, noise correlation.
+    def _measure(self, callback: Any, observer: _Observer, data: _Units) -> _World:
+        """One world's measurements, per step, in units of C (see `_World`).
 
-        y_t is the canary projection; the correlation is that of the step's noise with the previous step's.
-        The squared noise is summed over the d − 1 directions orthogonal to the canary; the canary's clipped
-        norm m_t is the auditor's reference. Fresh noise makes consecutive correlations ~N(0, 1/d).
+        The residual is the release less every other unit's clipped contribution (the noise, plus the canary in
+        the "in" world); y_t its projection on the canary's direction, the orthogonal noise the rest.
         """
         assert observer.model is not None
         clip = float(callback.clip_norm)
         units = data.num_patients if self.level == "patient" else len(data)
         n = float(callback.sample_rate) * units  # the public normalizer q·N
         scale = float(callback.server_lr) if self.level == "patient" else -self.lr
-        ys, sds, norms, correlations = [], [], [], []
-        previous: Tensor | None = None
+        ys, norms, orthogonal, residuals = [], [], [], []
         for t in range(self.steps):
             theta, after = observer.thetas[t], observer.thetas[t + 1]
             released = (after - theta) * (n / scale)
             others, canary = self._contributions(observer.model, theta, callback)
-            residual = released - others
-            self._dimension = residual.numel()
+            residual = (released - others) / clip
             direction = canary / canary.norm()
             along = float(residual @ direction)
-            noise = residual - along * direction
-            ys.append(along / clip)
-            sds.append(float(noise.norm() / clip) ** 2)  # Σ of d − 1 squared noise draws
+            ys.append(along)
             norms.append(float(canary.norm()) / clip)
-            if previous is not None:
-                correlations.append(float(noise @ previous / (noise.norm() * previous.norm())))
-            previous = noise
-        return torch.tensor(ys), torch.tensor(sds), torch.tensor(norms), torch.tensor(correlations)
+            orthogonal.append(residual - along * direction)
+            residuals.append(residual)
+        tensors = [(name, p.numel()) for name, p in _trainable(observer.model)]
+        return _World(
+            callback=callback,
+            y=np.asarray(ys, dtype=np.float64),
+            m=np.asarray(norms, dtype=np.float64),
+            orthogonal=torch.stack(orthogonal).double().numpy(),
+            residual=torch.stack(residuals).double().numpy(),
+            released=np.asarray(observer.released, dtype=np.float64),
+            ledger=ledger_multipliers(callback.ledger),
+            tensors=tensors,
+        )
 
     # ------------------------------------------------------------------ the audit
     def run(self) -> CallbackAuditResult:
-        """Both worlds, the projections, the bound, and the accountant's ε for the "in" world's ledger."""
-        results = {}
+        """Both worlds, the projections, the noise checks, the bound, and the accountant's ε for the "in" ledger."""
+        worlds = {}
         for world in (True, False):
             callback, observer, data = self.fit(world)
-            results[world] = (callback, *self._projections(callback, observer, data))
-        callback = results[True][0]
-        y_in, y_out = results[True][1].double().numpy(), results[False][1].double().numpy()
-        m_in, m_out = results[True][3].double().numpy(), results[False][3].double().numpy()
-        noise_ss = float(torch.cat([results[True][2], results[False][2]]).sum())
-        noise_dof = 2 * self.steps * (self._dimension - 1)
-        correlations = torch.cat([results[True][4], results[False][4]]).double()
-        # Fresh noise: each correlation ~N(0, 1/(d−1)); Bonferroni over every pair at NOISE_CHECK_SIGNIFICANCE.
-        noise_correlation = float(correlations.abs().max()) if len(correlations) else 0.0
-        tail = NOISE_CHECK_SIGNIFICANCE / (2 * max(1, len(correlations)))
-        correlation_limit = float(stats.norm.isf(tail)) / math.sqrt(self._dimension - 1)
-        mu_lower, mu, beta = gdp_mu_lower(y_in, m_in, y_out, m_out, noise_ss, noise_dof, self.significance)
+            worlds[world] = self._measure(callback, observer, data)
+        inside, outside = worlds[True], worlds[False]
+        callback = inside.callback
+        steps, d = inside.orthogonal.shape
+        r_in, r_out = inside.scales(), outside.scales()
+        checks = (
+            fresh_noise(inside.orthogonal, outside.orthogonal, NOISE_CHECK_SIGNIFICANCE),
+            noise_vs_ledger(
+                (inside.orthogonal, outside.orthogonal),
+                outside.residual,
+                (inside.y, inside.m, outside.y),
+                (inside.ledger, outside.ledger),
+                inside.tensors,
+                NOISE_CHECK_SIGNIFICANCE,
+            ),
+            noise_as_released((inside.orthogonal, outside.orthogonal), (r_in, r_out), NOISE_CHECK_SIGNIFICANCE),
+        )
+        # The per-step reading: step t in units of its own multiplier r_t, so every step is N(β·m_t/r_t, κ²).
+        squares_in, squares_out = (inside.orthogonal**2).sum(1), (outside.orthogonal**2).sum(1)
+        noise_ss = float((squares_in / r_in**2).sum() + (squares_out / r_out**2).sum())
+        noise_dof = 2 * steps * (d - 1)
+        m_in, m_out = inside.m / r_in, outside.m / r_out
+        mu_lower, mu, beta = gdp_mu_lower(
+            inside.y / r_in, m_in, outside.y / r_out, m_out, noise_ss, noise_dof, self.significance
+        )
+        # se(μ̂) by the delta method: var(β̂) = κ²(1/S_in + 1/S_out), var(κ̂)/κ² = 1/(2·dof), μ = β·√S_in/κ.
+        mu_se = math.sqrt(1.0 + float(m_in @ m_in) / float(m_out @ m_out) + mu**2 / (2 * noise_dof))
         delta = float(callback.ledger.delta)
+        epsilon_upper = float(callback.accountant.epsilon(callback.ledger))
         return CallbackAuditResult(
             mechanism=self.mechanism,
             level=self.level,
             steps=self.steps,
             epsilon_lower=gdp_epsilon(mu_lower, delta) if mu_lower > 0 else 0.0,
-            epsilon_upper=float(callback.accountant.epsilon(callback.ledger)),
+            epsilon_upper=epsilon_upper,
             mu_lower=mu_lower,
             mu=mu,
+            mu_se=mu_se,
+            mu_allowed=gdp_mu(epsilon_upper, delta),
             beta=beta,
-            mean_in=float(y_in.mean()),
-            mean_out=float(y_out.mean()),
-            sd_in=float(y_in.std(ddof=1)),
-            sd_out=float(y_out.std(ddof=1)),
-            noise_sd=math.sqrt(noise_ss / noise_dof),
+            mean_in=float(inside.y.mean()),
+            mean_out=float(outside.y.mean()),
+            sd_in=float(inside.y.std(ddof=1)),
+            sd_out=float(outside.y.std(ddof=1)),
+            noise_sd=math.sqrt(float(squares_in.sum() + squares_out.sum()) / noise_dof),
             population_clipped=float(np.mean(self._population_clipped)),
             noise_multiplier=float(callback.release.noise_multiplier(0)),
-            canary_norm=float(results[True][3].mean()),
-            noise_correlation=noise_correlation,
-            noise_correlation_limit=correlation_limit,
+            canary_norm=float(inside.m.mean()),
+            checks=checks,
             changed_state=sorted(set(self._changed_state)),
             delta=delta,
             significance=self.significance,
             accountant=str(callback.accountant.name),
-            in_projections=y_in,
-            out_projections=y_out,
+            in_projections=inside.y,
+            out_projections=outside.y,
+            released_multipliers=r_in,
+            ledger_multipliers=inside.ledger,
         )
 
 
@@ -537,6 +724,9 @@ def gdp_mu_lower(
     ``noise_dof`` squared draws, where only the noise is left once the population is subtracted) and
     bounded from above by a χ² bound; each at half the significance, so the pair holds jointly with
     probability ≥ 1 − significance. The steps compose to μ = β·√(Σ m_t²)/s (in-world m_t).
+
+    `CallbackAudit` reads each step at its own multiplier r_t: it passes y_t/r_t and m_t/r_t, and the squared
+    noise divided by r_t², so that s is the common factor κ and μ = β·√(Σ m_t²/r_t²)/κ.
 
     Example:
         >>> rng = np.random.default_rng(0)

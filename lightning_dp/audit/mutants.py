@@ -9,15 +9,16 @@ whole release (post-processing) is not one.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
-from lightning_dp.accounting import accountants
+from lightning_dp.accounting import ComposedEvent, GaussianEvent, PoissonSampledEvent, accountants, ledger
 from lightning_dp.callbacks.dpsgd import DPSGD
 from lightning_dp.callbacks.p3sgd import P3SGD
 from lightning_dp.sanitization import per_sample, release, rules, updates
@@ -35,12 +36,17 @@ def _replaced(owner: Any, name: str, make: Callable[[Any], Any]) -> Iterator[Non
         setattr(owner, name, original)
 
 
+#: The verdict's checks a mutant can be caught by (`CallbackAuditResult.failed`).
+Check = Literal["ε", "fresh noise", "noise vs ledger", "noise as released", "state"]
+
+
 @dataclass(frozen=True)
 class Mutant:
     """One planted bug: ``name``, ``where`` (file: function), ``what`` it does, the mechanisms it reaches.
 
     ``steps`` is how many steps per world `CallbackAudit` observes to catch it on the scenarios of
-    `lightning_dp.audit.scenarios` (a gross leak shows in 20; a leak of a factor √2 needs 100).
+    `lightning_dp.audit.scenarios`, sized so that the catch is not a coin flip (for a catch by ε, a plug-in
+    catch probability ≥ 0.99: `CallbackAuditResult.power`); ``check`` is the verdict's check that catches it.
     """
 
     name: str
@@ -49,6 +55,7 @@ class Mutant:
     mechanisms: tuple[str, ...]
     patch: Callable[[], Any]
     steps: int = 50
+    check: Check = "ε"
 
     @contextmanager
     def applied(self) -> Iterator[None]:
@@ -169,6 +176,52 @@ def _selection_charged_at_largest() -> Any:
     )
 
 
+def _noise_chunk_skipped() -> Any:
+    def make(f: Any) -> Any:
+        def mutated(numel: int, generator: Any) -> Any:
+            out = f(numel, generator)
+            out[numel * (release.NOISE_CHUNKS - 1) // release.NOISE_CHUNKS :] = 0.0  # the last chunk is never filled
+            return out
+
+        return mutated
+
+    return _replaced(release, "standard_normal", make)
+
+
+def _inflated(event: Any, factor: float) -> Any:
+    """``event`` with every Gaussian's multiplier × ``factor``."""
+    if isinstance(event, GaussianEvent):
+        return GaussianEvent(event.noise_multiplier * factor)
+    if isinstance(event, PoissonSampledEvent):
+        return dataclasses.replace(event, event=_inflated(event.event, factor))
+    if isinstance(event, ComposedEvent):
+        return ComposedEvent(tuple(_inflated(e, factor) for e in event.events))
+    return event
+
+
+def _ledger_inflated() -> Any:
+    return _replaced(
+        ledger.PrivacyLedger,
+        "record",
+        lambda f: lambda self, event, count=1: f(self, _inflated(event, 1.25), count),
+    )
+
+
+def _noise_double_buffered() -> Any:
+    def make(f: Any) -> Any:
+        def mutated(self: Any, like: Any, std: float) -> Any:
+            buffers = self.__dict__.setdefault("_mutant_buffers", [])
+            calls = self.__dict__.get("_mutant_calls", 0)
+            self._mutant_calls = calls + 1
+            if len(buffers) < 2:
+                buffers.append(f(self, like, 1.0))  # two unit-noise buffers, drawn once
+            return buffers[calls % 2].clone().mul_(std)
+
+        return mutated
+
+    return _replaced(release.Release, "_gaussian", make)
+
+
 #: The mutants the test suite's audit must catch (docs/results/audit.md, 'The mutation table').
 MUTANTS: tuple[Mutant, ...] = (
     Mutant(
@@ -185,6 +238,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "ghost-norm layers' squared norms ×1e-4",
         ("DPSGD",),
         _ghost_norms,
+        steps=150,
     ),
     Mutant(
         "materialized norms 100× small",
@@ -192,6 +246,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "materialized layers' squared norms ×1e-4",
         ("DPSGD",),
         _materialized_norms,
+        steps=100,
     ),
     Mutant(
         "patient clip at 10·C_u",
@@ -205,9 +260,10 @@ MUTANTS: tuple[Mutant, ...] = (
         "noise std / √2",
         "sanitization/release.py: Release._gaussian",
         "every noise draw √2 too small",
-        ("DPSGD", "P3SGD"),
+        ("DPSGD", "P3SGD", "P3SGD-selection"),
         _noise_sqrt2,
-        steps=100,
+        steps=20,
+        check="noise vs ledger",
     ),
     Mutant(
         "noise normalized twice",
@@ -216,6 +272,7 @@ MUTANTS: tuple[Mutant, ...] = (
         ("DPSGD", "P3SGD"),
         _noise_normalized_twice,
         steps=20,
+        check="noise vs ledger",
     ),
     Mutant(
         "ledger charged at q/2",
@@ -232,6 +289,7 @@ MUTANTS: tuple[Mutant, ...] = (
         ("P3SGD",),
         _release_clip_halved,
         steps=20,
+        check="noise vs ledger",
     ),
     Mutant(
         "RDP halved",
@@ -239,7 +297,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "the Gaussian's RDP curve ×0.5",
         ("DPSGD", "P3SGD"),
         _accountant_halved,
-        steps=100,
+        steps=150,
     ),
     Mutant(
         "no rollback between patients",
@@ -256,6 +314,7 @@ MUTANTS: tuple[Mutant, ...] = (
         ("DPSGD", "P3SGD"),
         _noise_reused,
         steps=20,
+        check="fresh noise",
     ),
     Mutant(
         "buffers not restored after a patient",
@@ -264,6 +323,36 @@ MUTANTS: tuple[Mutant, ...] = (
         ("P3SGD",),
         _buffers_not_restored,
         steps=20,
+        check="state",
+    ),
+    Mutant(
+        "last noise chunk unfilled",
+        "sanitization/release.py: standard_normal",
+        "the last of the 16 noise chunks is never drawn: the last 1/16 of the coordinates (a slice of the last "
+        "layers, whole tensors among them) is released without noise",
+        ("DPSGD", "P3SGD"),
+        _noise_chunk_skipped,
+        steps=20,
+        check="noise vs ledger",
+    ),
+    Mutant(
+        "ledger records 1.25·z",
+        "accounting/ledger.py: PrivacyLedger.record",
+        "every Gaussian is recorded at 1.25× the multiplier the release drew",
+        ("DPSGD", "P3SGD"),
+        _ledger_inflated,
+        steps=20,
+        check="noise vs ledger",
+    ),
+    Mutant(
+        "noise reused at lag 2",
+        "sanitization/release.py: Release._gaussian",
+        "double-buffered noise: two noise vectors drawn once and used alternately, step t's noise again at step t + 2 "
+        "(each step alone a correct Gaussian; consecutive steps independent)",
+        ("DPSGD", "P3SGD"),
+        _noise_double_buffered,
+        steps=20,
+        check="fresh noise",
     ),
     Mutant(
         "selection charged at largest z",
@@ -271,6 +360,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "the round is charged at the largest noise scale, drawn at the smallest",
         ("P3SGD-selection",),
         _selection_charged_at_largest,
-        steps=100,
+        steps=20,
+        check="noise vs ledger",
     ),
 )

@@ -9,6 +9,10 @@ gradient (or local update) is far above it. They are what the test suite and
   sampler), Conv2d at 2×2 (ghost norm), Linear (ghost norm).
 * ``dpsgd_audit("transpose")``: Conv2d, ConvTranspose2d, an eval-mode BatchNorm with a trainable affine
   (the library's eval-BatchNorm rule), Linear.
+* ``dpsgd_audit("kept")``: Conv2d(16, 16, 3) at 8×8, whose input and output gradient are smaller than its
+  per-sample gradients while the ghost norm is not chosen (the engine keeps them for the clipped sum:
+  `KeptInputsTerm`), and a 3×3 Conv2d with dilation 4 at 4×4, where only the centre tap reads the input (the
+  per-sample gradients are materialized tap by tap: `_live_taps`).
 * ``p3sgd_audit(...)``: an MLP over patients of 3 images (with an int64 buffer that counts the images it sees,
   which P3SGD must restore after every patient), one or several local steps, one or several noise scales (the
   exponential-mechanism selection).
@@ -68,6 +72,20 @@ def _transpose_net() -> nn.Module:
     )
 
 
+def _kept_net() -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(1, 16, 3, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(16, 16, 3, padding=1),  # T·(d + p) = 64·160 ≥ d·p = 2304: materialized; 2048 < 2304 numbers kept
+        nn.ReLU(),
+        nn.AvgPool2d(2),
+        nn.Conv2d(16, 8, 3, padding=4, dilation=4),  # at 4×4 the outer taps read only padding: tap by tap
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(8 * 4 * 4, 2),
+    )
+
+
 class _ImageCounter(nn.Module):
     """Counts the images it sees in training mode (an int64 buffer a patient's data changes: P3SGD must restore it)."""
 
@@ -97,7 +115,7 @@ def _images(count: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def dpsgd_audit(
-    model: Literal["conv", "transpose"] = "conv",
+    model: Literal["conv", "transpose", "kept"] = "conv",
     *,
     steps: int = 200,
     noise_multiplier: float = 0.5,
@@ -108,7 +126,7 @@ def dpsgd_audit(
 ) -> CallbackAudit:
     """A full-batch `DPSGD` audit of one of the two models (see the module docstring)."""
     x, y = _images(population + 1, seed)
-    factory = _conv_net if model == "conv" else _transpose_net
+    factory = {"conv": _conv_net, "transpose": _transpose_net, "kept": _kept_net}[model]
     return CallbackAudit(
         lambda s: DPSGD(
             sample_rate=1.0,

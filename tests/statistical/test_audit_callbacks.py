@@ -1,10 +1,14 @@
 """The white-box audit of the callbacks' own step: correct code passes and sees the canary; every mutant is caught.
 
 Tolerance: ε_lower is a lower confidence bound at 95 % (a normal bound on the canary's pass-through factor
-β and a χ² bound on the noise sd, each at 97.5 %). The seeds are fixed, so every assertion is
-deterministic; the correct runs estimate β within ±0.5 of 1 (about 2.5 standard errors at T = 50) and
-the noise sd within 10 % of z = 0.5 (it is measured on hundreds of directions per step). The fresh-noise
-check (consecutive steps' noise uncorrelated) has a false-alarm probability of 1e-3 per run.
+β and a χ² bound on the noise factor κ, each at 97.5 %), so the ε comparison false-alarms on correct code with
+probability ≤ 5 % (measured margins: μ̂ lies 0.1–2.8 standard errors *below* μ_allowed, the catch threshold is
+~2 above). Each noise check (fresh noise at every lag, noise vs ledger, noise as released) false-alarms with
+probability ≤ 1e-3 (tests/unit/audit/test_noise_checks.py measures the rates on simulated runs). The seeds
+are fixed, so every assertion is deterministic; the correct runs estimate β within ±0.5 of 1 (about 2.5
+standard errors at T = 50) and the noise sd within 10 % of z = 0.5 (it is measured on hundreds of directions
+per step). A mutant caught by the ε comparison must be caught with a plug-in probability ≥ 0.99 (μ̂ at least
+2.33 standard errors beyond the catch threshold): its steps are sized for that, not for a coin flip.
 """
 
 import pytest
@@ -22,6 +26,7 @@ STEPS = 50
 SCENARIOS = {
     "DPSGD": lambda steps: dpsgd_audit("conv", steps=steps),
     "DPSGD-transpose": lambda steps: dpsgd_audit("transpose", steps=steps),
+    "DPSGD-kept": lambda steps: dpsgd_audit("kept", steps=steps),
     "P3SGD": lambda steps: p3sgd_audit(steps=steps),
     "P3SGD-selection": lambda steps: p3sgd_audit(noise_scales=(0.5, 1.0), local_steps=3, steps=steps),
     "P3SGD-vectorized": lambda steps: p3sgd_audit(vectorize="auto", steps=steps),
@@ -30,7 +35,7 @@ SCENARIOS = {
 
 
 def margin(result):
-    return result.summary() + f" β̂ {result.beta:.3f}, μ̂ {result.mu:.2f}, μ_lower {result.mu_lower:.2f}"
+    return result.summary() + f" β̂ {result.beta:.3f}, μ̂ {result.mu:.2f}, μ_lower {result.mu_lower:.2f} {result.checks}"
 
 
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
@@ -44,6 +49,14 @@ def test_correct_callbacks_pass_and_see_the_canary(scenario):
     assert result.canary_norm > 0.9, margin(result)  # the clip is active: the canary is far above C
     assert result.population_clipped == 0.0, margin(result)  # a wrong clip would move the canary alone
     assert result.noise_fresh and not result.changed_state, margin(result)
+    assert all(check.passed for check in result.checks), margin(result)
+    ledger = result.check("noise vs ledger")  # measured noise ≥ the ledger's multiplier everywhere
+    assert ledger.statistic >= ledger.limit and ledger.tests > result.steps, margin(result)
+    assert result.ledger_multipliers.tolist() == [0.5] * STEPS, margin(result)
+    if scenario == "P3SGD-selection":  # read per step: each step at the multiplier the selection drew
+        assert set(result.released_multipliers.tolist()) == {0.5, 1.0}, margin(result)
+    else:
+        assert result.released_multipliers.tolist() == [0.5] * STEPS, margin(result)
 
 
 def _cases():
@@ -57,6 +70,9 @@ def test_every_mutant_is_caught(mutant, scenario):
     with mutant.applied():
         result = SCENARIOS[scenario](mutant.steps).run()
     assert not result.passed, f"{mutant.name} ({mutant.where}) not caught: " + margin(result)
+    assert mutant.check in result.failed, f"{mutant.name} not caught by {mutant.check}: " + margin(result)
+    if mutant.check == "ε":  # not a coin flip: μ̂ ≥ 2.33 SE beyond the catch threshold
+        assert result.power >= 0.99, f"{mutant.name} caught by a thin margin: " + margin(result)
 
 
 def test_mutants_restore_the_library():
@@ -70,6 +86,10 @@ def test_mutants_restore_the_library():
     assert rules._ghost_norms.__module__ == rules.sum_of_squares.__module__ == "lightning_dp.sanitization.rules"
     assert updates.clip_factor.__module__ == "lightning_dp.sanitization.updates"
     assert release.Release._gaussian.__qualname__ == "Release._gaussian"
+    assert release.standard_normal.__qualname__ == "standard_normal"
+    from lightning_dp.accounting.ledger import PrivacyLedger
+
+    assert PrivacyLedger.record.__qualname__ == "PrivacyLedger.record"
     assert before.steps == 2
 
 
@@ -89,6 +109,54 @@ def test_subsampled_runs_and_unfollowable_local_batches_are_refused_with_a_hint(
             population=(x, y, torch.tensor([0, 0, 0, 1, 1, 1])),
             canary=(x[:3], y[:3]),
         )
+
+
+@pytest.mark.parametrize("layer", ["dropout", "batchnorm"])
+def test_layers_the_reference_cannot_follow_are_refused_with_a_hint(layer):
+    # Measured before the refusal: with a training-mode BatchNorm a P3SGD clip 10× too large passed (ε_lower 151
+    # against ε_upper 166): the eval-mode reference subtracted other contributions than the callback released.
+    x, y = torch.randn(6, 1, 8, 8), torch.randint(0, 2, (6,))
+    middle = torch.nn.Dropout(0.25) if layer == "dropout" else torch.nn.BatchNorm1d(8)
+
+    def audit():
+        return CallbackAudit(
+            lambda s: P3SGD(sample_rate=1.0, clip_norm=1.0, local_batch_size=3, delta=1e-5, seed=s),
+            model=lambda: torch.nn.Sequential(
+                torch.nn.Flatten(), torch.nn.Linear(64, 8), middle, torch.nn.Linear(8, 2)
+            ),
+            population=(x, y, torch.tensor([0, 0, 0, 1, 1, 1])),
+            canary=(x[:3], y[:3]),
+        )
+
+    found = r"1 layer\(s\).*2 \((Dropout\(p=0.25\)|BatchNorm1d in training mode)\).*HINT: .*eval mode"
+    with pytest.raises(PrivacyConfigError, match=found):
+        audit()
+    middle.eval()  # frozen statistics, dropout off: the reference follows it
+    assert audit().level == "patient"
+
+
+def test_the_kept_scenario_audits_the_kept_inputs_term_and_the_tapwise_path(monkeypatch):
+    from lightning_dp.sanitization import rules
+
+    kept_layers, tapwise_layers = [], []
+    kept, live = rules.KeptInputsTerm.__init__, rules._live_taps
+
+    def count_kept(self, rule, module, *args, **kwargs):
+        kept_layers.append(tuple(module.weight.shape))
+        kept(self, rule, module, *args, **kwargs)
+
+    def count_live(module, *args, **kwargs):
+        taps = live(module, *args, **kwargs)
+        if taps is not None:
+            tapwise_layers.append(tuple(module.weight.shape))
+        return taps
+
+    monkeypatch.setattr(rules.KeptInputsTerm, "__init__", count_kept)
+    monkeypatch.setattr(rules, "_live_taps", count_live)
+    dpsgd_audit("kept", steps=2).fit(with_canary=True)
+    # Both 16-channel convolutions keep their inputs for the clipped sum; only the dilated one is read tap by tap.
+    assert set(kept_layers) == {(16, 16, 3, 3), (8, 16, 3, 3)} and len(kept_layers) >= 2 * 2 * 4, kept_layers
+    assert set(tapwise_layers) == {(8, 16, 3, 3)} and len(tapwise_layers) >= 2 * 4, tapwise_layers
 
 
 def test_the_vectorized_scenario_audits_the_batched_round():
