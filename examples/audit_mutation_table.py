@@ -8,7 +8,10 @@ code and under every mutant of lightning_dp.audit.mutants.MUTANTS, and prints tw
   the smallest leak factor on μ the ε comparison catches with probability 0.9, and the noise checks' worst
   statistic against its limit;
 * the mutants: which check catches each (ε, fresh noise, noise vs ledger, noise as released, state), with the
-  ε comparison's margin in standard errors and its plug-in catch probability, and the worst failed noise check.
+  ε comparison's margin in standard errors and its plug-in catch probability, and the worst failed noise check;
+* the paired-world sensitivity audits (lightning_dp.audit.SensitivityAudit: the same seed in every world, so the
+  noise cancels) on correct code and under the mutants of coupling between units: how far one canary moved the
+  clipped sum (≤ 1·C) and by how much more than its own clipped share (0).
 
     python examples/audit_mutation_table.py            # ~3 minutes on 2 CPU cores
     python examples/audit_mutation_table.py --json docs/audit_mutations.json
@@ -26,7 +29,8 @@ from typing import Any
 
 from lightning_dp.audit.engine import CallbackAudit, CallbackAuditResult
 from lightning_dp.audit.mutants import MUTANTS, Mutant
-from lightning_dp.audit.scenarios import dpsgd_audit, p3sgd_audit
+from lightning_dp.audit.scenarios import coupling_audit, dpsgd_audit, p3sgd_audit
+from lightning_dp.audit.sensitivity import SensitivityAudit, SensitivityAuditResult
 
 #: Steps observed per world for the correct code (each mutant says how many it needs: `Mutant.steps`).
 CORRECT_STEPS = 50
@@ -40,6 +44,30 @@ SCENARIOS: dict[str, Callable[[int], CallbackAudit]] = {
     "P3SGD-vectorized": lambda steps: p3sgd_audit(vectorize="auto", steps=steps),
     "P3SGD-stacked": lambda steps: p3sgd_audit(vectorize="auto", local_steps=3, steps=steps),
 }
+
+
+#: The paired-world sensitivity audits (their canaries expose coupling between units).
+COUPLING: dict[str, Callable[[], SensitivityAudit]] = {
+    "DPSGD-cancel": lambda: coupling_audit("cancel"),
+    "DPSGD-neighbour": lambda: coupling_audit("neighbour"),
+    "P3SGD-augment": lambda: coupling_audit("augment"),
+}
+
+
+def sensitivity_row(name: str, where: str, scenario: str, mutant: Mutant | None) -> dict[str, Any]:
+    with mutant.applied() if mutant is not None else nullcontext():
+        result: SensitivityAuditResult = COUPLING[scenario]().run()
+    return {
+        "mutant": name,
+        "where": where,
+        "scenario": scenario,
+        "kind": "sensitivity",
+        "caught": not result.passed,
+        "as_expected": result.passed if mutant is None else "sensitivity" in result.failed,
+        "moved": [round(m, 4) for m in result.moved],
+        "excess": [round(e, 4) for e in result.excess],
+        "tolerance": result.tolerance,
+    }
 
 
 def scenario_for(mutant: Mutant) -> list[str]:
@@ -103,6 +131,13 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         for scenario in scenario_for(mutant):
             result = audit(scenario, mutant, args.steps or mutant.steps)
             rows.append(row(mutant.name, mutant.where, scenario, result, expect=mutant.check))
+    paired = [sensitivity_row("(correct code)", "—", scenario, None) for scenario in COUPLING]
+    paired += [
+        sensitivity_row(mutant.name, mutant.where, scenario, mutant)
+        for mutant in MUTANTS
+        for scenario in mutant.mechanisms
+        if scenario in COUPLING
+    ]
     print("| scenario | T | passes | ε_lower | ε_upper | μ̂ − μ_allowed (SE) | caught above (SE) | ×μ caught at 90 % |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
@@ -136,6 +171,17 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                 f"{r['epsilon_lower']:.2f} | {r['epsilon_upper']:.2f} | {r['margin_se']:+.2f} | {r['power']:.4f} | "
                 f"{noise} |"
             )
+    print("\n| mutant | where | scenario | caught | one unit moved the sum by (·C) | beyond its own share (·C) |")
+    print("|---|---|---|---|---|---|")
+    for r in paired:
+        moved, excess = ", ".join(f"{m:.3f}" for m in r["moved"]), ", ".join(f"{e:.4f}" for e in r["excess"])
+        caught = (
+            ("**sensitivity**" if r["caught"] else "NOT CAUGHT")
+            if r["mutant"] != "(correct code)"
+            else ("no (passes)" if not r["caught"] else "FAILS")
+        )
+        print(f"| {r['mutant']} | `{r['where']}` | {r['scenario']} | {caught} | {moved} | {excess} |")
+    rows += paired
     print(f"\n{sum(r['as_expected'] for r in rows)}/{len(rows)} rows as expected, {time.perf_counter() - start:.0f} s")
     if args.json is not None:
         args.json.write_text(json.dumps(rows, indent=1) + "\n")

@@ -5,6 +5,9 @@
 * `CallbackAudit`: the white-box audit of the code that trains — the user's own `DPSGD` or `P3SGD` callback fits
   a real model with and without a canary unit, every released update observed (`scenarios` has ready set-ups;
   `mutants` the planted bugs it is checked against).
+* `SensitivityAudit`: the paired-world audit of coupling between units — the same seed in every world, so the
+  noise cancels and one canary must move the clipped sum by its own clipped share alone (crafted cancelling samples,
+  randomness drawn in processing order, shared clip groups).
 * `StepAudit`: the simulated white-box step audit — the library's sampler, clip functions and release on toy
   contributions, for many runs at once (covers subsampling, q < 1, and DDP ranks).
 * `MembershipAudit`: black-box membership inference on final models trained through the private step.
@@ -24,6 +27,7 @@ from lightning_dp.audit.bounds import (
     one_run_p_value,
 )
 from lightning_dp.audit.engine import CallbackAudit, CallbackAuditResult
+from lightning_dp.audit.sensitivity import SensitivityAudit, SensitivityAuditResult
 from lightning_dp.audit.whitebox import StepAudit, StepAuditResult
 
 __all__ = [
@@ -31,6 +35,8 @@ __all__ = [
     "CallbackAuditResult",
     "MembershipAudit",
     "MembershipAuditResult",
+    "SensitivityAudit",
+    "SensitivityAuditResult",
     "StepAudit",
     "StepAuditResult",
     "ThresholdBound",

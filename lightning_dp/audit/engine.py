@@ -230,20 +230,34 @@ class CallbackAuditResult:
 
 
 class _Units(Dataset):
-    """(x, y) pairs; with patients, the P3SGD interface (``patient_to_indices``, ``num_patients``)."""
+    """(x, y) pairs; with patients, the P3SGD interface (``patient_to_indices``, ``num_patients``).
 
-    def __init__(self, x: Tensor, y: Tensor, w: Tensor, patients: Tensor | None) -> None:
+    ``augment`` (optional) transforms each image when it is fetched, drawing from the global generators as a
+    torchvision transform does.
+    """
+
+    def __init__(
+        self,
+        x: Tensor,
+        y: Tensor,
+        w: Tensor,
+        patients: Tensor | None,
+        augment: Callable[[Tensor], Tensor] | None = None,
+    ) -> None:
         self.x, self.y, self.w = x, y, w
+        self.augment = augment
         if patients is not None:
+            # Keyed by the patients' own ids: a patient keeps its id (and so its random streams) in both worlds.
             ids = sorted(set(patients.tolist()))
-            self.patient_to_indices = {k: torch.nonzero(patients == p).flatten().tolist() for k, p in enumerate(ids)}
+            self.patient_to_indices = {p: torch.nonzero(patients == p).flatten().tolist() for p in ids}
             self.num_patients = len(ids)
 
     def __len__(self) -> int:
         return len(self.y)
 
     def __getitem__(self, i: int) -> tuple[Tensor, Tensor, Tensor]:
-        return self.x[i], self.y[i], self.w[i]
+        x = self.x[i] if self.augment is None else self.augment(self.x[i])
+        return x, self.y[i], self.w[i]
 
 
 class _Data(pl.LightningDataModule):
@@ -313,6 +327,37 @@ class _Observer(pl.Callback):
         self.thetas.append(_flat(pl_module.model))
         logged = trainer.callback_metrics.get("privacy/noise_multiplier")
         self.released.append(math.nan if logged is None else float(logged))
+
+
+def fit_world(
+    model: nn.Module, callback: Any, data: _Units, lr: float, steps: int, trainer_kwargs: dict[str, Any]
+) -> _Observer:
+    """Trains ``model`` on ``data`` with ``callback`` for ``steps`` steps, quietly; returns what was observed."""
+    observer = _Observer()
+    kwargs: dict[str, Any] = {
+        "accelerator": "cpu",
+        "devices": 1,
+        "max_steps": steps,
+        "logger": False,
+        "enable_checkpointing": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "num_sanity_val_steps": 0,
+    }
+    kwargs.update(trainer_kwargs)
+    quiet = [logging.getLogger(name) for name in ("pytorch_lightning", "lightning.pytorch", "lightning_fabric")]
+    levels = [logger.level for logger in quiet]
+    try:
+        for logger in quiet:
+            logger.setLevel(logging.WARNING)
+        with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+            warnings.filterwarnings("ignore", message=".*(workers|val_dataloader|litlogger|IterableDataset|LeafSpec).*")
+            module = _Module(model, lr)
+            pl.Trainer(callbacks=[callback, observer], **kwargs).fit(module, datamodule=_Data(data))
+    finally:
+        for logger, level in zip(quiet, levels):
+            logger.setLevel(level)
+    return observer
 
 
 def _weighted_loss(logits: Tensor, y: Tensor, w: Tensor) -> Tensor:
@@ -514,33 +559,8 @@ class CallbackAudit:
         torch.manual_seed(self.seed)
         model = self.model()
         callback = self.callback(self.seed + (1 if with_canary else 2))
-        observer = _Observer()
         data = self._dataset(with_canary)
-        kwargs: dict[str, Any] = {
-            "accelerator": "cpu",
-            "devices": 1,
-            "max_steps": self.steps,
-            "logger": False,
-            "enable_checkpointing": False,
-            "enable_progress_bar": False,
-            "enable_model_summary": False,
-            "num_sanity_val_steps": 0,
-        }
-        kwargs.update(self.trainer_kwargs)
-        quiet = [logging.getLogger(name) for name in ("pytorch_lightning", "lightning.pytorch", "lightning_fabric")]
-        levels = [logger.level for logger in quiet]
-        try:
-            for logger in quiet:
-                logger.setLevel(logging.WARNING)
-            with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
-                warnings.filterwarnings(
-                    "ignore", message=".*(workers|val_dataloader|litlogger|IterableDataset|LeafSpec).*"
-                )
-                module = _Module(model, self.lr)
-                pl.Trainer(callbacks=[callback, observer], **kwargs).fit(module, datamodule=_Data(data))
-        finally:
-            for logger, level in zip(quiet, levels):
-                logger.setLevel(level)
+        observer = fit_world(model, callback, data, self.lr, self.steps, self.trainer_kwargs)
         self._changed_state += observer.changed_state(model)
         if len(observer.thetas) != self.steps + 1:
             raise PrivacyConfigError(

@@ -21,6 +21,7 @@ import numpy as np
 from lightning_dp.accounting import ComposedEvent, GaussianEvent, PoissonSampledEvent, accountants, ledger
 from lightning_dp.callbacks.dpsgd import DPSGD
 from lightning_dp.callbacks.p3sgd import P3SGD
+from lightning_dp.sampling import randomness
 from lightning_dp.sanitization import per_sample, release, rules, updates
 
 __all__ = ["MUTANTS", "Mutant"]
@@ -37,7 +38,7 @@ def _replaced(owner: Any, name: str, make: Callable[[Any], Any]) -> Iterator[Non
 
 
 #: The verdict's checks a mutant can be caught by (`CallbackAuditResult.failed`).
-Check = Literal["ε", "fresh noise", "noise vs ledger", "noise as released", "state"]
+Check = Literal["ε", "fresh noise", "noise vs ledger", "noise as released", "state", "sensitivity"]
 
 
 @dataclass(frozen=True)
@@ -222,6 +223,51 @@ def _noise_double_buffered() -> Any:
     return _replaced(release.Release, "_gaussian", make)
 
 
+def _no_cancellation_guard() -> Any:
+    def make(f: Any) -> Any:
+        def mutated(self: Any, module: Any, activation: Any, backprops: Any) -> Any:
+            return f(self, module, activation, backprops) * 0.0  # no sample's terms look large: none is kept apart
+
+        return mutated
+
+    return _replaced(rules.ProductRule, "term_mass", make)
+
+
+def _kept_inputs_unclipped() -> Any:
+    def make(f: Any) -> Any:
+        def mutated(self: Any, coeff: Any, keep: Any, sums: Any) -> Any:
+            return f(self, coeff.clamp(min=1.0), keep, sums)  # the weight's sum without the clip factors
+
+        return mutated
+
+    return _replaced(rules.KeptInputsTerm, "add_clipped", make)
+
+
+def _streams_in_processing_order() -> Any:
+    def make(f: Any) -> Any:
+        @contextmanager
+        def mutated(self: Any, key: object) -> Iterator[None]:
+            yield  # every unit draws from the global generators, in the order the units are processed
+
+        return mutated
+
+    return _replaced(randomness.UnitStreams, "unit", make)
+
+
+def _last_two_share_a_clip_group() -> Any:
+    def make(f: Any) -> Any:
+        def mutated(self: Any, compute_loss: Any, batch_size: int, *args: Any, **kwargs: Any) -> Any:
+            clipping = math.isfinite(self.clip_norm)  # the start-up checks' un-clipped sums stay right
+            if clipping and batch_size >= 2 and kwargs.get("group_size", 1) == 1:  # off by one in the group boundaries
+                kwargs["group_size"] = [1] * (batch_size - 2) + [2]
+                batch_size -= 1
+            return f(self, compute_loss, batch_size, *args, **kwargs)
+
+        return mutated
+
+    return _replaced(per_sample.PerSampleClipper, "accumulate", make)
+
+
 #: The mutants the test suite's audit must catch (docs/results/audit.md, 'The mutation table').
 MUTANTS: tuple[Mutant, ...] = (
     Mutant(
@@ -353,6 +399,38 @@ MUTANTS: tuple[Mutant, ...] = (
         _noise_double_buffered,
         steps=20,
         check="fresh noise",
+    ),
+    Mutant(
+        "kept-inputs sum unclipped",
+        "sanitization/rules.py: KeptInputsTerm.add_clipped",
+        "a kept-inputs layer's weight sum is computed without the clip factors",
+        ("DPSGD-kept",),
+        _kept_inputs_unclipped,
+        steps=20,
+    ),
+    Mutant(
+        "no cancellation guard",
+        "sanitization/rules.py: ProductRule.term_mass",
+        "the kept-inputs term keeps no sample apart: a sample whose terms cancel enters the pooled fp32 sum",
+        ("DPSGD-cancel",),
+        _no_cancellation_guard,
+        check="sensitivity",
+    ),
+    Mutant(
+        "random streams in processing order",
+        "sampling/randomness.py: UnitStreams.unit",
+        "augmentation and dropout drawn from the global generators in the order the units are processed",
+        ("P3SGD-augment",),
+        _streams_in_processing_order,
+        check="sensitivity",
+    ),
+    Mutant(
+        "last two samples share a clip group",
+        "sanitization/per_sample.py: PerSampleClipper.accumulate",
+        "the last two samples of a batch are clipped as one unit (an off-by-one in the group boundaries)",
+        ("DPSGD-neighbour",),
+        _last_two_share_a_clip_group,
+        check="sensitivity",
     ),
     Mutant(
         "selection charged at largest z",

@@ -30,10 +30,11 @@ import torch
 from torch import nn
 
 from lightning_dp.audit.engine import CallbackAudit
+from lightning_dp.audit.sensitivity import SensitivityAudit
 from lightning_dp.callbacks.dpsgd import DPSGD
 from lightning_dp.callbacks.p3sgd import P3SGD
 
-__all__ = ["dpsgd_audit", "p3sgd_audit"]
+__all__ = ["coupling_audit", "dpsgd_audit", "p3sgd_audit"]
 
 #: The canary's loss is weighted by this much: its gradient (or local update) is far above C whatever the
 #: model does to its input's scale, while the population's stay below C.
@@ -187,5 +188,96 @@ def p3sgd_audit(
         canary=(x[:k], 1 - y[:k]),
         canary_weight=CANARY_WEIGHT / 2,
         steps=steps,
+        seed=seed,
+    )
+
+
+class _TwoPositions(nn.Module):
+    """Conv2d(16 → 16, 3×3) at 8×8 read at two positions with opposite signs, then a linear head.
+
+    The convolution's per-sample gradients are materialized and its clipped sum is computed from the kept input
+    and output gradient (`KeptInputsTerm`); a sample with the same receptive field at both positions has a
+    convolution gradient of exactly 0, whatever its size.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(16, 16, 3, padding=1)
+        with torch.no_grad():  # multiples of 2⁻¹⁰: a canary's products with 2²⁷ add up exactly in any order
+            self.conv.weight.copy_((self.conv.weight * 1024).round() / 1024)
+        mask = torch.zeros(1, 1, 8, 8)
+        mask[..., 1, 1], mask[..., 6, 6] = 1.0, -1.0
+        self.mask: torch.Tensor
+        self.register_buffer("mask", mask)
+        self.head = nn.Linear(16, 2, bias=False)  # a sample whose two positions agree has a gradient of exactly 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head((self.conv(x) * self.mask).sum((2, 3)))
+
+
+def _zero_linear() -> nn.Module:
+    """A bias-free Linear(4, 2) at zero: every sample's softmax is (½, ½) at the audited step."""
+    layer = nn.Linear(4, 2, bias=False)
+    nn.init.zeros_(layer.weight)
+    return layer
+
+
+def _random_flip(x: torch.Tensor) -> torch.Tensor:
+    """The image or its negative, at random (from the global generator, as a torchvision transform draws)."""
+    return x if float(torch.rand(())) < 0.5 else -x
+
+
+def coupling_audit(
+    kind: Literal["cancel", "neighbour", "augment"], *, runs: int = 2, seed: int = 0
+) -> SensitivityAudit:
+    """A paired-world `SensitivityAudit` whose canary exposes one kind of coupling between units.
+
+    * ``"cancel"`` (DPSGD): `_TwoPositions` on 24 positive images of one class (their clipped gradients add up to
+      ≈ 24·C in one direction); the canary is H = 2²⁷ at the two read positions of every channel: its gradient is
+      exactly 0 (its two outputs agree in any float order), so it is not clipped, and only a guard keeps its ±H
+      terms out of the pooled sum, where they would erase the others' terms.
+    * ``"neighbour"`` (DPSGD): `_zero_linear`; the last population sample has the canary's image scaled to a
+      gradient of 0.9·C in the opposite direction: clipped together with the canary (one clip group for two
+      units), the pair's contribution replaces the neighbour's and the canary moves the sum by ≈ 1.45·C.
+    * ``"augment"`` (P3SGD): patients of 3 images whose images are negated at random when fetched; the canary is
+      the first patient: drawn in processing order, its draws would shift every later patient's flips.
+    """
+    g = torch.Generator().manual_seed(seed)
+    if kind == "cancel":
+        x = torch.rand(24, 16, 8, 8, generator=g) + 0.5
+        canary = torch.zeros(1, 16, 8, 8)
+        canary[0, :, 1, 1] = canary[0, :, 6, 6] = 2.0**27
+        return SensitivityAudit(
+            lambda s: DPSGD(sample_rate=1.0, noise_multiplier=0.5, clip_norm=0.05, delta=1e-5, seed=s),
+            model=_TwoPositions,
+            population=(x, torch.zeros(24, dtype=torch.long)),
+            canary=(canary, torch.zeros(1, dtype=torch.long)),
+            runs=runs,
+            seed=seed,
+        )
+    if kind == "neighbour":
+        x = 0.1 * torch.randn(12, 4, generator=g)
+        canary = torch.tensor([[10.0, 0.0, 0.0, 0.0]])  # gradient (−½, ½)ᵀ·xᵀ of norm 7.07 at class 0
+        x[-1] = canary[0] * (0.9 / (10.0 * 0.5**0.5))  # at class 1: the opposite direction, norm 0.9
+        y = torch.randint(0, 2, (12,), generator=g)
+        y[-1] = 1
+        return SensitivityAudit(
+            lambda s: DPSGD(sample_rate=1.0, noise_multiplier=0.5, clip_norm=1.0, delta=1e-5, seed=s),
+            model=_zero_linear,
+            population=(x, y),
+            canary=(canary, torch.zeros(1, dtype=torch.long)),
+            runs=runs,
+            seed=seed,
+        )
+    x, y = _images(27, seed)
+    return SensitivityAudit(
+        lambda s: P3SGD(
+            sample_rate=1.0, clip_norm=0.05, local_lr=0.5, local_batch_size=3, server_lr=0.1, delta=1e-5, seed=s
+        ),
+        model=_plain_mlp,
+        population=(x[3:], y[3:], torch.arange(8).repeat_interleave(3)),
+        canary=(x[:3], y[:3]),
+        augment=_random_flip,
+        runs=runs,
         seed=seed,
     )

@@ -16,7 +16,7 @@ import torch
 
 from lightning_dp.audit import CallbackAudit
 from lightning_dp.audit.mutants import MUTANTS
-from lightning_dp.audit.scenarios import dpsgd_audit, p3sgd_audit
+from lightning_dp.audit.scenarios import coupling_audit, dpsgd_audit, p3sgd_audit
 from lightning_dp.callbacks import DPSGD, P3SGD
 from lightning_dp.errors import PrivacyConfigError
 
@@ -32,9 +32,17 @@ SCENARIOS = {
     "P3SGD-vectorized": lambda steps: p3sgd_audit(vectorize="auto", steps=steps),
     "P3SGD-stacked": lambda steps: p3sgd_audit(vectorize="auto", local_steps=3, steps=steps),
 }
+#: The paired-world sensitivity audits (issue 31, items 1, 2, 5): their canaries expose coupling between units.
+COUPLING = {
+    "DPSGD-cancel": lambda steps: coupling_audit("cancel"),
+    "DPSGD-neighbour": lambda steps: coupling_audit("neighbour"),
+    "P3SGD-augment": lambda steps: coupling_audit("augment"),
+}
 
 
 def margin(result):
+    if not hasattr(result, "beta"):  # a SensitivityAuditResult
+        return result.summary() + f" moved {result.moved}, excess {result.excess}"
     return result.summary() + f" β̂ {result.beta:.3f}, μ̂ {result.mu:.2f}, μ_lower {result.mu_lower:.2f} {result.checks}"
 
 
@@ -59,6 +67,15 @@ def test_correct_callbacks_pass_and_see_the_canary(scenario):
         assert result.released_multipliers.tolist() == [0.5] * STEPS, margin(result)
 
 
+@pytest.mark.parametrize("scenario", list(COUPLING))
+def test_correct_callbacks_let_one_unit_move_the_sum_by_its_own_share_only(scenario):
+    """Same seed in every world: the noise cancels, and the canary moves the clipped sum by its own clipped share."""
+    result = COUPLING[scenario](0).run()
+    assert result.passed, margin(result)
+    assert max(result.moved) <= 1.0 + 1e-3, margin(result)
+    assert max(result.excess) <= 2e-3, margin(result)  # measured ≤ 9e-4 (fp32 round-off of noise-sized releases)
+
+
 def _cases():
     for mutant in MUTANTS:
         for mechanism in mutant.mechanisms:  # each mechanism's scenario
@@ -68,7 +85,7 @@ def _cases():
 @pytest.mark.parametrize(("mutant", "scenario"), list(_cases()))
 def test_every_mutant_is_caught(mutant, scenario):
     with mutant.applied():
-        result = SCENARIOS[scenario](mutant.steps).run()
+        result = {**SCENARIOS, **COUPLING}[scenario](mutant.steps).run()
     assert not result.passed, f"{mutant.name} ({mutant.where}) not caught: " + margin(result)
     assert mutant.check in result.failed, f"{mutant.name} not caught by {mutant.check}: " + margin(result)
     if mutant.check == "ε":  # not a coin flip: μ̂ ≥ 2.33 SE beyond the catch threshold
@@ -90,6 +107,13 @@ def test_mutants_restore_the_library():
     from lightning_dp.accounting.ledger import PrivacyLedger
 
     assert PrivacyLedger.record.__qualname__ == "PrivacyLedger.record"
+    from lightning_dp.sampling.randomness import UnitStreams
+    from lightning_dp.sanitization.per_sample import PerSampleClipper
+
+    assert rules.ProductRule.term_mass.__qualname__ == "ProductRule.term_mass"
+    assert rules.KeptInputsTerm.add_clipped.__qualname__ == "KeptInputsTerm.add_clipped"
+    assert UnitStreams.unit.__qualname__ == "UnitStreams.unit"
+    assert PerSampleClipper.accumulate.__qualname__ == "PerSampleClipper.accumulate"
     assert before.steps == 2
 
 
