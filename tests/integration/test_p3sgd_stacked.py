@@ -216,7 +216,9 @@ def test_a_training_step_that_reassigns_a_buffer_runs_the_loop(tmp_path: Path) -
     cb = _p3sgd(**SEVERAL)
     _fit(tmp_path, _Reassigns(), cb, rounds=1)
     assert cb.round_path == "loop" and cb.vectorized_rounds == 0
-    assert "training_step changes buffers or frozen parameters (seen)" in (cb.vectorize_fallback or ""), cb.vectorize_fallback
+    assert "training_step changes buffers or frozen parameters (seen)" in (cb.vectorize_fallback or ""), (
+        cb.vectorize_fallback
+    )
 
 
 class _BreakStacking(pl.Callback):
