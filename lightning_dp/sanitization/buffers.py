@@ -30,6 +30,14 @@ def same_values(a: Tensor, b: Tensor) -> bool:
     return torch.equal(a.masked_fill(a.isnan(), 0), b.masked_fill(b.isnan(), 0))
 
 
+def _same(now: Tensor, old: Tensor) -> bool:
+    """`same_values`, False for a tensor that cannot be compared (a leftover of a torch.func transform)."""
+    try:
+        return same_values(now, old)
+    except RuntimeError:
+        return False
+
+
 def _owner(module: nn.Module, name: str) -> tuple[nn.Module, str]:
     prefix, _, leaf = name.rpartition(".")
     return (module.get_submodule(prefix) if prefix else module), leaf
@@ -76,13 +84,13 @@ class BufferSnapshot:
     def changed(self) -> list[str]:
         """Names of the buffers whose value, dtype or shape differs now (re-assigned, removed or registered)."""
         now = dict(self.module.named_buffers())
-        changed = [name for name, _, old in self.entries if name not in now or not same_values(now[name], old)]
+        changed = [name for name, _, old in self.entries if name not in now or not _same(now[name], old)]
         if self.complete:
             known = {name for name, _, _ in self.entries}
             changed += [name for name in now if name not in known]
         if self.parameters:
             params = dict(self.module.named_parameters())
-            changed += [n for n, p, old in self.frozen if params.get(n) is not p or not same_values(p.detach(), old)]
+            changed += [n for n, p, old in self.frozen if params.get(n) is not p or not _same(p.detach(), old)]
             changed += [n for n, p, version in self.trained if params.get(n) is not p or p._version != version]
             known = {n for n, _, _ in self.frozen} | {n for n, _, _ in self.trained}
             changed += [n for n in params if n not in known]
