@@ -171,6 +171,18 @@ def _buffers_not_restored() -> Any:
     return _replaced(updates.ModelState, "load", make)
 
 
+def _frozen_parameters_not_restored() -> Any:
+    def make(f: Any) -> Any:
+        def mutated(self: Any) -> None:
+            f(self)
+            frozen = {id(p) for p in self.module.parameters() if not p.requires_grad}
+            self.other_buffers = [b for b in self.other_buffers if id(b) not in frozen]  # buffers only, as before
+
+        return mutated
+
+    return _replaced(updates.ModelState, "refresh", make)
+
+
 def _selection_charged_at_largest() -> Any:
     return _replaced(
         release.SelectedRelease, "noise_multiplier", lambda f: lambda self, step: self.multipliers(step)[-1]
@@ -368,6 +380,15 @@ MUTANTS: tuple[Mutant, ...] = (
         "an int64 count of the images a patient's local training saw stays in the model",
         ("P3SGD",),
         _buffers_not_restored,
+        steps=20,
+        check="state",
+    ),
+    Mutant(
+        "frozen parameters not restored",
+        "sanitization/updates.py: ModelState.refresh",
+        "a frozen parameter a patient's local training changed (a running mean of its images) stays in the model",
+        ("P3SGD",),
+        _frozen_parameters_not_restored,
         steps=20,
         check="state",
     ),

@@ -13,9 +13,11 @@ gradient (or local update) is far above it. They are what the test suite and
   per-sample gradients while the ghost norm is not chosen (the engine keeps them for the clipped sum:
   `KeptInputsTerm`), and a 3×3 Conv2d with dilation 4 at 4×4, where only the centre tap reads the input (the
   per-sample gradients are materialized tap by tap: `_live_taps`).
-* ``p3sgd_audit(...)``: an MLP over patients of 3 images (with an int64 buffer that counts the images it sees,
-  which P3SGD must restore after every patient), one or several local steps, one or several noise scales (the
-  exponential-mechanism selection).
+* ``p3sgd_audit(...)``: an MLP over patients of 3 images (with an int64 buffer that counts the images it sees and
+  a frozen parameter that keeps their running mean, which P3SGD must restore after every patient), one or several
+  local steps, one or several noise scales (the exponential-mechanism selection).
+* ``coupling_audit(...)``: the paired-world `SensitivityAudit` with canaries that expose coupling between units (a
+  sample whose terms cancel, an adversarial neighbour, augmented patients).
 
 The DPSGD scenarios split each step into physical chunks of 4 samples (``max_physical_batch_size=4``), so
 the accumulation across chunks is audited too.
@@ -88,16 +90,22 @@ def _kept_net() -> nn.Module:
 
 
 class _ImageCounter(nn.Module):
-    """Counts the images it sees in training mode (an int64 buffer a patient's data changes: P3SGD must restore it)."""
+    """Counts the images it sees in training mode, and keeps their running mean in a frozen parameter.
+
+    An int64 buffer and a frozen ``nn.Parameter`` that a patient's data changes: P3SGD must restore both.
+    """
 
     def __init__(self) -> None:
         super().__init__()
         self.seen: torch.Tensor
         self.register_buffer("seen", torch.zeros((), dtype=torch.int64))
+        self.mean = nn.Parameter(torch.zeros(1, 8, 8), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.training:
             self.seen.add_(len(x))
+            with torch.no_grad():
+                self.mean.mul_(0.9).add_(x.mean(0), alpha=0.1)
         return x
 
 

@@ -114,6 +114,7 @@ def test_mutants_restore_the_library():
     assert rules.KeptInputsTerm.add_clipped.__qualname__ == "KeptInputsTerm.add_clipped"
     assert UnitStreams.unit.__qualname__ == "UnitStreams.unit"
     assert PerSampleClipper.accumulate.__qualname__ == "PerSampleClipper.accumulate"
+    assert updates.ModelState.refresh.__qualname__ == "ModelState.refresh"
     assert before.steps == 2
 
 
