@@ -42,8 +42,9 @@ _SPLITS = ("train", "val", "test")
 class RandomRot90:
     """Rotates a C×H×W tensor by a random multiple of 90° (uniform over 0°, 90°, 180°, 270°).
 
-    Uses the global torch generator (DataLoader workers seed it per worker). Only for square
-    images: a rotation by 90° swaps height and width.
+    Uses the global torch generator, which the DP callbacks switch to each unit's own secret stream while
+    they fetch that unit (`lightning_dp.sampling.randomness`). Only for square images: a rotation by 90° swaps
+    height and width.
 
     Example:
         >>> _ = torch.manual_seed(0)

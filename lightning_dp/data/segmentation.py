@@ -603,9 +603,9 @@ class RandomFlipRot90:
 
     Each spatial axis is flipped with probability 1/2; then the last two axes are rotated by a
     multiple of 90° drawn uniformly (only 0° or 180° when they differ in length, so that the item's
-    shape never changes). Works for C×H×W and C×D×H×W tensors. Uses the global torch generator
-    (DataLoader workers seed it per worker). Geometry only: nothing here changes intensities or mixes
-    samples.
+    shape never changes). Works for C×H×W and C×D×H×W tensors. Uses the global torch generator, which the
+    DP callbacks switch to each unit's own secret stream while they fetch that unit
+    (`lightning_dp.sampling.randomness`). Geometry only: nothing here changes intensities or mixes samples.
 
     Args:
         flips: flip along each spatial axis at random.
