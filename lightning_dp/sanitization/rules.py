@@ -322,9 +322,7 @@ class ProductRule(LayerRule):
         )
         taps = math.prod(getattr(module, "kernel_size", (1,)))
         b = backprops.shape[0]
-        # In the tensors' own dtype (no float64 copy of a large input): an overflow to inf only flags the sample.
-        sizes = x.reshape(b, -1).norm(dim=1).double() * backprops.reshape(b, -1).norm(dim=1).double()
-        return sizes * math.sqrt(taps)
+        return _scaled_norms(x.reshape(b, -1)) * _scaled_norms(backprops.reshape(b, -1)) * math.sqrt(taps)
 
     def use_ghost(self, module: Any, activation: Tensor, backprops: Tensor, group_size: GroupSize = 1) -> bool:
         """Whether the ghost norm is cheaper than materializing, for this call (K = ``group_size`` rows a sample).
@@ -384,7 +382,8 @@ class ProductRule(LayerRule):
         bias = MaterializedGrads({p: g for p, g in grads.items() if p is not weight})
         # The ghost path's guard (`_ghost_norms`): a sample whose weight gradient is far smaller than its terms keeps
         # its materialized gradient, normed and added as it is, and stays out of the pooled reduction.
-        cancelling = squares[weight].sqrt() < GHOST_CANCELLATION * self.term_mass(module, activation, backprops)
+        # Written so that a NaN bound flags the sample (a NaN never passes a comparison).
+        cancelling = ~(squares[weight].sqrt() >= GHOST_CANCELLATION * self.term_mass(module, activation, backprops))
         if not bool(cancelling.any()):
             return KeptInputsTerm(self, module, activation, backprops, bias)
         rows = torch.nonzero(cancelling).flatten()
@@ -877,6 +876,17 @@ def sum_of_squares(tensors: Sequence[Tensor], batch_size: int, device: torch.dev
     if not bool(torch.isfinite(sq).all()):
         sq = torch.stack([t.reshape(batch_size, -1).double().pow(2).sum(1) for t in tensors]).sum(0)
     return sq
+
+
+def _scaled_norms(rows: Tensor) -> Tensor:
+    """(B,) float64 L2 norms of (B, n) rows, each taken on the row divided by its largest magnitude.
+
+    In the rows' own dtype (no float64 copy of a large input), with neither overflow (1e31 squared) nor underflow
+    (1e-23 squared) along the way: an fp32 norm of 1e31·… is inf and of 1e-23·… is 0, and inf·0 is NaN.
+    """
+    largest = rows.abs().amax(dim=1, keepdim=True)
+    safe = torch.where(largest > 0, largest, torch.ones_like(largest))
+    return (rows / safe).norm(dim=1).double() * largest.flatten().double()
 
 
 def group_count(group_size: GroupSize, rows: int) -> int:

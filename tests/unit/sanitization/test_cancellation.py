@@ -173,3 +173,20 @@ def test_ordinary_samples_are_not_flagged_and_keep_the_inputs_term() -> None:
     backprops = torch.randn(64, 16, 6, 6)
     _, term = rules.ConvRule().norms(conv, x, backprops)
     assert type(term) is rules.KeptInputsTerm and term.exact_rows is None
+
+
+@pytest.mark.parametrize("name", ["conv2d_kept_inputs", "conv2d_kept_inputs_tapwise", "conv3d_kept_inputs"])
+def test_a_canary_whose_size_bound_would_overflow_in_fp32_is_still_kept_apart(name: str) -> None:
+    """Review of issue 31: an input of 1e31 with an output gradient of 1e-23 made the fp32 bound inf·0 = NaN, which
+    flagged nothing, and the canary's ±1e8 products erased the others' terms (1.1–4.8·C). The bound is now taken on
+    rows scaled by their largest value, and a NaN bound flags the sample."""
+    case = CASES[name]
+    torch.manual_seed(0)
+    layer = case.layer()
+    x, g = _population(case, layer)
+    cx, cg = _canary(case, g.shape[1:])
+    cx, cg = cx / H * 1e31, cg * 1e-23
+    without, _ = _clipped_sum(layer, x, g)
+    with_canary, _ = _clipped_sum(layer, torch.cat([x, cx]), torch.cat([g, cg]))
+    # Its own fp32 gradient need not cancel exactly at this size: it is clipped to C, and nothing more moves.
+    assert float((with_canary - without).norm()) <= (1 + 1e-3) * CLIP
