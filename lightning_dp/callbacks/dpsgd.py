@@ -466,7 +466,7 @@ class DPSGD(DPCallback):
                 f"`DPSGD`: the training step changed buffers or parameters of {type(pl_module).__name__} "
                 f"({changed[:5]}) outside the gradient step: running statistics, counts, flags or averages updated "
                 "from private samples (buffers of any dtype and parameters, frozen or not, are in the checkpoint) "
-                "would be released without noise. Buffers and frozen parameters were restored and nothing was "
+                "would be released without noise. They were restored and nothing was "
                 "released. HINT: "
                 "freeze them (eval mode, or compute them from public data before training); a count of steps is "
                 "public: keep it outside the model's buffers (a plain attribute, or update it in a callback's "

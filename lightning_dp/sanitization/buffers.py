@@ -5,10 +5,10 @@ A buffer is in ``state_dict()`` and in a published checkpoint whatever its dtype
 a buffer in place (``self.count += …``) or re-assign it (``self.count = self.count + …``: the module then holds a
 new tensor and the old one is unchanged), or register a new one; all three are seen here, by name.
 
-So is a parameter, whatever its ``requires_grad`` says: a weight average or a running input mean kept in a frozen
+So is a parameter, whatever its ``requires_grad`` says: a weight average or a running input mean kept in an
 ``nn.Parameter`` and updated by ``training_step`` is in the checkpoint too. With ``parameters=True`` a snapshot
-also holds the frozen parameters by value (restored like buffers) and watches the trainable ones by identity and
-version counter (an in-place write by ``training_step`` bumps it; what the optimizer does afterwards is not seen).
+also holds every parameter by value (restored like buffers). By value, not by version counter: a write through
+``.data`` (``self.ema.data.mul_(…)``) bumps none.
 """
 
 from __future__ import annotations
@@ -50,9 +50,8 @@ class BufferSnapshot:
         module: the module.
         names: the buffers to hold (qualified names); all of them if None. Only then is a buffer registered
             after the snapshot counted as a change (and removed by `restore`).
-        parameters: also watch the parameters: the frozen ones by value (restored by `restore`), the trainable ones
-            by identity and version counter (an in-place write or a re-assignment is a change; `restore` puts a
-            re-assigned one back but cannot undo an in-place write), and a parameter registered since.
+        parameters: also hold every parameter by value (frozen or trainable: a write, a re-assignment or a parameter
+            registered since is a change, and `restore` undoes it).
 
     Example:
         >>> net = nn.BatchNorm1d(2)
@@ -71,10 +70,8 @@ class BufferSnapshot:
         chosen = list(named) if names is None else names
         self.entries = [(name, named[name], named[name].detach().clone()) for name in chosen]
         params = dict(module.named_parameters()) if parameters else {}
-        #: Frozen parameters, by value: (name, the Parameter, its value).
-        self.frozen = [(n, p, p.detach().clone()) for n, p in params.items() if not p.requires_grad]
-        #: Trainable parameters, by identity and version counter.
-        self.trained = [(n, p, p._version) for n, p in params.items() if p.requires_grad]
+        #: Parameters, by value: (name, the Parameter, its value).
+        self.params = [(n, p, p.detach().clone()) for n, p in params.items()]
         self.parameters = parameters
 
     def tensors(self) -> list[Tensor]:
@@ -90,9 +87,8 @@ class BufferSnapshot:
             changed += [name for name in now if name not in known]
         if self.parameters:
             params = dict(self.module.named_parameters())
-            changed += [n for n, p, old in self.frozen if params.get(n) is not p or not _same(p.detach(), old)]
-            changed += [n for n, p, version in self.trained if params.get(n) is not p or p._version != version]
-            known = {n for n, _, _ in self.frozen} | {n for n, _, _ in self.trained}
+            changed += [n for n, p, old in self.params if params.get(n) is not p or not _same(p.detach(), old)]
+            known = {n for n, _, _ in self.params}
             changed += [n for n in params if n not in known]
         return changed
 
@@ -111,13 +107,12 @@ class BufferSnapshot:
             else:
                 ref.copy_(old)
         if self.parameters:
-            held = [(n, p) for n, p, _ in self.frozen] + [(n, p) for n, p, _ in self.trained]
-            reseat_parameters(self.module, held)
-            for _, p, old in self.frozen:
+            reseat_parameters(self.module, [(n, p) for n, p, _ in self.params])
+            for _, p, old in self.params:
                 if p.shape != old.shape:
                     p.data = old.clone()
                 else:
-                    p.copy_(old)
+                    p.data.copy_(old)
 
 
 def reseat_parameters(module: nn.Module, parameters: list[tuple[str, nn.Parameter]]) -> None:

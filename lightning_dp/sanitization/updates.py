@@ -92,8 +92,6 @@ class ModelState:
         # buffers), computed once from the variances the module starts with.
         self._floors: dict[str, Tensor] = {}
         self._workspaces: dict[str, Tensor] = {}
-        #: (version counter, data pointer) of each kept-aside tensor when its saved value was last in it.
-        self._written: dict[int, tuple[int, int]] = {}
         for name, m in module.named_modules():
             if isinstance(m, _NormBase) and m.running_var is not None:
                 v0 = m.running_var.detach().double().cpu()
@@ -220,7 +218,6 @@ class ModelState:
     @torch.no_grad()
     def snapshot_other_buffers(self) -> list[Tensor]:
         """Copies of the tensors `load` restores (the buffers that are not released, the frozen parameters)."""
-        self._written = {id(b): (b._version, b.data_ptr()) for b in self.other_buffers}
         return [b.detach().clone() for b in self.other_buffers]
 
     @torch.no_grad()
@@ -238,7 +235,8 @@ class ModelState:
 
         A buffer or parameter re-assigned since `refresh` (``self.count = self.count + …`` in ``training_step``) gets
         its original tensor back, and one registered since is removed: the module holds no tensor a patient's data
-        made. ``other_buffers`` (from `snapshot_other_buffers`) go back into the tensors that were written since.
+        made. ``other_buffers`` (from `snapshot_other_buffers`) are copied back, every one: a write through ``.data``
+        (``self.ema.data.mul_(…)``) bumps no version counter, so nothing short of a copy (or a comparison) sees it.
         """
         reseat(self.module, self._buffer_names, remove_others=True)
         reseat_parameters(self.module, self._param_names)
@@ -258,11 +256,7 @@ class ModelState:
             offset += n
         if other_buffers is not None:
             for b, saved in zip(self.other_buffers, other_buffers):
-                # Written since its value was saved or last restored (an in-place write bumps the version counter;
-                # a `.data` swap changes the pointer): restore it. A large frozen backbone is not copied for nothing.
-                if self._written.get(id(b)) != (b._version, b.data_ptr()):
-                    b.copy_(saved)
-                    self._written[id(b)] = (b._version, b.data_ptr())
+                b.copy_(saved)
         # Noise can push a running variance to zero or below; flooring it is post-processing (costs no privacy).
         # A NaN variance (only a NaN in the model itself can put one there) becomes the floor as well.
         for var, floor in self.variance_floors:

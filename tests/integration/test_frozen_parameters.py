@@ -57,6 +57,15 @@ class _ReassignedMean(_RunningInputMean):
         return nn.functional.cross_entropy(self(batch[0]), batch[1])
 
 
+class _ThroughData(_RunningInputMean):
+    """Writes the mean through ``.data``, as weight-average code often does: no version counter moves."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        if self.armed:
+            self.shift.mean.data.mul_(0.5).add_(batch[0].mean(0), alpha=0.5)
+        return nn.functional.cross_entropy(self(batch[0]), batch[1])
+
+
 class _Arm(pl.Callback):
     """Arms the write from the first private step on: after the start-up checks, which then see nothing."""
 
@@ -78,7 +87,7 @@ def _trainer(root: Path, callback: pl.Callback, steps: int = 2, extra: list[pl.C
     )
 
 
-@pytest.mark.parametrize("model", [_RunningInputMean, _ReassignedMean])
+@pytest.mark.parametrize("model", [_RunningInputMean, _ReassignedMean, _ThroughData])
 @pytest.mark.parametrize("vectorize", [False, "auto"])
 def test_p3sgd_restores_a_frozen_parameter_after_every_patient(tmp_path: Path, model: Any, vectorize: Any) -> None:
     net = model()
@@ -90,18 +99,23 @@ def test_p3sgd_restores_a_frozen_parameter_after_every_patient(tmp_path: Path, m
     assert callback.round_path == "loop"  # one pass over several patients would mix them through the mean
 
 
+@pytest.mark.parametrize("model", [_RunningInputMean, _ThroughData])
 @pytest.mark.parametrize("trainable", [False, True])
-def test_dpsgd_refuses_a_training_step_that_writes_a_parameter(tmp_path: Path, trainable: bool) -> None:
-    net = _RunningInputMean(trainable)
+def test_dpsgd_refuses_a_training_step_that_writes_a_parameter(tmp_path: Path, trainable: bool, model: Any) -> None:
+    net = model(trainable)
     callback = DPSGD(clip_norm=1.0, noise_multiplier=1.0, batch_size=8, seed=0)
     with pytest.raises(UnsupportedModelError, match="parameters outside the gradient step"):
         _trainer(tmp_path, callback).fit(net, SampleDataModule(num_samples=32))
     assert float(net.shift.mean.abs().max()) == 0.0  # the start-up check ran on a copy: nothing was written
 
 
-def test_dpsgd_restores_and_refuses_a_parameter_written_only_in_a_step(tmp_path: Path) -> None:
+@pytest.mark.parametrize("model", [_RunningInputMean, _ThroughData])
+@pytest.mark.parametrize("trainable", [False, True])
+def test_dpsgd_restores_and_refuses_a_parameter_written_only_in_a_step(
+    tmp_path: Path, model: Any, trainable: bool
+) -> None:
     """A write the start-up check cannot see (made only once steps run) is caught by the step's own check."""
-    net = _RunningInputMean()
+    net = model(trainable)
     net.armed = False
     callback = DPSGD(clip_norm=1.0, noise_multiplier=1.0, batch_size=8, seed=0)
     with pytest.raises(UnsupportedModelError, match=r"changed buffers or parameters .*shift.mean.*restored"):
