@@ -445,16 +445,13 @@ class DPSGD(DPCallback):
         self.clipper.reset()
         stats = torch.zeros(4, dtype=torch.float64)  # samples, clipped, norm sum, non-finite
         scale = [_INITIAL_LOSS_SCALE if self._fp16 else 1.0]
-        # Each sample's dropout masks come from its own stream (keyed by the step's secret and its index), anything
-        # else random in training_step from a secret stream of the chunk: never from the publicly seeded generators.
-        streams = UnitStreams(self.sampler.unit_secret(batch.step), "step", pl_module.device)
+        secret = self.sampler.unit_secret(batch.step)
         try:
             for k, chunk in enumerate(batch.chunks):
                 first = k * self.max_physical_batch_size
                 size = min(self.max_physical_batch_size, batch.size - first)
                 keys = [i for i in batch.indices[first : first + size] for _ in range(self.augmentation_multiplicity)]
-                with per_row_dropout(pl_module, streams, keys), streams.unit(("chunk", k)):
-                    result = self._accumulate_chunk(chunk, size, k, scale)
+                result = self._accumulate_chunk(chunk, size, k, scale, pl_module, (secret, keys))
                 stats += torch.tensor([size, result.clipped, result.norm_sum, result.nonfinite], dtype=torch.float64)
             changed = buffers.changed()
         except BaseException:  # an error mid-step (a corrupt image, OOM, Ctrl-C) leaves no data-dependent buffer
@@ -526,24 +523,40 @@ class DPSGD(DPCallback):
                 losses.append(row_losses if views == 1 else row_losses.reshape(size, views).mean(1))
         return torch.cat(losses) if losses else torch.zeros(0, dtype=torch.float64)
 
-    def _accumulate_chunk(self, chunk: Any, size: int, index: int, scale: list[float]) -> Any:
+    def _accumulate_chunk(
+        self,
+        chunk: Any,
+        size: int,
+        index: int,
+        scale: list[float],
+        pl_module: pl.LightningModule,
+        units: tuple[int, list[int]],
+    ) -> Any:
         """Clips one physical chunk into the clipper's sum; with fp16, retries at half the loss scale on overflow.
 
         ``scale`` is the step's loss scale (a one-element list, shared by the step's chunks): it starts at
         a fixed public value every step and only shrinks within the step, so nothing about one step's
         data is carried into the next one or into a checkpoint.
+
+        ``units`` is the step's secret and the dataset index of each of the chunk's rows: each row's dropout masks
+        come from its sample's own stream, anything else random in training_step from a secret stream of the chunk,
+        never from the publicly seeded generators. A retry starts the streams afresh: every sample draws what it
+        drew in the first attempt, whether or not another sample's overflow forced the retry.
         """
         assert self.clipper is not None and self._original_training_step is not None
         step = self._original_training_step
+        secret, keys = units
         while True:
+            streams = UnitStreams(secret, "step", pl_module.device)
             try:
-                return self.clipper.accumulate(
-                    lambda: self._loss(step(chunk, index)),
-                    size,
-                    loss_scale=scale[0],
-                    raise_on_nonfinite=scale[0] > 1.0,
-                    group_size=self.augmentation_multiplicity,
-                )
+                with per_row_dropout(pl_module, streams, keys), streams.unit(("chunk", index)):
+                    return self.clipper.accumulate(
+                        lambda: self._loss(step(chunk, index)),
+                        size,
+                        loss_scale=scale[0],
+                        raise_on_nonfinite=scale[0] > 1.0,
+                        group_size=self.augmentation_multiplicity,
+                    )
             except NonFiniteGradientsError:
                 scale[0] /= 2.0  # nothing was added; recompute the chunk
 

@@ -162,3 +162,37 @@ def test_p3sgd_paths_agree_on_augmented_patients(tmp_path: Path, monkeypatch: py
     assert paths == ["stacked", "loop"]
     stacked, loop = sums
     assert float((stacked - loop).norm()) <= 1e-5 * float(loop.norm())
+
+
+def test_a_dpsgd_fp16_retry_replays_every_samples_dropout_masks() -> None:
+    """Review of issue 31: a retry at half the loss scale (forced by one sample's overflow) drew the next masks of
+    every sample's stream, so a sample's masks depended on whether a neighbour overflowed. Each attempt now starts
+    the streams afresh."""
+    from lightning_dp.sanitization.per_sample import NonFiniteGradientsError
+
+    net = nn.Sequential(nn.Dropout(0.5)).train()
+    x = torch.ones(2, 64)
+    outputs: list[Tensor] = []
+
+    class _Clipper:
+        def __init__(self, overflow_first: bool) -> None:
+            self.overflow = overflow_first
+
+        def accumulate(self, compute_loss: Any, size: int, **kwargs: Any) -> Any:
+            compute_loss()
+            if self.overflow:  # the neighbour's gradient was not finite at this scale: nothing added, retry
+                self.overflow = False
+                raise NonFiniteGradientsError("1 of 2 per-sample gradients")
+            return None
+
+    def masks(overflow_first: bool) -> Tensor:
+        outputs.clear()
+        callback = DPSGD(clip_norm=1.0, noise_multiplier=1.0, batch_size=2)
+        callback.clipper = _Clipper(overflow_first)  # type: ignore[assignment]
+        callback._original_training_step = lambda chunk, i: outputs.append(net(chunk).detach()) or torch.zeros(())
+        callback._accumulate_chunk(x, 2, 0, [2.0**16], pl.LightningModule(), (1234, [0, 1]))
+        return outputs[-1] != 0
+
+    alone, retried = masks(False), masks(True)
+    assert len(outputs) == 2  # the retry ran
+    assert torch.equal(alone, retried)
