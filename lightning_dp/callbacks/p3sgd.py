@@ -18,16 +18,18 @@ round, patient by patient). Training metrics the module logs during local update
 from private data and are dropped; only sanitized quantities are logged.
 
 **One local step: a per-patient gradient.** When a patient's local update is a single plain SGD step
-(``local_epochs=1``, ``local_momentum=0``, ``local_weight_decay=0``, every patient's images fit in one
+(``local_epochs=1``, ``local_momentum=0``, ``local_weight_decay=0``, the patient's images fit in one
 local batch), Δ_i = −γ·g_i with g_i the gradient of the mean loss over patient i's images. Then the
-round's patients are not trained one by one: one batched forward and backward pass over all their
+round's patients are not trained one by one (a patient with more images than ``local_batch_size`` is, within
+the round): one batched forward and backward pass over all their
 images gives every g_i through the per-sample engine's grouped norms (a patient is a group of its
 images), clipped at C_u/γ (i.e. Δ_i at C_u), summed and handed to the same release. The release, the
 noise, the ledger event and the normalizer q·N are those of the loop; the result equals the loop's up
 to float round-off. It is taken only when exactly equivalent: a model whose update releases buffers
 (BatchNorm in training mode), or whose loss couples the images of a batch (checked at the start on a
-float64 copy, as DPSGD's start-up check does), or that has a layer without a per-sample rule, runs the
-loop, and says why in one info line.
+float64 copy, as DPSGD's start-up check does), or that has a layer without a per-sample rule, or Dropout in
+training mode, or a training_step that draws random numbers, runs the loop, and says why in one info line. A round
+whose batched pass draws random numbers all the same (switched on after start-up) is re-done by the loop, silently.
 
 **Several local steps: stacked local SGD.** Otherwise (several local epochs or mini-batches, momentum, weight
 decay, or a model the engine above refuses), the copies of a chunk of equal-sized patients are stacked and each
@@ -110,6 +112,10 @@ _CAUSES = {
     "not_per_sample": "part of the gradient is not computed per image (a parameter used outside its own layer)",
     "buffers": "training_step changes buffers or frozen parameters of the model",
 }
+
+
+class _DrewRandomNumbers(Exception):
+    """The batched pass's training_step drew random numbers: the loop re-does the round (nothing is said)."""
 
 
 class _RoundTicks(IterableDataset):
@@ -477,12 +483,8 @@ class P3SGD(DPCallback):
             return f"local_momentum={self.local_momentum} (only plain SGD is one gradient)"
         if self.local_weight_decay != 0:
             return f"local_weight_decay={self.local_weight_decay} (the clip of Δ_i = −γ(g_i + wd·θ) is not vectorized)"
-        largest = max(len(idx) for idx in self._patient_groups)
-        if largest > self.local_batch_size:
-            return (
-                f"patients with up to {largest} images need several local steps at local_batch_size="
-                f"{self.local_batch_size}"
-            )
+        # A patient with more images than local_batch_size takes several local steps: the loop trains it within the
+        # batched round. Deciding the path from the largest patient would make it (and a message) depend on the data.
         return None
 
     def _model_fallback(self, pl_module: pl.LightningModule) -> str | None:
@@ -899,6 +901,55 @@ class P3SGD(DPCallback):
                 step += 1
         optimizer.zero_grad(set_to_none=True)
 
+    def _loop_updates(
+        self,
+        patients: list[int],
+        pl_module: pl.LightningModule,
+        clipped_sum: Tensor,
+        stats: Tensor,
+        start: tuple[Tensor, list[Tensor]],
+    ) -> None:
+        """Adds Σ_i clip_{C_u}(Δ_i) of ``patients`` to ``clipped_sum``, patient by patient, each from ``start``."""
+        assert self._state is not None
+        state, streams = self._state, self._streams("patient", pl_module)
+        for patient in patients:
+            state.load(*start)
+            key = self._patient_keys[patient]
+            with streams.unit(key):  # the patient's augmentation and dropout: its own stream
+                self._local_update(self._patient_groups[patient], pl_module, streams.generator(key))
+            norm, clipped, finite = state.add_clipped_change(start[0], clipped_sum, self.clip_norm)
+            stats += torch.tensor(
+                [1.0, float(clipped), norm if finite else 0.0, float(not finite)], dtype=torch.float64
+            )
+
+    def _batched_round(
+        self,
+        patients: list[int],
+        pl_module: pl.LightningModule,
+        clipped_sum: Tensor,
+        stats: Tensor,
+        start: tuple[Tensor, list[Tensor]],
+    ) -> bool:
+        """The batched round; False (and nothing added) if its training_step drew random numbers: the loop must run.
+
+        The patients whose images fit in one local batch take one batched pass (one plain SGD step each); the others
+        take several local steps, which the loop trains within the round. Nothing is said either way: which patients
+        are large, and whether a pass drew random numbers, are not chosen from public facts.
+        """
+        one_step = [p for p in patients if len(self._patient_groups[p]) <= self.local_batch_size]
+        try:
+            self._vectorized_updates(one_step, pl_module, clipped_sum, stats, self._streams("patient", pl_module))
+        except _DrewRandomNumbers:
+            assert self._state is not None and self._clipper is not None
+            self._clipper.reset()
+            self._state.load(*start)
+            clipped_sum.zero_()
+            stats.zero_()
+            return False
+        several = [p for p in patients if len(self._patient_groups[p]) > self.local_batch_size]
+        self._loop_updates(several, pl_module, clipped_sum, stats, start)
+        return True
+
     def _stacked_round(
         self,
         patients: list[int],
@@ -943,6 +994,7 @@ class P3SGD(DPCallback):
         assert self._clipper is not None and self._state is not None and self._original_training_step is not None
         clipper, step = self._clipper, self._original_training_step
         groups, keys = self._patient_groups, self._patient_keys  # the sampled position k is the k-th patient
+        device = pl_module.device
         chunks: list[list[int]] = []
         rows = 0
         for patient in patients:
@@ -964,7 +1016,20 @@ class P3SGD(DPCallback):
             def loss(batch: Any = batch) -> Tensor:
                 return self._loss_of(step(batch, 0))
 
-            found = clipper.accumulate(loss, len(chunk), group_size=sizes)
+            results: list[Any] = []
+
+            def run(
+                loss: Any = loss, chunk: list[int] = chunk, sizes: list[int] = sizes, results: list[Any] = results
+            ) -> None:
+                results.append(clipper.accumulate(loss, len(chunk), group_size=sizes))
+
+            # The pass's own randomness would be drawn per position in the batch, not per patient: a training_step
+            # that draws any (the start-up check saw none, but a schedule can switch it on) sends the round to the
+            # loop, and the secret stream it drew from is thrown away.
+            with streams.unit("batched pass"):
+                if draws_random_numbers(run, device):
+                    raise _DrewRandomNumbers
+            found = results[0]
             stats += torch.tensor(
                 [len(chunk), found.clipped, found.norm_sum * self.local_lr, found.nonfinite], dtype=torch.float64
             )
@@ -1071,21 +1136,13 @@ class P3SGD(DPCallback):
             with torch.enable_grad():
                 if self._clipper is not None or self._stacked is not None:
                     self.vectorized_rounds += 1
+                done = False
                 if self._clipper is not None:
-                    self._vectorized_updates(mine, pl_module, clipped_sum, stats, self._streams("patient", pl_module))
-                elif self._stacked is None or not self._stacked_round(
-                    mine, pl_module, clipped_sum, stats, (theta, other)
-                ):
-                    streams = self._streams("patient", pl_module)
-                    for patient in mine:
-                        state.load(theta, other)
-                        key = self._patient_keys[patient]
-                        with streams.unit(key):  # the patient's augmentation and dropout: its own stream
-                            self._local_update(self._patient_groups[patient], pl_module, streams.generator(key))
-                        norm, clipped, finite = state.add_clipped_change(theta, clipped_sum, self.clip_norm)
-                        stats += torch.tensor(
-                            [1.0, float(clipped), norm if finite else 0.0, float(not finite)], dtype=torch.float64
-                        )
+                    done = self._batched_round(mine, pl_module, clipped_sum, stats, (theta, other))
+                elif self._stacked is not None:
+                    done = self._stacked_round(mine, pl_module, clipped_sum, stats, (theta, other))
+                if not done:
+                    self._loop_updates(mine, pl_module, clipped_sum, stats, (theta, other))
             state.load(theta, other)
             clipped_sum = trainer.strategy.reduce(clipped_sum, reduce_op="sum")
             stats = trainer.strategy.reduce(stats.to(pl_module.device), reduce_op="sum").cpu()
