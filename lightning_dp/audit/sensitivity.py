@@ -160,22 +160,28 @@ class SensitivityAudit:
         self.trainer_kwargs = dict(trainer_kwargs or {})
 
     def _dataset(self, world: str) -> _Units:
-        """A world's data: "in" (population, canary), "out" (population), "alone" or "null" (canary at weight 0)."""
+        """A world's data: "in" (population, canary), "out" (population), "alone", "null" (canary at weight 0).
+
+        In "alone" and "null" the population is there at loss weight 0 (its gradients are exactly 0): the canary then
+        has the index (or id) it has in "in", and so the same random streams.
+        """
         cx, cy = self.canary
         canary_id = int(self.population[2].min()) - 1 if self.level == "patient" else 0  # sorts first: see above
-        parts = []
-        if world in ("in", "out"):
-            x, y = self.population[0], self.population[1]
-            patients = self.population[2] if self.level == "patient" else torch.zeros(len(y))
-            parts.append((x, y, torch.ones(len(y)), patients))
+        x, y = self.population[0], self.population[1]
+        patients = self.population[2] if self.level == "patient" else torch.zeros(len(y))
+        parts = [(x, y, torch.full((len(y),), 1.0 if world in ("in", "out") else 0.0), patients)]
         if world != "out":
             weight = 0.0 if world == "null" else self.canary_weight
             parts.append((cx, cy, torch.full((len(cy),), weight), torch.full((len(cy),), canary_id)))
         x, y, w, ids = (torch.cat([part[k] for part in parts]) for k in range(4))
         return _Units(x, y, w, ids if self.level == "patient" else None, self.augment)
 
-    def _clipped_sum_plus_noise(self, seed: int, world: str) -> tuple[Tensor, float]:
-        """S + Z of a world's first step (its release rescaled by its n/lr), and the callback's clip norm."""
+    def _clipped_sum_plus_noise(self, seed: int, world: str) -> tuple[Tensor, float, float]:
+        """S + Z of a world's first step (its release rescaled by its n/lr), the clip norm, and the round-off.
+
+        The round-off bounds the error of the rescaled release in units of C: θ₁ is stored in fp32, each coordinate
+        within 2⁻²⁴·|θ₁| of the exact θ₀ + update, and the rescaling multiplies that by n/lr.
+        """
         torch.manual_seed(seed)
         model = self.model()
         callback = self.callback(seed)  # the same seed in every world: the same noise Z and per-unit streams
@@ -184,14 +190,23 @@ class SensitivityAudit:
         units = data.num_patients if self.level == "patient" else len(data)
         n = float(callback.sample_rate) * units  # each world's public normalizer q·N
         scale = float(callback.server_lr) if self.level == "patient" else -self.lr
-        return (observer.thetas[1] - observer.thetas[0]) * (n / scale), float(callback.clip_norm)
+        clip = float(callback.clip_norm)
+        round_off = 2.0**-24 * float(observer.thetas[1].norm()) * n / abs(scale) / clip
+        return (observer.thetas[1] - observer.thetas[0]) * (n / scale), clip, round_off
 
     def run(self) -> SensitivityAuditResult:
         """``runs`` runs of four worlds each, one seed per run (their noise cancels in the differences)."""
         moved, excess = [], []
         for r in range(self.runs):
             worlds = {w: self._clipped_sum_plus_noise(self.seed + r, w) for w in ("in", "out", "alone", "null")}
-            clip = worlds["in"][1]
+            clip, round_off = worlds["in"][1], sum(world[2] for world in worlds.values())
+            if round_off > self.tolerance / 2:
+                raise PrivacyConfigError(
+                    f"`SensitivityAudit`: the fp32 round-off of the four releases, rescaled by n/lr, can reach "
+                    f"{round_off:.3g}·C, more than half the tolerance {self.tolerance:g}: the verdict would read "
+                    "round-off. HINT: a larger learning rate (or server_lr) or clip norm, fewer units, or fewer "
+                    "parameters in the audited model."
+                )
             difference = worlds["in"][0] - worlds["out"][0]
             own = worlds["alone"][0] - worlds["null"][0]
             moved.append(float(difference.norm()) / clip)

@@ -192,3 +192,30 @@ def test_the_vectorized_scenario_audits_the_batched_round():
 def test_the_stacked_scenario_audits_stacked_local_sgd():
     callback, _, _ = p3sgd_audit(vectorize="auto", local_steps=3, steps=2).fit(with_canary=True)
     assert callback.round_path == "stacked" and callback.vectorized_rounds == 2
+
+
+def test_the_sensitivity_audit_passes_augmented_samples_and_refuses_a_round_off_it_cannot_resolve():
+    """Review of issue 31: with DPSGD's streams keyed by index, a canary alone at index 0 drew other flips than at index
+    N (correct code failed, excess 1.0·C): the population now stays at loss weight 0 in the "alone" worlds. And a
+    learning rate so small that θ's fp32 round-off, rescaled by n/lr, outweighs the tolerance is refused."""
+    from torch import nn
+
+    from lightning_dp.audit.scenarios import _random_flip
+    from lightning_dp.audit.sensitivity import SensitivityAudit
+
+    y = torch.randint(0, 2, (16,))
+
+    def audit(lr, clip, width=4):
+        return SensitivityAudit(
+            lambda s: DPSGD(sample_rate=1.0, noise_multiplier=1.0, clip_norm=clip, delta=1e-5, seed=s),
+            model=lambda: nn.Sequential(nn.Linear(width, 64), nn.Tanh(), nn.Linear(64, 2)),
+            population=(torch.randn(16, width), y),
+            canary=(torch.full((1, width), 5.0), torch.tensor([0])),
+            augment=_random_flip,
+            lr=lr,
+        )
+
+    result = audit(0.05, 0.1).run()
+    assert result.passed, margin(result)
+    with pytest.raises(PrivacyConfigError, match=r"round-off .* HINT: a larger learning rate"):
+        audit(1e-4, 0.01, width=256).run()
