@@ -329,6 +329,16 @@ class _Observer(pl.Callback):
         self.released.append(math.nan if logged is None else float(logged))
 
 
+def check_units(owner: str, level: str, population: Sequence[Tensor], canary: Sequence[Tensor]) -> None:
+    """Raises `PrivacyConfigError` unless population and canary hold the tensors a ``level``-level audit needs."""
+    need = 3 if level == "patient" else 2
+    if len(population) != need or len(canary) != 2:
+        raise PrivacyConfigError(
+            f"`{owner}`: population must be {'(x, y, patients)' if need == 3 else '(x, y)'} and canary (x, y) for "
+            f"a {level}-level callback; found {len(population)} and {len(canary)} tensors."
+        )
+
+
 def fit_world(
     model: nn.Module, callback: Any, data: _Units, lr: float, steps: int, trainer_kwargs: dict[str, Any]
 ) -> _Observer:
@@ -476,12 +486,7 @@ class CallbackAudit:
                 "unit's contribution, which needs a full batch. HINT: audit the configuration with sample_rate=1.0 "
                 "(same engine, clip and noise), and the sampler with the simulated `StepAudit(sample_rate=q)`."
             )
-        need = 3 if self.level == "patient" else 2
-        if len(population) != need or len(canary) != 2:
-            raise PrivacyConfigError(
-                f"`{owner}`: population must be {'(x, y, patients)' if need == 3 else '(x, y)'} and canary (x, y) for "
-                f"a {self.level}-level callback; found {len(population)} and {len(canary)} tensors."
-            )
+        check_units(owner, self.level, population, canary)
         self.population = tuple(population)
         self.canary = tuple(canary)
         self.steps = check_count(owner, "steps", steps, "e.g. 200.", minimum=2)

@@ -47,7 +47,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_dp.audit.engine import _Units, fit_world
+from lightning_dp.audit.engine import _Units, check_units, fit_world
 from lightning_dp.errors import PrivacyConfigError, check_count
 
 __all__ = ["SensitivityAudit", "SensitivityAuditResult"]
@@ -141,12 +141,7 @@ class SensitivityAudit:
                 "sample of the other units. HINT: audit the configuration with sample_rate=1.0 (same engine, clip "
                 "and noise)."
             )
-        need = 3 if self.level == "patient" else 2
-        if len(population) != need or len(canary) != 2:
-            raise PrivacyConfigError(
-                f"`{owner}`: population must be {'(x, y, patients)' if need == 3 else '(x, y)'} and canary (x, y) for "
-                f"a {self.level}-level callback; found {len(population)} and {len(canary)} tensors."
-            )
+        check_units(owner, self.level, population, canary)
         if not (math.isfinite(tolerance) and tolerance >= 0):
             raise PrivacyConfigError(f"`{owner}(tolerance={tolerance})`: must be a finite number >= 0, e.g. 0.02.")
         self.callback, self.model = callback, model
