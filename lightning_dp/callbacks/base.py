@@ -32,6 +32,7 @@ from lightning_dp.sampling.patients import secure_seed
 from lightning_dp.sanitization import Release
 from lightning_dp.schedules import NoiseSchedule
 from lightning_dp.selection import AlwaysAccept, StepAcceptance
+from lightning_dp.training.preflight import NoisePreflight
 from lightning_dp.training.privacy import (
     EPSILON_KEY,
     PAPER_EPSILON_KEY,
@@ -139,6 +140,8 @@ class DPCallback(pl.Callback):
         self._planned_run: int | None = None
         #: The Trainer's log_every_n_steps while this callback has it at 1 (see `training.trainer.log_every_step`).
         self._user_log_every: int | None = None
+        #: The noise the planned run will add, against its signal and weights (computed before the first step).
+        self.preflight: NoisePreflight | None = None
 
     @property
     def state_key(self) -> str:
@@ -168,6 +171,10 @@ class DPCallback(pl.Callback):
         raise NotImplementedError
 
     def _report_extra(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def _preflight_inputs(self, pl_module: pl.LightningModule) -> tuple[float, list[torch.Tensor], float | None]:
+        """(q·N, the trained tensors the noise is added to, the step size of a normalized update or None)."""
         raise NotImplementedError
 
     def _new_release(self, ledger: PrivacyLedger, seed: int, schedule: NoiseSchedule | None = None) -> Release:
@@ -335,6 +342,37 @@ class DPCallback(pl.Callback):
         assert self._loader is not None
         check_loader_in_use(trainer, self._loader, self.mechanism)
 
+    def _run_preflight(self, pl_module: pl.LightningModule) -> None:
+        """Says (and, when the noise will drown the model, warns) how loud the planned run's noise is.
+
+        Public numbers only: the configuration, N, the initial weights. Skipped for a run of unknown length.
+        """
+        assert self.release is not None and self.ledger is not None
+        steps = self._planned_run
+        if not steps or self._accounting_mode() == "paper":
+            return
+        expected, tensors, step_size = self._preflight_inputs(pl_module)
+        with torch.no_grad():
+            values = sum(t.numel() for t in tensors)
+            squares = sum(float(t.detach().double().pow(2).sum()) for t in tensors)
+        if not values:
+            return
+        start = self.ledger.steps  # a resumed run: what is left of it
+        self.preflight = NoisePreflight(
+            self.unit,
+            [self.release.noise_multiplier(t) for t in range(start, max(steps, start + 1))],
+            float(self.release.clip_norm),
+            expected,
+            values,
+            step_size,
+            math.sqrt(squares / values),
+        )
+        line = self.preflight.summary(self.state_key)
+        if self.preflight.hopeless:
+            rank_zero_warn(line, category=PrivacyWarning)
+        else:
+            rank_zero_info(line)
+
     # ------------------------------------------------------------------ evaluation
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not trainer.sanity_checking:  # the sanity check runs the model as the user built it, before any step
@@ -442,6 +480,8 @@ class DPCallback(pl.Callback):
             "stopped_by_budget": self._stopped_by_budget,
         }
         extra["private_diagnostics_logged"] = self.log_private_diagnostics
+        if self.preflight is not None:
+            extra["preflight"] = self.preflight.to_dict()
         extra.update(self._schedule_report())
         if self.accepted_ledger is not None:
             extra["acceptance"] = repr(self.acceptance)

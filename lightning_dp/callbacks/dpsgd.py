@@ -400,6 +400,16 @@ class DPSGD(DPCallback):
             self._source_loader.collate_fn,
             lambda batch: pl_module.transfer_batch_to_device(batch, pl_module.device, 0),
         )
+        self._run_preflight(pl_module)
+
+    def _preflight_inputs(self, pl_module: pl.LightningModule) -> tuple[float, list[torch.Tensor], float | None]:
+        assert self.sampler is not None and self.clipper is not None
+        optimizer = getattr(self._optimizers(pl_module)[0], "optimizer", None)
+        plain = isinstance(optimizer, torch.optim.SGD) and all(
+            not group.get("momentum") and not group.get("weight_decay") for group in optimizer.param_groups
+        )
+        step = float(optimizer.param_groups[0]["lr"]) if plain and optimizer is not None else None
+        return self.sampler.expected_batch_size, list(self.clipper.params), step
 
     def _loss(self, out: Any) -> torch.Tensor:
         return loss_tensor(out, self.loss_reduction)

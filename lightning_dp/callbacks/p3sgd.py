@@ -459,6 +459,11 @@ class P3SGD(DPCallback):
         self._refuse_sync_batchnorm(pl_module)
         self._check_training_step_returns_loss(pl_module)
         self._setup_vectorized(trainer, pl_module)
+        self._run_preflight(pl_module)
+
+    def _preflight_inputs(self, pl_module: pl.LightningModule) -> tuple[float, list[Tensor], float | None]:
+        assert self.sampler is not None and self._state is not None
+        return self.sampler.expected_count, self._state.params + self._state.float_buffers, self.server_lr
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._quiet_round_loader.close()
