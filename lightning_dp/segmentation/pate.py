@@ -290,6 +290,15 @@ class PATEReport:
     unit: str = "patient"
     ledger_queries: int | None = None
 
+    @property
+    def noise_to_code_range(self) -> float:
+        """σ·√l / S = z·√l/K: the noise norm on a released mean code over the diameter of the codes' range.
+
+        Measured on the segmentation benchmark (K = 20, l = 8): at 1.8 the released maps scored Dice 0.03 (AE) and
+        0.21 (PCA), at 0.52 0.18 and 0.30, at 0.28 0.54 and 0.39, against 0.90 for the teachers' own maps.
+        """
+        return self.noise_std * math.sqrt(self.code_dim) / self.sensitivity
+
     def __str__(self) -> str:
         lines = [
             "PATE aggregation (patient-level by construction: one patient changes the data of one teacher)",
@@ -303,6 +312,8 @@ class PATEReport:
             f"  code length l (of d)       {self.code_dim} (of {self.map_pixels} pixels)",
             f"  sensitivity of Σ codes S   {self.sensitivity:.4g}",
             f"  noise multiplier z         {self.noise_multiplier:.4g} (σ = z·S/K = {self.noise_std:.4g} on the mean)",
+            f"  noise / code range         {self.noise_to_code_range:.3g} (σ·√l/S = z·√l/K; from {NOISY_LABELS:g} on, "
+            "the released labels are mostly noise)",
             f"  ε ({self.accountant}, δ = {self.delta:g})  {self.epsilon:.4f}   [the guarantee]",
             f"  ε (thesis closed form)     {self.thesis_epsilon:.4f}   [comparison; looser; each query at its z]",
         ]
@@ -358,6 +369,10 @@ def _release_seed(seed: int | None, *request: object) -> int | None:
     digest = bytes.fromhex(state_digest(list(request)))
     key = hashlib.blake2b(_NOISE_DOMAIN + b"/" + str(int(seed)).encode()).digest()  # 64 bytes, any seed
     return int.from_bytes(hashlib.blake2b(digest, key=key, digest_size=8).digest(), "big") >> 1
+
+
+#: From this noise-to-code-range ratio (z·√l/K) on, an aggregation's released labels are mostly noise: warned about.
+NOISY_LABELS = 0.5
 
 
 @dataclass
@@ -512,6 +527,17 @@ class PATEAggregator:
         # Every teacher's maps are checked to lie in [0, 1] (the sensitivity bound) before anything is released.
         codes = torch.stack([self.compressor.encode(teacher_maps[i]) for i in range(k)])  # (K, N, l)
         z = self.plan(n)  # raises before anything is drawn or charged if the budget cannot hold the queries
+        ratio = z * math.sqrt(self.compressor.code_dim) / k
+        if ratio >= NOISY_LABELS:  # known before any noise is drawn: the configuration alone decides it
+            warnings.warn(
+                f"`PATEAggregator`: the noise on a released mean code has norm {ratio:.3g}× the diameter of the codes' "
+                f"range (σ·√l/S = z·√l/K with z = {z:.3g}, l = {self.compressor.code_dim}, K = {k}): the released "
+                f"labels will be mostly noise (measured: Dice 0.03-0.30 of the released maps at 0.52-1.8, against 0.90 "
+                f"for the teachers' own). HINT: more teachers (K ≥ {2 * z * math.sqrt(self.compressor.code_dim):.0f} "
+                "for 0.5), a shorter code (l), fewer queries, or a larger ε.",
+                PrivacyWarning,
+                stacklevel=2,
+            )
         # A user seed is mixed with the request (the codes released, z) and the ledger's position, so two
         # different releases never share noise, on one ledger or across ledgers and instances.
         seed = _release_seed(self._seed, "aggregate", self.ledger.steps, z, codes)

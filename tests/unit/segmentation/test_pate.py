@@ -236,10 +236,26 @@ def test_a_seed_is_warned_about_because_whoever_has_it_tells_the_two_worlds_apar
         ]
     assert torch.equal(guesses[0], released.codes) and not torch.equal(guesses[1], released.codes)
 
-    with warnings.catch_warnings():  # without a seed: nothing to warn about (fresh OS noise for every release)
-        warnings.simplefilter("error", PrivacyWarning)
+    with warnings.catch_warnings(record=True) as unseeded:  # without a seed: fresh OS noise for every release
+        warnings.simplefilter("always", PrivacyWarning)
         fresh = PATEAggregator(pca, 4, delta=1e-7, target_epsilon=2.0).aggregate(world)
+    assert not [w for w in unseeded if "seed" in str(w.message)]
     assert not torch.equal(fresh.codes, released.codes)
+
+
+def test_an_aggregation_whose_noise_drowns_the_codes_is_warned_about_before_the_release() -> None:
+    """Issue 32, item 2: PATE released σ = 130.8 on codes bounded by S/K without a word. The ratio z·√l/K is known
+    before any noise is drawn (4 teachers at ε = 2: 4.1); from 0.5 on the labels are mostly noise (measured)."""
+    pca = PCACompressor(code_dim=4).fit(_maps(50))
+    world = _maps(4 * 10, seed=7).reshape(4, 10, 1, 8, 8)
+    with pytest.warns(PrivacyWarning, match=r"norm 4\.\d+× the diameter.*z = 8\.\d+, l = 4, K = 4.*K ≥ 33"):
+        noisy = PATEAggregator(pca, 4, delta=1e-7, target_epsilon=2.0).aggregate(world)
+    assert noisy.report.noise_to_code_range == pytest.approx(noisy.report.noise_multiplier * 2 / 4)
+    assert "noise / code range" in str(noisy.report)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", PrivacyWarning)
+        quiet = PATEAggregator(pca, 4, delta=1e-7, noise_multiplier=0.5).aggregate(world)  # z·√l/K = 0.25
+    assert quiet.report.noise_to_code_range == pytest.approx(0.25)
 
 
 # ---------------------------------------------------------------------- bad input
