@@ -9,6 +9,7 @@ from lightning_dp.models.fixers import (
     is_frozen_batch_norm,
     validate_model,
 )
+from lightning_dp.models.pretrained import adapt_torchvision_weights
 from lightning_dp.models.segmentation import (
     SegmentationModule,
     SegmentationTrainable,
@@ -24,6 +25,7 @@ __all__ = [
     "SegmentationModule",
     "SegmentationTrainable",
     "TrainableGroup",
+    "adapt_torchvision_weights",
     "build_backbone",
     "build_segmentation_model",
     "fix_model",
