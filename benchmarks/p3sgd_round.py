@@ -65,8 +65,7 @@ class _Floor:
             yield x, y
 
     def round(self) -> float:
-        chosen = self.sampler.sample().tolist()
-        torch.randint(2**62, (1,), generator=self.sampler.generator)  # P3SGD draws its local-shuffle seed here
+        chosen = self.sampler.sample().tolist()  # P3SGD's round secret no longer draws from the sampler's generator
         start = time.perf_counter()
         self.net.train()
         for p in chosen:
