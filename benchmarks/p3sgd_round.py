@@ -9,12 +9,21 @@ draws), in the same process, so a change of machine load hits both sides of a pa
 the median of the pairs' ratios, its quartiles and range (an earlier version timed all rounds first
 and the floor afterwards, and gave ratios from 0.82 to 17.4 on one busy machine).
 
-Run: .venv/bin/python benchmarks/p3sgd_round.py [--arch small_cnn|resnet18] [--rounds 20]
+With ``--load`` the script measures a busy machine instead (issue 32): a competing process (a busy loop, one
+core's worth) runs during blocks of rounds and is paused during the others, and the rounds of the two kinds are
+compared, the first round of each block left out (the library follows the load with one round's delay). It does so
+twice, with P3SGD's default (``adapt_threads=True``: each round runs on the cores the other processes left free) and
+with torch's thread setting kept (``adapt_threads=False``), and prints each one's loaded/idle ratio.
+
+Run: .venv/bin/python benchmarks/p3sgd_round.py [--arch small_cnn|resnet18] [--rounds 20] [--load]
 """
 
 from __future__ import annotations
 
 import argparse
+import signal
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -100,6 +109,55 @@ class _Alternate(pl.Callback):
         self.floors.append(self.floor.round())
 
 
+class _Load(pl.Callback):
+    """Runs a busy loop in another process during every other block of ``block`` rounds; times each round."""
+
+    def __init__(self, block: int) -> None:
+        self.block = block
+        self.busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+        self.busy.send_signal(signal.SIGSTOP)
+        self.times: dict[bool, list[float]] = {True: [], False: []}
+        self._round = 0
+        self._loaded = False
+        self._start = 0.0
+
+    def on_train_batch_start(self, *args: Any) -> None:
+        loaded = (self._round // self.block) % 2 == 1
+        if loaded != self._loaded:
+            self.busy.send_signal(signal.SIGCONT if loaded else signal.SIGSTOP)
+            self._loaded = loaded
+        self._start = time.perf_counter()
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        if self._round % self.block:  # the first round of a block is left out: the library follows with a delay
+            self.times[self._loaded].append(time.perf_counter() - self._start)
+        self._round += 1
+
+    def close(self) -> None:
+        self.busy.kill()
+
+
+def loaded_rounds(args: argparse.Namespace, dataset: PatientImageDataset, adapt: bool) -> tuple[float, float]:
+    """(median idle round, median loaded round) in seconds, with ``P3SGD(adapt_threads=adapt)``."""
+    load = _Load(block=3)
+    try:
+        cb = P3SGD(0.1, 5.0, (1.0,), local_batch_size=16, seed=0, adapt_threads=adapt)
+        trainer = pl.Trainer(
+            accelerator="cpu",
+            max_steps=args.rounds,
+            callbacks=[cb, load],
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            enable_checkpointing=False,
+            default_root_dir=tempfile.mkdtemp(prefix="p3sgd_load_"),
+        )
+        trainer.fit(ImageClassifier(arch=args.arch), PatientData(dataset))
+    finally:
+        load.close()
+    return float(np.median(load.times[False])), float(np.median(load.times[True]))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--arch", default="small_cnn", choices=["small_cnn", "resnet18"])
@@ -107,8 +165,18 @@ def main() -> None:
     parser.add_argument("--patients", type=int, default=100)
     parser.add_argument("--images-per-patient", type=int, default=20)
     parser.add_argument("--size", type=int, default=32)
+    parser.add_argument("--load", action="store_true", help="a busy machine: one core taken during every other block")
     args = parser.parse_args()
     dataset = random_patients(args.patients, args.images_per_patient, args.size)
+    if args.load:
+        for adapt in (True, False):
+            idle, loaded = loaded_rounds(args, dataset, adapt)
+            what = "adapt_threads=True (default)" if adapt else "adapt_threads=False (torch's threads kept)"
+            print(
+                f"{args.arch} {args.size}x{args.size}, {what}: idle round {idle * 1000:.0f} ms, round with one core "
+                f"taken {loaded * 1000:.0f} ms: {loaded / idle:.2f}x (medians over {args.rounds} rounds, blocks of 3)"
+            )
+        return
     rate, local_batch, scales = 0.1, 16, (3.0, 1.0)
 
     alternate = _Alternate(_Floor(args.arch, dataset, rate, local_batch, scales))

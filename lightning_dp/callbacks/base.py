@@ -44,6 +44,7 @@ from lightning_dp.training.privacy import (
 )
 from lightning_dp.training.privacy import MAX_SAFE_DELTA_TIMES_N as MAX_SAFE_DELTA_TIMES_N  # re-exported
 from lightning_dp.training.step import PrivateStep, StepResult
+from lightning_dp.training.threads import ThreadGovernor
 from lightning_dp.training.trainer import (
     check_loader_in_use,
     check_public_energy,
@@ -87,6 +88,7 @@ class DPCallback(pl.Callback):
         flush_denormal: bool = True,
         accountant: DPAccountantName = "rdp",
         acceptance: StepAcceptance | None = None,
+        adapt_threads: bool = True,
     ) -> None:
         if accountant not in get_args(DPAccountantName):
             raise PrivacyConfigError(
@@ -114,6 +116,9 @@ class DPCallback(pl.Callback):
         self.name = name
         self.flush_denormal = flush_denormal
         self._flushing = False
+        self.adapt_threads = adapt_threads
+        self._governor: ThreadGovernor | None = None
+        self._told_threads = False
         self.ledger: PrivacyLedger | None = None
         self.release: Release | None = None
         self.private_step: PrivateStep | None = None
@@ -272,6 +277,7 @@ class DPCallback(pl.Callback):
             if self._stopped_by_budget:  # the budget's stop is final, whatever keeps the loop going
                 trainer.should_stop = True
                 return
+            self._follow_free_cores()
             self._private_step(trainer, pl_module, batch)
 
         self._patch(pl_module, "training_step", private_step)
@@ -295,11 +301,29 @@ class DPCallback(pl.Callback):
         # compute up to ~10x slower; flushing them to zero changes results by < 1e-38.
         if self.flush_denormal and trainer.strategy.root_device.type == "cpu":
             self._flushing = torch.set_flush_denormal(True)
+        if self.adapt_threads and trainer.strategy.root_device.type == "cpu":
+            self._governor = ThreadGovernor()
+
+    def _follow_free_cores(self) -> None:
+        """Runs the next step on the CPU cores other processes left free (see `lightning_dp.training.threads`)."""
+        if self._governor is None:
+            return
+        threads = self._governor.adjust()
+        if threads < self._governor.limit and not self._told_threads:
+            self._told_threads = True
+            rank_zero_info(
+                f"{self.state_key}: other processes used {self._governor.others:.1f} of {self._governor.cores} CPU "
+                f"cores: steps run on {threads} thread(s) while they do (threads beyond the free cores wait on each "
+                "other: a P3SGD round measured 9x slower). adapt_threads=False keeps torch's setting."
+            )
 
     def _stop_flushing(self) -> None:
         if self._flushing:
             torch.set_flush_denormal(False)
             self._flushing = False
+        if self._governor is not None:
+            self._governor.restore()
+            self._governor = None
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         # Lightning calls no teardown hook after an exception: undo what setup patched into the module and the
