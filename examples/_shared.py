@@ -13,6 +13,7 @@ from typing import Any
 import pytorch_lightning as pl
 import torch
 
+from lightning_dp.callbacks import FreeCores
 from lightning_dp.data import SyntheticPathologyDataModule
 from lightning_dp.models import ImageClassifier
 
@@ -56,7 +57,7 @@ def cpu_trainer(callbacks: list[pl.Callback], accelerator: str = "cpu", **kwargs
     return pl.Trainer(
         accelerator=accelerator,
         devices=1,
-        callbacks=callbacks,
+        callbacks=[*callbacks, FreeCores()],  # on a shared machine, the threads follow the free cores
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
