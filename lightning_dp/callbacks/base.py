@@ -66,6 +66,8 @@ from lightning_dp.training.weight_averaging import averages_weights
 __all__ = ["EPSILON_KEY", "PAPER_EPSILON_KEY", "DPAccountantName", "DPCallback", "default_delta", "state_digest"]
 
 DPAccountantName = Literal["rdp", "prv"]
+#: Logged metrics that do not change during a fit: logged at its first step only.
+_CONSTANT_KEYS = ("privacy/delta", "privacy/expected_batch_size")
 
 
 class DPCallback(pl.Callback):
@@ -119,6 +121,8 @@ class DPCallback(pl.Callback):
         self.adapt_threads = adapt_threads
         self._governor: ThreadGovernor | None = None
         self._told_threads = False
+        #: The constants of `_CONSTANT_KEYS` were logged in this fit.
+        self._logged_constants = False
         self.ledger: PrivacyLedger | None = None
         self.release: Release | None = None
         self.private_step: PrivateStep | None = None
@@ -219,6 +223,7 @@ class DPCallback(pl.Callback):
     # ------------------------------------------------------------------ setup and teardown
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._warned_nonfinite_loss = False
+        self._logged_constants = False
         # validate / test / predict train nothing and charge nothing: no take-over, and a checkpoint's privacy state
         # is neither required nor restored (on_load_checkpoint, load_state_dict), so that the config a model was
         # trained with evaluates it, from a training checkpoint or from a `publishable_checkpoint` alike.
@@ -471,6 +476,16 @@ class DPCallback(pl.Callback):
             **public,
             **self.acceptance.metrics(),
         }
+        # Constants go to the loggers once, at the first step of a fit (a flat line in every chart says nothing;
+        # through LightningModule.log a value is logged again at every later step), and whether a step was accepted
+        # only where a rule can reject one.
+        constants = {key: metrics.pop(key) for key in _CONSTANT_KEYS if key in metrics}
+        if not self._logged_constants and pl_module.trainer.is_global_zero:
+            for logger in pl_module.trainer.loggers:
+                logger.log_metrics(constants, step=max(0, pl_module.trainer.global_step - 1))  # the step ε is logged at
+        self._logged_constants = True
+        if not self.acceptance.can_reject:
+            metrics.pop("privacy/accepted", None)
         if self.log_private_diagnostics:
             n = max(stats[0].item(), 1.0)
             values = (stats[0].item(), stats[1].item() / n, stats[2].item() / n, stats[3].item())

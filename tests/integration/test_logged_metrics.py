@@ -56,6 +56,9 @@ def test_tensorboard_has_one_epsilon_series(tmp_path: Path, engine: str) -> None
     series = events.Scalars(EPSILON_KEY)
     assert [s.step for s in series] == list(range(STEPS)), "one ε scalar per step"
     assert series[-1].value == pytest.approx(cb.accountant.epsilon(cb.ledger), rel=1e-6)
+    # Constants once, at the first step (issue 32, item 6); no acceptance rule: no privacy/accepted series.
+    assert [s.step for s in events.Scalars("privacy/delta")] == [0]
+    assert "privacy/accepted" not in tags and len(events.Scalars("privacy/noise_std")) == STEPS
 
     logged = [key for key in trainer.logged_metrics if _is_epsilon(key)]
     assert logged == [EPSILON_KEY], f"no eps_* or privacy/epsilon_<accountant> key: {sorted(trainer.logged_metrics)}"
