@@ -9,22 +9,22 @@ from __future__ import annotations
 import argparse
 import difflib
 import json
-import os
 import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
+# torch-free (the package's __init__ imports accounting anyway); Lightning and torch are imported by the commands
+# that need them, so that `plan` and `--help` answer in about a second.
 from lightning_dp.accounting import (
     calibrate_noise_multiplier,
     calibrate_steps,
     epsilon_for,
     tcdp_plan_unchecked,
 )
-from lightning_dp.callbacks.base import default_delta
 from lightning_dp.errors import PrivacyConfigError, check_count, check_finite_positive, check_in_interval
 from lightning_dp.schedules import ConstantNoise, ExponentialDecay, NoiseSchedule
 
-__all__ = ["LIGHTNING_COMMANDS", "PLAN_DESCRIPTION", "main", "plan_main"]
+__all__ = ["AUDIT_DESCRIPTION", "LIGHTNING_COMMANDS", "PLAN_DESCRIPTION", "main", "plan_main"]
 
 #: The LightningCLI subcommands, with the one-line descriptions ``lightning-dp --help`` shows.
 LIGHTNING_COMMANDS = {
@@ -34,6 +34,8 @@ LIGHTNING_COMMANDS = {
     "predict": "Run inference on your data (LightningCLI).",
 }
 PLAN_DESCRIPTION = "Privacy planning: ε for a configuration, or the noise / steps that fit a target ε."
+#: Here rather than in ``lightning_dp.audit.cli`` (which imports torch): ``lightning-dp --help`` lists it.
+AUDIT_DESCRIPTION = "Empirical privacy audit: an ε lower bound from a canary, beside the accountant's ε."
 
 
 class _OneLineParser(argparse.ArgumentParser):
@@ -74,6 +76,15 @@ def _plan_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _default_delta(units: int) -> float:
+    """The library's default δ for N units, min(1e-5, 1/(10N)).
+
+    The same as `lightning_dp.training.privacy.default_delta`, which the callbacks use; that module imports torch,
+    which ``plan`` does not (tests/integration/test_cli_plan.py checks that the two agree).
+    """
+    return min(1e-5, 1.0 / (10 * units))
+
+
 def _schedule(noise: float, decay: float | None, every: int) -> NoiseSchedule:
     if decay is None:
         return ConstantNoise(noise)
@@ -111,7 +122,7 @@ def _derive(args: argparse.Namespace) -> None:
         args.steps = max(1, round(args.epochs / args.sample_rate))
     args.delta_source = "given"
     if args.delta is None:
-        args.delta = default_delta(args.units) if args.units is not None else 1e-5
+        args.delta = _default_delta(args.units) if args.units is not None else 1e-5
         args.delta_source = (
             "the default for N: min(1e-5, 1/(10N))" if args.units is not None else "the default; give --units N"
         )
@@ -238,9 +249,9 @@ def plan_main(argv: Sequence[str]) -> int:
     return 0
 
 
-def _overview(audit_description: str) -> str:
+def _overview() -> str:
     """The text of ``lightning-dp --help``: every command with its one-line description."""
-    commands = {**LIGHTNING_COMMANDS, "plan": PLAN_DESCRIPTION, "audit": audit_description}
+    commands = {**LIGHTNING_COMMANDS, "plan": PLAN_DESCRIPTION, "audit": AUDIT_DESCRIPTION}
     width = max(len(name) for name in commands)
     lines = [
         f"usage: lightning-dp {{{','.join(commands)}}} ...",
@@ -262,7 +273,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ``plan`` and ``audit`` are ours; fit, validate, test and predict (and LightningCLI's options before
     them) go to LightningCLI. ``--help`` prints the overview of all of them on stdout; no arguments print
     it on stderr with exit status 2 (argparse's status for a missing command); an unknown command is one
-    line on stderr, status 2.
+    line on stderr, status 2. Only the LightningCLI commands and ``audit`` import torch and Lightning:
+    ``plan`` and ``--help`` answer without them.
     """
     from_command_line = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -274,9 +286,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return audit_main(argv[1:])
     if command is None or command in ("-h", "--help"):
-        from lightning_dp.audit.cli import DESCRIPTION as audit_description
-
-        text = _overview(audit_description)
+        text = _overview()
         if command is None:
             sys.stderr.write(text)
             return 2
@@ -292,45 +302,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    from pytorch_lightning.cli import LightningCLI
+    from lightning_dp._cli_lightning import run_lightning
 
-    from lightning_dp._quiet import drop_lightning_tips
-
-    drop_lightning_tips()
-    try:
-        LightningCLI(
-            subclass_mode_model=True,
-            subclass_mode_data=True,
-            # From the console, LightningCLI reads sys.argv itself: given args as well, it warns that both were given.
-            args=None if from_command_line else argv,
-            parser_kwargs={"prog": "lightning-dp"},
-            save_config_kwargs={"overwrite": True},
-            auto_configure_optimizers=False,
-        )
-    except Exception as err:
-        ours = _library_error(err)
-        if ours is None or os.environ.get("LIGHTNING_DP_TRACEBACK"):
-            raise
-        print(
-            f"lightning-dp {command}: error: {ours}\n(the full traceback: set LIGHTNING_DP_TRACEBACK=1)",
-            file=sys.stderr,
-        )
-        return 2
-    return 0
-
-
-def _library_error(err: BaseException) -> BaseException | None:
-    """The library's own configuration or state error behind ``err`` (jsonargparse wraps what __init__ raises)."""
-    from lightning_dp.errors import PrivacyStateError
-
-    seen: set[int] = set()
-    current: BaseException | None = err
-    while current is not None and id(current) not in seen:
-        if isinstance(current, (PrivacyConfigError, PrivacyStateError)):
-            return current
-        seen.add(id(current))
-        current = current.__cause__ or current.__context__
-    return None
+    # From the console, LightningCLI reads sys.argv itself: given args as well, it warns that both were given.
+    return run_lightning(None if from_command_line else argv, command)
 
 
 if __name__ == "__main__":  # pragma: no cover

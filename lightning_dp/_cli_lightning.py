@@ -1,0 +1,63 @@
+"""The LightningCLI half of ``lightning-dp`` (fit, validate, test, predict), kept apart from ``cli.py``.
+
+Importing this module imports torch and Lightning (seconds), so ``lightning_dp.cli`` imports it only when one of
+these commands runs: ``lightning-dp plan`` and ``lightning-dp --help`` never pay for it.
+
+A configuration or state error of the library is one line on stderr with exit status 2.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from pytorch_lightning.cli import LightningCLI
+
+from lightning_dp._quiet import drop_lightning_tips
+from lightning_dp.errors import PrivacyConfigError, PrivacyStateError
+
+__all__ = ["LIBRARY_ERRORS", "library_error", "run_lightning"]
+
+#: The library's errors that are one line and exit status 2 through the command line.
+LIBRARY_ERRORS: tuple[type[BaseException], ...] = (PrivacyConfigError, PrivacyStateError)
+
+TRACEBACK_HINT = "(the full traceback: set LIGHTNING_DP_TRACEBACK=1)"
+
+
+def library_error(err: BaseException) -> BaseException | None:
+    """The library's own error behind ``err`` (jsonargparse and Lightning wrap what __init__ and hooks raise)."""
+    seen: set[int] = set()
+    current: BaseException | None = err
+    while current is not None and id(current) not in seen:
+        if isinstance(current, LIBRARY_ERRORS):
+            return current
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return None
+
+
+def run_lightning(argv: list[str] | None, command: str) -> int:
+    """Runs LightningCLI on ``argv`` (None: it reads sys.argv); returns the exit status.
+
+    Args:
+        argv: the arguments after ``lightning-dp``; None when run from the console (LightningCLI reads sys.argv itself:
+            given args as well, it warns that both were given).
+        command: the subcommand, for the messages.
+    """
+    drop_lightning_tips()
+    try:
+        LightningCLI(
+            subclass_mode_model=True,
+            subclass_mode_data=True,
+            args=argv,
+            parser_kwargs={"prog": "lightning-dp"},
+            save_config_kwargs={"overwrite": True},
+            auto_configure_optimizers=False,
+        )
+    except Exception as err:
+        ours = library_error(err)
+        if ours is None or os.environ.get("LIGHTNING_DP_TRACEBACK"):
+            raise
+        print(f"lightning-dp {command}: error: {ours}\n{TRACEBACK_HINT}", file=sys.stderr)
+        return 2
+    return 0
