@@ -3,7 +3,8 @@
 Importing this module imports torch and Lightning (seconds), so ``lightning_dp.cli`` imports it only when one of
 these commands runs: ``lightning-dp plan`` and ``lightning-dp --help`` never pay for it.
 
-A configuration or state error of the library is one line on stderr with exit status 2.
+An error of the library (every exception class of `lightning_dp.errors` and `lightning_dp.data.errors`), raised while
+the config is instantiated or during the run, is one line on stderr with exit status 2.
 """
 
 from __future__ import annotations
@@ -13,13 +14,20 @@ import sys
 
 from pytorch_lightning.cli import LightningCLI
 
+import lightning_dp.data.errors as data_errors
+import lightning_dp.errors as core_errors
 from lightning_dp._quiet import drop_lightning_tips
-from lightning_dp.errors import PrivacyConfigError, PrivacyStateError
 
 __all__ = ["LIBRARY_ERRORS", "library_error", "run_lightning"]
 
-#: The library's errors that are one line and exit status 2 through the command line.
-LIBRARY_ERRORS: tuple[type[BaseException], ...] = (PrivacyConfigError, PrivacyStateError)
+#: Every error class of the library (a class added to either module is included): each is one line and exit status
+#: 2 through the command line.
+LIBRARY_ERRORS: tuple[type[BaseException], ...] = tuple(
+    obj
+    for module in (core_errors, data_errors)
+    for obj in (getattr(module, name) for name in module.__all__)
+    if isinstance(obj, type) and issubclass(obj, BaseException) and not issubclass(obj, Warning)
+)
 
 TRACEBACK_HINT = "(the full traceback: set LIGHTNING_DP_TRACEBACK=1)"
 
