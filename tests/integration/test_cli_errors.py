@@ -1,6 +1,7 @@
-"""`lightning-dp fit`: the library's errors are one line and exit status 2 (issue 32, item 5).
+"""`lightning-dp fit`: the library's errors and a mistyped config key are one line and exit status 2 (issue 32, item 5).
 
-Before: a missing manifest came after a 40-line traceback with exit status 1.
+Before: a missing manifest came after a 40-line traceback with exit status 1, and `clip_nrom` was line 55 of 68
+lines of usage and Union subtypes.
 """
 
 from __future__ import annotations
@@ -104,3 +105,49 @@ def test_another_error_keeps_its_traceback(monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.setattr(cli_lightning, "LightningCLI", failing_cli)
     with pytest.raises(KeyError, match="not ours"):
         main(["fit", "--config", "x.yaml"])
+
+
+@pytest.mark.parametrize(
+    ("where", "expected"),
+    [
+        ("callback", "`DPSGD` has no argument 'clip_nrom' (under trainer.callbacks). HINT: did you mean 'clip_norm'?"),
+        ("model flag", "`ImageClassifier` has no argument 'lrr' (under model). HINT: did you mean 'lr'?"),
+        ("data", "`PatientDataModule` has no argument 'manifes' (under data). HINT: did you mean 'manifest'?"),
+        ("trainer", "`Trainer` has no argument 'max_stepz' (under trainer). HINT: did you mean 'max_steps'?"),
+        ("trainer flag", "`Trainer` has no argument 'max_stepz' (under trainer). HINT: did you mean 'max_steps'?"),
+        (
+            "section",
+            "the config has no section or option 'modle' (in 'modle.init_args.arch'). HINT: did you mean 'model'?",
+        ),
+    ],
+)
+def test_a_mistyped_key_is_one_line_with_the_closest_valid_key(
+    where: str, expected: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    callback = {"clip_norm": 1.0, "noise_multiplier": 1.0, "sample_rate": 0.1}
+    if where == "callback":
+        callback["clip_nrom"] = callback.pop("clip_norm")
+    path = _config(tmp_path, callback_args=callback)
+    config = yaml.safe_load(path.read_text())
+    extra: list[str] = []
+    if where == "model flag":
+        extra = ["--model.init_args.lrr", "0.1"]
+    elif where == "data":
+        config["data"]["init_args"]["manifes"] = config["data"]["init_args"].pop("manifest")
+    elif where == "trainer":
+        config["trainer"]["max_stepz"] = config["trainer"].pop("max_steps")
+    elif where == "trainer flag":
+        extra = ["--trainer.max_stepz", "3"]
+    elif where == "section":
+        config["modle"] = config.pop("model")
+    path.write_text(yaml.safe_dump(config))
+    assert main(["fit", "--config", str(path), *extra]) == 2
+    captured = capsys.readouterr()
+    assert captured.err == f"lightning-dp fit: error: {expected}\n"
+
+
+def test_other_parse_errors_are_still_jsonargparse_s(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", str(_config(tmp_path)), "--trainer.max_steps", "many"])
+    assert exit_info.value.code == 2
+    assert "max_steps" in capsys.readouterr().err
