@@ -38,7 +38,13 @@ from lightning_dp.accounting import (
     epsilon_for,
     get_accountant,
 )
-from lightning_dp.errors import PrivacyConfigError, check_finite_positive
+from lightning_dp.errors import (
+    PrivacyConfigError,
+    check_count,
+    check_finite_positive,
+    check_in_interval,
+    check_sample_rate,
+)
 from lightning_dp.schedules import ConstantNoise, NoiseSchedule
 
 __all__ = ["DPConfig", "check_length", "plan_config", "read_config", "units_from_data"]
@@ -48,6 +54,16 @@ _MECHANISMS = {"DPSGD": "sample", "P3SGD": "patient"}
 
 def _refuse(path: Path, what: str, hint: str) -> NoReturn:
     raise PrivacyConfigError(f"`lightning-dp plan --config {path}`: {what} HINT: {hint}")
+
+
+def _number(value: Any) -> Any:
+    """A number written as YAML 1.1 leaves it, as a string (PyYAML reads ``1e-5`` as text), made a float."""
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            return value
+    return value
 
 
 def _instantiate(path: Path, where: str, spec: Any) -> Any:
@@ -159,6 +175,22 @@ def read_config(path: Path) -> DPConfig:
             "plan the config you pass to lightning-dp fit (a Trainer runs one DP callback).",
         )
     mechanism, args = found[0]
+    args = {key: _number(value) for key, value in args.items()}
+    budget = {key: _number(value) for key, value in budget.items()}
+    for key in ("target_epsilon",):
+        if args.get(key) is not None:
+            check_finite_positive(mechanism, key, args[key], "e.g. 8.0.")
+        if budget.get(key) is not None:
+            check_finite_positive("PrivacyBudget", key, budget[key], "e.g. 8.0.")
+    for owner, values in ((mechanism, args), ("PrivacyBudget", budget)):
+        if values.get("delta") is not None:
+            check_in_interval(
+                owner, "delta", values["delta"], 0.0, 1.0, low_closed=False, high_closed=False, hint="e.g. 1e-5."
+            )
+    if args.get("sample_rate") is not None:
+        check_sample_rate(mechanism, args["sample_rate"])
+    if mechanism == "DPSGD" and args.get("batch_size") is not None:
+        check_count(mechanism, "batch_size", args["batch_size"], "e.g. 64.", minimum=1)
     if args.get("accounting", "rigorous") != "rigorous":
         _refuse(
             path,
@@ -189,7 +221,7 @@ def read_config(path: Path) -> DPConfig:
         raw = args.get("noise_scales", [1.0])
         if not isinstance(raw, (list, tuple)) or not raw:
             _refuse(path, f"P3SGD(noise_scales={raw!r}) must be a non-empty list.", "e.g. [1.0], or [3.0, 1.0].")
-        scales = tuple(sorted(check_finite_positive("P3SGD", "noise_scales", z, "e.g. 1.0.") for z in raw))
+        scales = tuple(sorted(check_finite_positive("P3SGD", "noise_scales", _number(z), "e.g. 1.0.") for z in raw))
         spec = args.get("noise_schedule")
         noise = ConstantNoise(1.0) if spec is None else _schedule(path, "P3SGD(noise_schedule)", spec)
         if len(scales) > 1:
@@ -201,7 +233,10 @@ def read_config(path: Path) -> DPConfig:
                     f"and loss_bound (found {eps!r}, {bound!r}).",
                     "the paper uses selection_epsilon: 0.316, loss_bound: 3.0.",
                 )
-            selection = (float(eps), float(bound))
+            selection = (
+                check_finite_positive("P3SGD", "selection_epsilon", eps, "the paper uses 0.316."),
+                check_finite_positive("P3SGD", "loss_bound", bound, "the paper uses 3.0."),
+            )
     delta, source = args.get("delta"), f"{mechanism}(delta)"
     if budget.get("delta") is not None:
         if delta is not None and not math.isclose(float(delta), float(budget["delta"])):

@@ -170,6 +170,8 @@ def test_plan_config_imports_no_torch(tmp_path: Path) -> None:
             "not both",
         ),
         ("PrivacyBudget", {"target_epsilon": 1.0}, [], "has 0 DPSGD/P3SGD callbacks"),
+        ("DPSGD", {"clip_norm": 1.0, "noise_multiplier": 1.0, "sample_rate": 1.5}, [], "in (0, 1], found 1.5"),
+        ("P3SGD", {"sample_rate": 0.1, "clip_norm": -1.0}, [], "`P3SGD(clip_norm=-1.0)`: clip_norm must be"),
     ],
 )
 def test_plan_config_refusals_are_one_line(
@@ -177,6 +179,12 @@ def test_plan_config_refusals_are_one_line(
 ) -> None:
     line = _plan_error(capsys, "--config", str(_write(tmp_path, engine, args)), *flags)
     assert line.startswith("lightning-dp plan: error: `") and needle in line, line
+
+
+def test_a_number_yaml_reads_as_text_is_a_number(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # PyYAML reads `delta: 1e-5` (no dot) as the string '1e-5'; LightningCLI makes it a float, and so does plan.
+    config = _write(tmp_path, "P3SGD", {"sample_rate": 0.1, "clip_norm": 1.0, "delta": "1e-5"}, max_steps=10)
+    assert _plan(capsys, "--config", str(config))["delta"] == 1e-5
 
 
 def test_plan_config_without_max_steps_asks_for_the_steps(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
