@@ -9,22 +9,23 @@ from __future__ import annotations
 import argparse
 import difflib
 import json
-import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, NoReturn
 
+# torch-free (the package's __init__ imports accounting anyway); Lightning and torch are imported by the commands
+# that need them, so that `plan` and `--help` answer in about a second.
 from lightning_dp.accounting import (
     calibrate_noise_multiplier,
     calibrate_steps,
     epsilon_for,
     tcdp_plan_unchecked,
 )
-from lightning_dp.callbacks.base import default_delta
 from lightning_dp.errors import PrivacyConfigError, check_count, check_finite_positive, check_in_interval
 from lightning_dp.schedules import ConstantNoise, ExponentialDecay, NoiseSchedule
 
-__all__ = ["LIGHTNING_COMMANDS", "PLAN_DESCRIPTION", "main", "plan_main"]
+__all__ = ["AUDIT_DESCRIPTION", "LIGHTNING_COMMANDS", "PLAN_DESCRIPTION", "main", "plan_main"]
 
 #: The LightningCLI subcommands, with the one-line descriptions ``lightning-dp --help`` shows.
 LIGHTNING_COMMANDS = {
@@ -34,6 +35,8 @@ LIGHTNING_COMMANDS = {
     "predict": "Run inference on your data (LightningCLI).",
 }
 PLAN_DESCRIPTION = "Privacy planning: ε for a configuration, or the noise / steps that fit a target ε."
+#: Here rather than in ``lightning_dp.audit.cli`` (which imports torch): ``lightning-dp --help`` lists it.
+AUDIT_DESCRIPTION = "Empirical privacy audit: an ε lower bound from a canary, beside the accountant's ε."
 
 
 class _OneLineParser(argparse.ArgumentParser):
@@ -47,6 +50,13 @@ def _plan_parser() -> argparse.ArgumentParser:
     p = _OneLineParser(
         prog="lightning-dp plan",
         description=PLAN_DESCRIPTION,
+    )
+    p.add_argument(
+        "--config",
+        type=Path,
+        help="a training config (lightning-dp fit --config FILE): plan its DPSGD or P3SGD callback (clip_norm, "
+        "sample_rate or batch_size, the noise or target_epsilon, δ, accountant; steps from trainer.max_steps). "
+        "The flags below override it, except the noise (--noise-multiplier, --decay).",
     )
     p.add_argument(
         "--units",
@@ -64,7 +74,12 @@ def _plan_parser() -> argparse.ArgumentParser:
         type=float,
         help="target δ; default: the library's, min(1e-5, 1/(10N)) with --units, else 1e-5 (δ·N > 0.1 is weak).",
     )
-    p.add_argument("--accountant", choices=["rdp", "prv", "moments"], default="rdp", help="default: rdp.")
+    p.add_argument("--accountant", choices=["rdp", "prv", "moments"], help="default: the config's, else rdp.")
+    p.add_argument(
+        "--clip-norm",
+        type=float,
+        help="C, for the noise per coordinate of a step's update z·C/(q·N) (with --units N); default: the config's.",
+    )
     p.add_argument(
         "--decay", type=float, help="exponential noise decay R: σ²_{t+1} = R·σ²_t (per --decay-every steps)."
     )
@@ -72,6 +87,15 @@ def _plan_parser() -> argparse.ArgumentParser:
     p.add_argument("--target-epsilon", type=float, help="solve for the missing --noise-multiplier or --steps.")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table.")
     return p
+
+
+def _default_delta(units: int) -> float:
+    """The library's default δ for N units, min(1e-5, 1/(10N)).
+
+    The same as `lightning_dp.training.privacy.default_delta`, which the callbacks use; that module imports torch,
+    which ``plan`` does not (tests/integration/test_cli_plan.py checks that the two agree).
+    """
+    return min(1e-5, 1.0 / (10 * units))
 
 
 def _schedule(noise: float, decay: float | None, every: int) -> NoiseSchedule:
@@ -111,14 +135,28 @@ def _derive(args: argparse.Namespace) -> None:
         args.steps = max(1, round(args.epochs / args.sample_rate))
     args.delta_source = "given"
     if args.delta is None:
-        args.delta = default_delta(args.units) if args.units is not None else 1e-5
+        args.delta = _default_delta(args.units) if args.units is not None else 1e-5
         args.delta_source = (
             "the default for N: min(1e-5, 1/(10N))" if args.units is not None else "the default; give --units N"
         )
 
 
+def _noise_per_coordinate(z: float, clip_norm: float | None, expected_units: float | None) -> float | None:
+    """z·C/(q·N): the noise std per coordinate of a step's normalized update (None without C or q·N).
+
+    The number `lightning_dp.training.preflight.NoisePreflight` prints before the first step; that package imports
+    torch, which ``plan`` does not (tests/integration/test_cli_plan_config.py checks that the two agree).
+    """
+    if clip_norm is None or expected_units is None:
+        return None
+    return z * clip_norm / expected_units
+
+
 def _check_flags(args: argparse.Namespace) -> None:
     owner = "lightning-dp plan"
+    args.accountant = args.accountant or "rdp"
+    if args.clip_norm is not None:
+        check_finite_positive(owner, "--clip-norm", args.clip_norm, "the clipping bound C, e.g. 1.0.")
     _derive(args)
     rate_hint = "the expected batch size divided by the number of patients (or samples)."
     check_in_interval(
@@ -184,6 +222,7 @@ def _plan(args: argparse.Namespace) -> dict[str, Any]:
         "target_epsilon": args.target_epsilon,
         "units": args.units,
         "delta_source": args.delta_source,
+        **_coordinate_noise(args.noise_multiplier, args.clip_norm, args.sample_rate, args.units),
     }
     if args.decay is not None and args.decay < 1.0 and args.steps >= 1:
         tcdp = tcdp_plan_unchecked(args.sample_rate, args.noise_multiplier, args.decay, args.steps, args.delta)
@@ -195,14 +234,166 @@ def _plan(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
+def _coordinate_noise(z: float, clip_norm: float | None, rate: float, units: int | None) -> dict[str, Any]:
+    expected = None if units is None else rate * units
+    return {
+        "clip_norm": clip_norm,
+        "expected_units": expected,
+        "noise_per_coordinate": _noise_per_coordinate(z, clip_norm, expected),
+    }
+
+
+def _plan_with_config(args: argparse.Namespace) -> dict[str, Any]:
+    """``plan --config``: the config's DP callback, and the flags that override it (`lightning_dp._plan_config`)."""
+    from lightning_dp._plan_config import check_length, plan_config, read_config, units_from_data
+
+    owner = f"lightning-dp plan --config {args.config}"
+    for flag, value in (("--noise-multiplier", args.noise_multiplier), ("--decay", args.decay)):
+        if value is not None:
+            raise PrivacyConfigError(
+                f"`{owner}`: {flag} is not used with --config, whose callback gives the noise. HINT: edit the "
+                "config's noise (or target_epsilon), or plan the flags alone without --config."
+            )
+    config = read_config(args.config)
+    notes: list[str] = []
+    target = args.target_epsilon if args.target_epsilon is not None else config.target_epsilon
+    if args.steps is None and args.epochs is None:
+        if args.target_epsilon is not None and config.target_epsilon is None:
+            if config.max_steps is not None:
+                notes.append(f"the config's max_steps={config.max_steps} is replaced by the steps solved for")
+        else:
+            args.steps = config.max_steps
+    elif args.target_epsilon is not None and config.target_epsilon is None:
+        raise PrivacyConfigError(
+            f"`{owner}`: the config's noise is fixed, so --target-epsilon solves for the steps: give --target-epsilon "
+            "or --steps/--epochs, not both. HINT: drop --steps to solve for them."
+        )
+    solving_steps = args.steps is None and args.epochs is None
+    check_length(config, None if solving_steps else 0, target)  # before N is read from the data
+    units_source = "--units" if args.units is not None else None
+
+    def read_units() -> None:
+        nonlocal units_source
+        args.units = units_from_data(config)
+        units_source = f"training {config.unit}s of {config.data['class_path'].rpartition('.')[2]}"
+
+    if args.sample_rate is None and args.batch_size is None:
+        if config.sample_rate is not None:
+            args.sample_rate = config.sample_rate
+        else:
+            if args.units is None:
+                read_units()
+            assert config.batch_size is not None
+            if config.batch_size > args.units:
+                raise PrivacyConfigError(
+                    f"`{owner}`: DPSGD(batch_size={config.batch_size}) is larger than the {args.units} training "
+                    "samples. HINT: the expected batch is a part of the data set."
+                )
+            args.batch_size = config.batch_size
+    delta_source = None
+    if args.delta is None and config.delta is not None:
+        args.delta, delta_source = config.delta, f"the config's {config.delta_source}"
+    elif args.delta is None and args.units is None and config.data is not None:
+        read_units()  # the callback's default δ depends on N
+    args.accountant = args.accountant or config.accountant
+    args.clip_norm = args.clip_norm if args.clip_norm is not None else config.clip_norm
+    if solving_steps:
+        args.steps = 0  # for the checks below; solved by plan_config
+    _check_flags(args)
+    if delta_source is not None:
+        args.delta_source = delta_source
+    planned = plan_config(
+        config,
+        rate=args.sample_rate,
+        steps=None if solving_steps else args.steps,
+        delta=args.delta,
+        accountant=args.accountant,
+        target=target,
+    )
+    if planned["path"] == "release":
+        notes.append(
+            "ε through the callbacks' release and acceptance code (selection or acceptance rule: imports torch)"
+        )
+    if config.budget_epsilon is not None and planned["epsilon"] > config.budget_epsilon:
+        notes.append(
+            f"ε > PrivacyBudget(target_epsilon={config.budget_epsilon:g}): the budget stops the run before step "
+            f"{planned['steps']}"
+        )
+    z0 = planned["noise_multiplier"]
+    result: dict[str, Any] = {
+        "epsilon": planned["epsilon"],
+        "delta": args.delta,
+        "accountant": args.accountant,
+        "steps": planned["steps"],
+        "sample_rate": args.sample_rate,
+        "noise_multiplier": z0,
+        "noise_multiplier_last": planned["noise_multiplier_last"],
+        "decay": None,
+        "decay_every": None,
+        "solved_for": planned["solved_for"],
+        "target_epsilon": target,
+        "units": args.units,
+        "units_source": units_source,
+        "delta_source": args.delta_source,
+        "config": str(args.config),
+        "mechanism": config.mechanism,
+        "unit": config.unit,
+        "noise_scales": list(config.noise_scales) if config.mechanism == "P3SGD" else None,
+        "selection_epsilon": None if config.selection is None else config.selection[0],
+        **_coordinate_noise(z0, args.clip_norm, args.sample_rate, args.units),
+        "noise_to_signal": None,
+        "notes": notes,
+    }
+    return result
+
+
+def _noise_rows(r: dict[str, Any]) -> list[tuple[str, str]]:
+    """The noise per coordinate z₀·C/(q·N), or what it needs; and why the noise-to-signal ratio is not printed."""
+    if r["noise_per_coordinate"] is not None:
+        value = (
+            f"{r['noise_per_coordinate']:.4g} = z₀·C/(q·N) = {r['noise_multiplier']:.4g}·{r['clip_norm']:g}/"
+            f"{r['expected_units']:.4g} (std of a step's update)"
+        )
+    elif r["clip_norm"] is None:
+        value = "needs C and N: --clip-norm C --units N"
+    else:
+        value = "needs N, the training set's size: --units N"
+    rows = [("noise per coordinate", value)]
+    if r.get("config") is not None or r["noise_per_coordinate"] is not None:
+        rows.append(
+            (
+                "noise-to-signal over the run",
+                "needs d, the trained values: plan builds no model (fit prints it before step 1)",
+            )
+        )
+    return rows
+
+
 def _print_table(r: dict[str, Any]) -> None:
-    rows = [("units N", f"{r['units']}")] if r["units"] is not None else []
-    rows += [
-        ("sample rate q", f"{r['sample_rate']:g}"),
-        ("noise multiplier z" + (" (initial)" if r["decay"] is not None else ""), f"{r['noise_multiplier']:.4g}"),
-    ]
+    rows: list[tuple[str, str]] = []
+    if r.get("config") is not None:
+        rows.append(("config", f"{r['config']}: {r['mechanism']} ({r['unit']}-level)"))
+    if r["units"] is not None:
+        source = f" ({r['units_source']})" if r.get("units_source") else ""
+        rows.append(("units N", f"{r['units']}{source}"))
+    z_label = "noise multiplier z" + (" (initial)" if r["decay"] is not None else "")
+    z_value = f"{r['noise_multiplier']:.4g}"
+    last = r.get("noise_multiplier_last")
+    if last is not None and r["steps"] and not abs(last - r["noise_multiplier"]) <= 1e-12 * last:
+        z_label, z_value = "noise multiplier z (first, last)", f"{r['noise_multiplier']:.4g}, {last:.4g}"
+    rows += [("sample rate q", f"{r['sample_rate']:g}"), (z_label, z_value)]
+    if r.get("noise_scales") is not None and len(r["noise_scales"]) > 1:
+        scales = ", ".join(f"{s:g}" for s in r["noise_scales"])
+        rows.append(
+            (
+                "noise scales",
+                f"{scales} × schedule, one selected per round (ε′ = {r['selection_epsilon']:g}); z: the smallest",
+            )
+        )
     if r["decay"] is not None:
         rows.append(("decay R (every steps)", f"{r['decay']:g} (every {r['decay_every']})"))
+    if r["clip_norm"] is not None:
+        rows.append(("clip norm C", f"{r['clip_norm']:g}"))
     rows += [
         ("steps", f"{r['steps']}"),
         ("delta", f"{r['delta']:g}" + ("" if r["delta_source"] == "given" else f" ({r['delta_source']})")),
@@ -217,6 +408,8 @@ def _print_table(r: dict[str, Any]) -> None:
             rows.append(("tCDP closed form (planning)", f"{t['epsilon']:.4f}"))
         else:
             rows.append(("tCDP closed form (planning)", "not a valid bound here: " + "; ".join(t["failed_conditions"])))
+    rows += _noise_rows(r)
+    rows += [("note", note) for note in r.get("notes", [])]
     width = max(len(k) for k, _ in rows)
     print("lightning-dp plan")
     for key, value in rows:
@@ -227,7 +420,7 @@ def plan_main(argv: Sequence[str]) -> int:
     """Runs ``lightning-dp plan``; returns the exit status."""
     args = _plan_parser().parse_args(list(argv))
     try:
-        result = _plan(args)
+        result = _plan_with_config(args) if args.config is not None else _plan(args)
     except PrivacyConfigError as err:
         print(f"lightning-dp plan: error: {err}", file=sys.stderr)
         return 2
@@ -238,9 +431,9 @@ def plan_main(argv: Sequence[str]) -> int:
     return 0
 
 
-def _overview(audit_description: str) -> str:
+def _overview() -> str:
     """The text of ``lightning-dp --help``: every command with its one-line description."""
-    commands = {**LIGHTNING_COMMANDS, "plan": PLAN_DESCRIPTION, "audit": audit_description}
+    commands = {**LIGHTNING_COMMANDS, "plan": PLAN_DESCRIPTION, "audit": AUDIT_DESCRIPTION}
     width = max(len(name) for name in commands)
     lines = [
         f"usage: lightning-dp {{{','.join(commands)}}} ...",
@@ -262,7 +455,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ``plan`` and ``audit`` are ours; fit, validate, test and predict (and LightningCLI's options before
     them) go to LightningCLI. ``--help`` prints the overview of all of them on stdout; no arguments print
     it on stderr with exit status 2 (argparse's status for a missing command); an unknown command is one
-    line on stderr, status 2.
+    line on stderr, status 2. Only the LightningCLI commands and ``audit`` import torch and Lightning:
+    ``plan`` and ``--help`` answer without them.
     """
     from_command_line = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -274,9 +468,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return audit_main(argv[1:])
     if command is None or command in ("-h", "--help"):
-        from lightning_dp.audit.cli import DESCRIPTION as audit_description
-
-        text = _overview(audit_description)
+        text = _overview()
         if command is None:
             sys.stderr.write(text)
             return 2
@@ -292,45 +484,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    from pytorch_lightning.cli import LightningCLI
+    from lightning_dp._cli_lightning import run_lightning
 
-    from lightning_dp._quiet import drop_lightning_tips
-
-    drop_lightning_tips()
-    try:
-        LightningCLI(
-            subclass_mode_model=True,
-            subclass_mode_data=True,
-            # From the console, LightningCLI reads sys.argv itself: given args as well, it warns that both were given.
-            args=None if from_command_line else argv,
-            parser_kwargs={"prog": "lightning-dp"},
-            save_config_kwargs={"overwrite": True},
-            auto_configure_optimizers=False,
-        )
-    except Exception as err:
-        ours = _library_error(err)
-        if ours is None or os.environ.get("LIGHTNING_DP_TRACEBACK"):
-            raise
-        print(
-            f"lightning-dp {command}: error: {ours}\n(the full traceback: set LIGHTNING_DP_TRACEBACK=1)",
-            file=sys.stderr,
-        )
-        return 2
-    return 0
-
-
-def _library_error(err: BaseException) -> BaseException | None:
-    """The library's own configuration or state error behind ``err`` (jsonargparse wraps what __init__ raises)."""
-    from lightning_dp.errors import PrivacyStateError
-
-    seen: set[int] = set()
-    current: BaseException | None = err
-    while current is not None and id(current) not in seen:
-        if isinstance(current, (PrivacyConfigError, PrivacyStateError)):
-            return current
-        seen.add(id(current))
-        current = current.__cause__ or current.__context__
-    return None
+    # From the console, LightningCLI reads sys.argv itself: given args as well, it warns that both were given.
+    return run_lightning(None if from_command_line else argv, command)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -24,12 +24,13 @@ import numpy as np
 
 from lightning_dp.audit.blackbox import MembershipAudit
 from lightning_dp.audit.whitebox import StepAudit, StepAuditResult
+from lightning_dp.cli import AUDIT_DESCRIPTION
 from lightning_dp.errors import PrivacyConfigError
 from lightning_dp.schedules import NoiseSchedule
 
 __all__ = ["DESCRIPTION", "audit_main"]
 
-DESCRIPTION = "Empirical privacy audit: an ε lower bound from a canary, beside the accountant's ε."
+DESCRIPTION = AUDIT_DESCRIPTION  # defined in lightning_dp.cli, so that `lightning-dp --help` does not import torch
 
 
 class _Parser(argparse.ArgumentParser):

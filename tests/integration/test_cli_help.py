@@ -102,3 +102,19 @@ def test_a_bad_config_value_is_one_error_line_not_a_traceback(
     monkeypatch.setenv("LIGHTNING_DP_TRACEBACK", "1")
     with pytest.raises(ValueError, match="lr must be a finite number"):
         main(args)
+
+
+def test_plan_and_help_import_neither_torch_nor_lightning() -> None:
+    # Issue 32, item 5: `plan` and `--help` took ~8 s, importing Lightning before dispatching; accounting is torch-free.
+    code = (
+        "import sys\n"
+        "from lightning_dp.cli import main\n"
+        "sizes = ['--units', '700', '--batch-size', '70', '--epochs', '10']\n"
+        "assert main(['plan', *sizes, '--noise-multiplier', '1']) == 0\n"
+        "assert main(['plan', '--sample-rate', '0.1', '--steps', '100', '--target-epsilon', '8', '--json']) == 0\n"
+        "assert main(['--help']) == 0\n"
+        "print(sorted(m for m in ('torch', 'pytorch_lightning', 'lightning', 'torchvision') if m in sys.modules))\n"
+    )
+    proc = _run([sys.executable, "-c", code])
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines()[-1] == "[]", "plan and --help must not import torch or Lightning"
