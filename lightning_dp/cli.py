@@ -17,8 +17,10 @@ from typing import Any, NoReturn
 # torch-free (the package's __init__ imports accounting anyway); Lightning and torch are imported by the commands
 # that need them, so that `plan` and `--help` answer in about a second.
 from lightning_dp.accounting import (
+    NoisePreflight,
     calibrate_noise_multiplier,
     calibrate_steps,
+    default_delta,
     epsilon_for,
     tcdp_plan_unchecked,
 )
@@ -89,15 +91,6 @@ def _plan_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _default_delta(units: int) -> float:
-    """The library's default δ for N units, min(1e-5, 1/(10N)).
-
-    The same as `lightning_dp.training.privacy.default_delta`, which the callbacks use; that module imports torch,
-    which ``plan`` does not (tests/integration/test_cli_plan.py checks that the two agree).
-    """
-    return min(1e-5, 1.0 / (10 * units))
-
-
 def _schedule(noise: float, decay: float | None, every: int) -> NoiseSchedule:
     if decay is None:
         return ConstantNoise(noise)
@@ -135,7 +128,7 @@ def _derive(args: argparse.Namespace) -> None:
         args.steps = max(1, round(args.epochs / args.sample_rate))
     args.delta_source = "given"
     if args.delta is None:
-        args.delta = _default_delta(args.units) if args.units is not None else 1e-5
+        args.delta = default_delta(args.units) if args.units is not None else 1e-5
         args.delta_source = (
             "the default for N: min(1e-5, 1/(10N))" if args.units is not None else "the default; give --units N"
         )
@@ -144,12 +137,11 @@ def _derive(args: argparse.Namespace) -> None:
 def _noise_per_coordinate(z: float, clip_norm: float | None, expected_units: float | None) -> float | None:
     """z·C/(q·N): the noise std per coordinate of a step's normalized update (None without C or q·N).
 
-    The number `lightning_dp.training.preflight.NoisePreflight` prints before the first step; that package imports
-    torch, which ``plan`` does not (tests/integration/test_cli_plan_config.py checks that the two agree).
+    The number the callbacks print before the first step (`lightning_dp.accounting.NoisePreflight`).
     """
     if clip_norm is None or expected_units is None:
         return None
-    return z * clip_norm / expected_units
+    return NoisePreflight("unit", [z], clip_norm, expected_units, 1, None, 0.0).noise_per_coordinate
 
 
 def _check_flags(args: argparse.Namespace) -> None:

@@ -28,6 +28,7 @@ from lightning_dp.accounting.events import (
     event_from_dict,
 )
 from lightning_dp.accounting.ledger import PrivacyLedger, PrivacyUnit
+from lightning_dp.accounting.preflight import NOISE_TO_SIGNAL_LIMIT, NoisePreflight, default_delta
 from lightning_dp.accounting.tcdp import TCDPConditionError, TCDPPlan, plan_tcdp, tcdp_mismatch, tcdp_plan_unchecked
 
 __all__ = [
@@ -38,6 +39,8 @@ __all__ = [
     "ExponentialMechanismEvent",
     "GaussianEvent",
     "MomentsAccountant",
+    "NOISE_TO_SIGNAL_LIMIT",
+    "NoisePreflight",
     "PRVAccountant",
     "PoissonSampledEvent",
     "PrivacyEvent",
@@ -52,6 +55,7 @@ __all__ = [
     "calibrate_noise_multiplier",
     "calibrate_schedule",
     "calibrate_steps",
+    "default_delta",
     "epsilon_for",
     "event_from_dict",
     "gaussian_epsilon",

@@ -25,6 +25,7 @@ from lightning_dp.accounting import (
     PrivacyUnit,
     get_accountant,
 )
+from lightning_dp.accounting.preflight import NoisePreflight
 from lightning_dp.callbacks.budget import PrivacyBudget
 from lightning_dp.callbacks.privacy_report import write_privacy_report
 from lightning_dp.errors import PrivacyConfigError, PrivacyStateError, PrivacyWarning, check_in_interval
@@ -32,7 +33,6 @@ from lightning_dp.sampling.patients import secure_seed
 from lightning_dp.sanitization import Release
 from lightning_dp.schedules import NoiseSchedule
 from lightning_dp.selection import AlwaysAccept, StepAcceptance
-from lightning_dp.training.preflight import NoisePreflight
 from lightning_dp.training.privacy import (
     EPSILON_KEY,
     PAPER_EPSILON_KEY,

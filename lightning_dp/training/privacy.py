@@ -23,6 +23,7 @@ from lightning_dp.accounting import (
     tcdp_mismatch,
     tcdp_plan_unchecked,
 )
+from lightning_dp.accounting.preflight import default_delta as default_delta  # re-exported: its home is torch-free
 from lightning_dp.errors import PrivacyStateError
 from lightning_dp.sanitization import EnergyNoise, Release
 from lightning_dp.schedules import ExponentialDecay, NoiseSchedule
@@ -50,15 +51,6 @@ EPSILON_KEY = "privacy/epsilon"
 #: guarantee, so never under `EPSILON_KEY`, the key every rigorous run and every dashboard reads as the guarantee.
 PAPER_EPSILON_KEY = "privacy/epsilon_paper_not_a_guarantee"
 
-
-def default_delta(units: int) -> float:
-    """The default δ for N units: min(1e-5, 1/(10N)), far below 1/N (docs/concepts.md, 'Choosing δ').
-
-    Example:
-        >>> default_delta(42), default_delta(1_000_000)
-        (1e-05, 1e-07)
-    """
-    return min(1e-5, 1.0 / (10 * units))
 
 
 def state_digest(state: Any) -> str:

@@ -154,10 +154,3 @@ def test_plan_refuses_conflicting_sizes_in_one_line(
     assert len(err) == 1 and needle in err[0], err
 
 
-@pytest.mark.parametrize("units", [1, 42, 9_999, 10_000, 10_001, 1_000_000])
-def test_plan_default_delta_is_the_callbacks(units: int) -> None:
-    # plan keeps its own copy (the callbacks' module imports torch, plan does not): the two must agree.
-    from lightning_dp.cli import _default_delta
-    from lightning_dp.training.privacy import default_delta
-
-    assert _default_delta(units) == default_delta(units)

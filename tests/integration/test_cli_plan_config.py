@@ -111,14 +111,6 @@ def test_a_dpsgd_config_is_planned_as_its_flags(tmp_path: Path, capsys: pytest.C
     assert (with_units["delta"], with_units["units_source"]) == (1e-5, "--units")
 
 
-def test_plan_s_noise_per_coordinate_is_the_preflight_s() -> None:
-    from lightning_dp.cli import _noise_per_coordinate
-    from lightning_dp.training.preflight import NoisePreflight
-
-    preflight = NoisePreflight("patient", [2.5, 2.0], 0.3, 7.5, 1000, None, 0.1)
-    assert _noise_per_coordinate(2.5, 0.3, 7.5) == preflight.noise_per_coordinate
-
-
 def test_p3sgd_scale_multiplies_its_schedule(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     schedule = {"class_path": "lightning_dp.schedules.ExponentialDecay", "init_args": {"initial": 1.5, "decay": 0.9}}
     args = {"sample_rate": 0.1, "clip_norm": 1.0, "noise_scales": [2.0], "noise_schedule": schedule}

@@ -34,7 +34,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["NOISE_TO_SIGNAL_LIMIT", "NoisePreflight"]
+__all__ = ["NOISE_TO_SIGNAL_LIMIT", "NoisePreflight", "default_delta"]
+
+def default_delta(units: int) -> float:
+    """The default δ for N units: min(1e-5, 1/(10N)), far below 1/N (docs/concepts.md, 'Choosing δ').
+
+    Example:
+        >>> default_delta(42), default_delta(1_000_000)
+        (1e-05, 1e-07)
+    """
+    return min(1e-5, 1.0 / (10 * units))
+
 
 #: Above this noise-to-signal ratio over the run the noise outweighs the largest signal clipping lets through by so
 #: much that runs stay at chance (measured: learning at 0.33 and 0.96, at chance at ≈ 5 and 185).
