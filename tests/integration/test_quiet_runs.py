@@ -118,3 +118,24 @@ def test_a_python_run_drops_lightnings_advertising_tip_too(tmp_path: Path) -> No
     assert "💡 Tip" in before, "Lightning no longer prints the tip: this test can no longer fail"
     assert "💡 Tip" not in after
     assert "GPU available" in after, "Lightning's own info lines still show"
+
+
+def test_lightnings_pytree_deprecation_is_dropped_and_only_that() -> None:
+    # Issue 32, item 6: Lightning's CombinedLoader (around every loader) triggers torch's FutureWarning about
+    # `isinstance(treespec, LeafSpec)` once per run. A fresh interpreter with Python's default filters, as a user's.
+    script = textwrap.dedent(
+        """
+        import warnings
+
+        from pytorch_lightning.utilities.combined_loader import CombinedLoader
+
+        import lightning_dp.callbacks  # noqa: F401
+
+        next(iter(CombinedLoader([[1, 2], [3]], "max_size_cycle")))
+        warnings.warn("`isinstance(treespec, LeafSpec)` is deprecated (from the user's own code)", FutureWarning)
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "_pytree.py" not in done.stderr
+    assert "from the user's own code" in done.stderr
