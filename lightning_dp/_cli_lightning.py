@@ -159,6 +159,23 @@ class _OneLineParser(LightningArgumentParser):
         super().error(message, ex)
 
 
+class _CLI(LightningCLI):
+    """LightningCLI whose default TensorBoard logger writes no ``hp_metric = -1`` (a placeholder, not a measurement).
+
+    A config that names its own logger (or ``logger: false``) keeps what it asks for; the default logger's folder is
+    the Trainer's ``default_root_dir``, as Lightning's own default would be.
+    """
+
+    def before_instantiate_classes(self) -> None:
+        config = self.config[self.subcommand] if self.subcommand else self.config
+        trainer = config.get("trainer")
+        if trainer is not None and trainer.get("logger") in (None, True):
+            trainer["logger"] = {
+                "class_path": "pytorch_lightning.loggers.TensorBoardLogger",
+                "init_args": {"save_dir": trainer.get("default_root_dir") or ".", "default_hp_metric": False},
+            }
+
+
 def run_lightning(argv: list[str] | None, command: str) -> int:
     """Runs LightningCLI on ``argv`` (None: it reads sys.argv); returns the exit status.
 
@@ -169,7 +186,7 @@ def run_lightning(argv: list[str] | None, command: str) -> int:
     """
     drop_lightning_tips()
     try:
-        LightningCLI(
+        _CLI(
             subclass_mode_model=True,
             subclass_mode_data=True,
             args=argv,

@@ -2,6 +2,12 @@
 
 Never a privacy warning: a `WarningWindow` matches one message of Lightning's, and only between the hooks that
 open and close it (e.g. ``on_fit_start`` → ``on_train_start``, where Lightning checks the loaders and module modes).
+
+Importing this module (which ``lightning_dp.callbacks`` and ``lightning_dp.models`` do) also drops Lightning's
+advertising tips ("💡 Tip: … litlogger …") from its log, for Python runs as for the command line: Lightning prints
+the first one while the ``Trainer`` is built, before any hook of a callback or module could act, so the filter must
+be in place at import. So is the filter of a deprecation warning Lightning's data loading triggers in newer torch
+(`ignore_lightnings_pytree_deprecation`), which no user can act on.
 """
 
 from __future__ import annotations
@@ -65,7 +71,31 @@ class _DropTips(logging.Filter):
 
 
 def drop_lightning_tips() -> None:
-    """Drops Lightning's advertising tips (e.g. "💡 Tip: … litlogger …") from its rank-zero log (idempotent)."""
+    """Drops Lightning's advertising tips (e.g. "💡 Tip: … litlogger …") from its rank-zero log (idempotent).
+
+    Only records that start with "💡 Tip" on the logger Lightning's ``rank_zero_info`` writes to; every other line of
+    Lightning's (devices, model summary, warnings) is kept. ``logging.getLogger`` only names the logger: this does not
+    import Lightning.
+    """
     log = logging.getLogger("pytorch_lightning.utilities.rank_zero")
     if not any(isinstance(f, _DropTips) for f in log.filters):
         log.addFilter(_DropTips())
+
+
+def ignore_lightnings_pytree_deprecation() -> None:
+    """Ignores the FutureWarning Lightning's own ``_pytree`` module triggers in newer torch (idempotent).
+
+    "`isinstance(treespec, LeafSpec)` is deprecated": Lightning's CombinedLoader, which wraps every data loader, uses
+    an API torch deprecated; the line comes once per run and names no file of the user's. Matched on the message and
+    on Lightning's module that triggers it, so the same warning from any other code still shows.
+    """
+    warnings.filterwarnings(
+        "ignore",
+        message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+        category=FutureWarning,
+        module=r"pytorch_lightning\.utilities\._pytree",
+    )
+
+
+drop_lightning_tips()
+ignore_lightnings_pytree_deprecation()

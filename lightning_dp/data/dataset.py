@@ -56,7 +56,9 @@ class _ImageStore:
 def _to_chw(array: NDArray[np.generic]) -> Tensor:
     if array.ndim == 2:
         array = array[:, :, None]
-    return torch.from_numpy(np.ascontiguousarray(array.transpose(2, 0, 1)))
+    # A copy: for one channel the C×H×W view is already contiguous and would share the caller's array (which
+    # may be read-only: torch warns, and the dataset would change with it).
+    return torch.from_numpy(array.transpose(2, 0, 1).copy(order="C"))
 
 
 class PatientImageDataset(PatientGroups, Dataset[PatientSample]):

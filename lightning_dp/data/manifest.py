@@ -364,7 +364,7 @@ def load_image(path: Union[str, os.PathLike[str]]) -> NDArray[np.generic]:
         path: a PNG/JPEG file or a ``.npy`` array (H×W or H×W×C, ``uint8`` or float in [0, 1]).
 
     Returns:
-        The image, channels last.
+        The image, channels last, in a writable array of its own.
 
     Raises:
         DataError: the file cannot be read, or a float array has values outside [0, 1] or non-finite.
@@ -424,8 +424,10 @@ def describe_range(array: NDArray[np.generic]) -> str:
 
 
 def _pil_to_array(image: Image.Image) -> NDArray[np.generic]:
+    # np.array, not np.asarray: an array over a Pillow image's buffer is read-only, and torch.from_numpy warns
+    # ("The given NumPy array is not writable") on a one-channel image, whose C×H×W view needs no copy.
     if image.mode in ("1", "L", "LA"):
-        return np.asarray(image.convert("L"), dtype=np.uint8)[:, :, None]
+        return np.array(image.convert("L"), dtype=np.uint8)[:, :, None]
     if image.mode.startswith("I"):
         # 16-bit grayscale (Pillow opens 16-bit PNGs as "I;16" or "I").
         values = np.asarray(image, dtype=np.float64)
@@ -433,8 +435,8 @@ def _pil_to_array(image: Image.Image) -> NDArray[np.generic]:
             raise ValueError(f"a {image.mode} image must have values in [0, 65535]")
         return (values / 65535.0).astype(np.float32)[:, :, None]
     if image.mode == "F":
-        values32 = np.asarray(image, dtype=np.float32)
+        values32 = np.array(image, dtype=np.float32)
         if not np.isfinite(values32).all() or values32.min() < 0.0 or values32.max() > 1.0:
             raise ValueError("a 32-bit float image must have values in [0, 1]")
         return values32[:, :, None]
-    return np.asarray(image.convert("RGB"), dtype=np.uint8)
+    return np.array(image.convert("RGB"), dtype=np.uint8)

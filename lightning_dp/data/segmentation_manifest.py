@@ -353,5 +353,9 @@ def _image_tensor(array: NDArray[Any], intensity_range: tuple[float, float] | No
                 f"(dtype {array.dtype}). HINT: set intensity_range=(low, high) to map a fixed window to [0, 1], "
                 "e.g. (-1000, 1000) for CT in Hounsfield units."
             )
-    moved = np.moveaxis(np.ascontiguousarray(array), -1, 0)
-    return torch.from_numpy(np.ascontiguousarray(moved))
+    moved = np.ascontiguousarray(np.moveaxis(array, -1, 0))
+    if not moved.flags.writeable:
+        # One channel needs no copy to move its axis: a read-only source (an in-memory array, a memory map)
+        # would reach torch.from_numpy as is, which warns that the array is not writable.
+        moved = moved.copy()
+    return torch.from_numpy(moved)

@@ -100,6 +100,8 @@ def _fit_with_checkpoint(tmp_path: Path, max_steps: int, ckpt_path: str | None =
     return cb, trainer, model
 
 
+# The second fit resumes into the first's checkpoint folder on purpose.
+@pytest.mark.filterwarnings("ignore:Checkpoint directory .* exists and is not empty:UserWarning")
 def test_resume_continues_ledger_and_weights_exactly(tmp_path: Path) -> None:
     full_cb, _, full_model = _fit_with_checkpoint(tmp_path / "full", max_steps=8)
     _fit_with_checkpoint(tmp_path / "split", max_steps=4)
@@ -113,6 +115,8 @@ def test_resume_continues_ledger_and_weights_exactly(tmp_path: Path) -> None:
     assert torch.equal(_weights(resumed_model), _weights(full_model)), "resumed run must end with identical weights"
 
 
+# Lightning's reminder that a resumed run needs the checkpoint's callbacks: this test resumes without them on purpose.
+@pytest.mark.filterwarnings("ignore:Be aware that when using `ckpt_path`, callbacks used to create:UserWarning")
 def test_resume_without_privacy_state_is_an_error(tmp_path: Path) -> None:
     model = TinyClassifier()
     plain = pl.Trainer(

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
+import textwrap
 import warnings
 from pathlib import Path
 
@@ -89,3 +92,50 @@ def test_the_cli_drops_lightnings_advertising_tip(tmp_path: Path, caplog: pytest
         assert main(args) == 0
     assert "max_steps=1" in caplog.text, "Lightning's own info lines still show"
     assert "💡 Tip" not in caplog.text
+
+
+def test_a_python_run_drops_lightnings_advertising_tip_too(tmp_path: Path) -> None:
+    # Issue 32, item 6: the tip comes while the Trainer is built, before any hook, so importing the library's
+    # callbacks drops it. A fresh interpreter: a filter an earlier test installed would hide a regression here.
+    script = textwrap.dedent(
+        f"""
+        import sys
+
+        import pytorch_lightning as pl
+
+        def trainer():
+            return pl.Trainer(accelerator="cpu", max_steps=1, default_root_dir={str(tmp_path)!r})
+
+        trainer()
+        print("-- lightning_dp imported --", file=sys.stderr, flush=True)  # where Lightning's log goes
+        from lightning_dp.callbacks import DPSGD
+        trainer()
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    before, _, after = done.stderr.partition("-- lightning_dp imported --")
+    assert "💡 Tip" in before, "Lightning no longer prints the tip: this test can no longer fail"
+    assert "💡 Tip" not in after
+    assert "GPU available" in after, "Lightning's own info lines still show"
+
+
+def test_lightnings_pytree_deprecation_is_dropped_and_only_that() -> None:
+    # Issue 32, item 6: Lightning's CombinedLoader (around every loader) triggers torch's FutureWarning about
+    # `isinstance(treespec, LeafSpec)` once per run. A fresh interpreter with Python's default filters, as a user's.
+    script = textwrap.dedent(
+        """
+        import warnings
+
+        from pytorch_lightning.utilities.combined_loader import CombinedLoader
+
+        import lightning_dp.callbacks  # noqa: F401
+
+        next(iter(CombinedLoader([[1, 2], [3]], "max_size_cycle")))
+        warnings.warn("`isinstance(treespec, LeafSpec)` is deprecated (from the user's own code)", FutureWarning)
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "_pytree.py" not in done.stderr
+    assert "from the user's own code" in done.stderr

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import math
+import warnings
 from typing import Any
 
 import dp_accounting
@@ -25,7 +26,7 @@ from lightning_dp.accounting import (
     get_accountant,
 )
 from lightning_dp.accounting.accountants import Accountant
-from lightning_dp.errors import PrivacyConfigError
+from lightning_dp.errors import PrivacyConfigError, UnsupportedEventError
 
 NAMES = ["rdp", "prv", "moments"]
 DELTA = 1e-5
@@ -187,3 +188,19 @@ def test_the_curve_cache_overflowing_mid_ledger_gives_the_same_epsilon() -> None
     cached = RDPAccountant().epsilon(mixed)
     accountants._CURVES.clear()
     assert RDPAccountant().epsilon(mixed) == pytest.approx(cached, rel=1e-12)
+
+
+@pytest.mark.parametrize("noise", [20.0, 0.001])
+def test_prv_passes_on_no_warning_about_opacus_internal_orders(noise: float) -> None:
+    # Issue 32, item 6: Opacus sizes PRV's domain with an RDP bound and warned "Optimal order is the largest alpha"
+    # (large noise) or "smallest" (tiny noise: then the domain is refused), a line the user can do nothing about.
+    ledger = PrivacyLedger(unit="patient", delta=1e-5)
+    ledger.record(PoissonSampledEvent(0.1, GaussianEvent(noise)), count=2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            epsilon = get_accountant("prv").epsilon(ledger)
+        except UnsupportedEventError:
+            epsilon = math.inf
+    assert [str(w.message) for w in caught] == []
+    assert (epsilon < 0.05) if noise > 1 else math.isinf(epsilon)
