@@ -20,6 +20,7 @@ import torch
 from pytorch_lightning.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader
 
+from lightning_dp._quiet import WarningWindow
 from lightning_dp.accounting import (
     PrivacyLedger,
     PrivacyUnit,
@@ -120,6 +121,13 @@ class DPCallback(pl.Callback):
         self._flushing = False
         self.adapt_threads = adapt_threads
         self._governor: ThreadGovernor | None = None
+        # What Lightning says of the callbacks' own set-up, which does not apply to it: the step loader is an
+        # IterableDataset with a length on purpose (no DistributedSampler; each worker loads whole steps of its own),
+        # and a checkpoint taken after a private step holds what it should, the released state.
+        self._quiet = [
+            WarningWindow("Your `IterableDataset` has `__len__` defined"),
+            WarningWindow("Using ModelCheckpoint with manual optimization and every_n_train_steps"),
+        ]
         self._told_threads = False
         #: The constants of `_CONSTANT_KEYS` were logged in this fit.
         self._logged_constants = False
@@ -302,6 +310,8 @@ class DPCallback(pl.Callback):
         self._patched.append((owner, attribute))
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        for window in self._quiet:
+            window.open()
         # Noised weights can drive activations and gradients into denormal floats, which x86 CPUs
         # compute up to ~10x slower; flushing them to zero changes results by < 1e-38.
         if self.flush_denormal and trainer.strategy.root_device.type == "cpu":
@@ -323,6 +333,8 @@ class DPCallback(pl.Callback):
             )
 
     def _stop_flushing(self) -> None:
+        for window in self._quiet:
+            window.close()
         if self._flushing:
             torch.set_flush_denormal(False)
             self._flushing = False

@@ -57,7 +57,6 @@ from torch import Tensor
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils.data import DataLoader, IterableDataset, default_collate
 
-from lightning_dp._quiet import WarningWindow
 from lightning_dp.accounting import PrivacyLedger
 from lightning_dp.callbacks.base import DPCallback
 from lightning_dp.errors import (
@@ -292,7 +291,6 @@ class P3SGD(DPCallback):
             )
         self.accounting: Literal["rigorous", "paper"] = accounting
         self.release_buffers = tuple(release_buffers)
-        self._quiet_round_loader = WarningWindow("Your `IterableDataset` has `__len__` defined")
         self.variance_floor = check_in_interval(
             owner, "variance_floor", variance_floor, 0.0, 1.0, low_closed=True, high_closed=True, hint="e.g. 0.1."
         )
@@ -454,14 +452,7 @@ class P3SGD(DPCallback):
         self._patient_keys = keys
         return dataset
 
-    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        # The round loader is an IterableDataset with a length on purpose (no DistributedSampler; one item per
-        # round) and never has workers: Lightning's warning about such datasets does not apply to it.
-        self._quiet_round_loader.open()
-        super().on_fit_start(trainer, pl_module)
-
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._quiet_round_loader.close()
         super().on_train_start(trainer, pl_module)
         self._refuse_sync_batchnorm(pl_module)
         self._check_training_step_returns_loss(pl_module)
@@ -473,7 +464,6 @@ class P3SGD(DPCallback):
         return self.sampler.expected_count, self._state.params + self._state.float_buffers, self.server_lr
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self._quiet_round_loader.close()
         if stage == "fit":
             self._drop_clipper()
             self._stacked = None
