@@ -90,7 +90,7 @@ def test_every_library_error_is_one_line_even_when_wrapped(
         except BaseException as err:  # as Lightning's hooks and jsonargparse's instantiation wrap what __init__ raises
             raise RuntimeError("wrapped") from err
 
-    monkeypatch.setattr(cli_lightning, "LightningCLI", failing_cli)
+    monkeypatch.setattr(cli_lightning, "_CLI", failing_cli)
     assert main(["test", "--config", "x.yaml"]) == 2
     assert capsys.readouterr().err == f"lightning-dp test: error: {message}\n{HINT_LINE}\n"
     monkeypatch.setenv("LIGHTNING_DP_TRACEBACK", "1")
@@ -102,7 +102,7 @@ def test_another_error_keeps_its_traceback(monkeypatch: pytest.MonkeyPatch) -> N
     def failing_cli(**kwargs: Any) -> None:
         raise KeyError("not ours")
 
-    monkeypatch.setattr(cli_lightning, "LightningCLI", failing_cli)
+    monkeypatch.setattr(cli_lightning, "_CLI", failing_cli)
     with pytest.raises(KeyError, match="not ours"):
         main(["fit", "--config", "x.yaml"])
 
