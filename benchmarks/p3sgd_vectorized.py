@@ -37,13 +37,13 @@ class _Alternate(pl.Callback):
         self.p3sgd = p3sgd
         self.warmup = warmup
         self.times: dict[str, list[float]] = {"loop": [], "vectorized": []}
-        self._paths: tuple[Any, Any] = (None, None)
+        self._vectorized: Any = None
         self._pending: Any = None
         self._start = 0.0
         self._path = ""
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._paths = (self.p3sgd._clipper, self.p3sgd._stacked)
+        self._vectorized = self.p3sgd._round
         if self.p3sgd.round_path == "loop":
             raise SystemExit(f"the vectorized round does not apply: {self.p3sgd.vectorize_fallback}")
         sampler = self.p3sgd.sampler
@@ -63,7 +63,7 @@ class _Alternate(pl.Callback):
         pair, second = divmod(idx, 2)
         vectorized = bool(second) ^ bool(pair % 2)
         self._path = "vectorized" if vectorized else "loop"
-        self.p3sgd._clipper, self.p3sgd._stacked = self._paths if vectorized else (None, None)
+        self.p3sgd._round = self._vectorized if vectorized else None
         self._start = time.perf_counter()
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
@@ -72,7 +72,7 @@ class _Alternate(pl.Callback):
             self.times[self._path].append(elapsed)
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self.p3sgd._clipper, self.p3sgd._stacked = self._paths  # P3SGD removes its engine's hooks at teardown
+        self.p3sgd._round = self._vectorized  # P3SGD removes its engine's hooks at teardown
 
 
 #: The local optimiser of each mode: one plain SGD step per patient, or four steps with momentum and weight decay.

@@ -23,6 +23,7 @@ from lightning_dp.callbacks.dpsgd import DPSGD
 from lightning_dp.callbacks.p3sgd import P3SGD
 from lightning_dp.sampling import randomness
 from lightning_dp.sanitization import per_sample, release, rules, updates
+from lightning_dp.training import patient_rounds
 
 __all__ = ["MUTANTS", "Mutant"]
 
@@ -134,16 +135,16 @@ def _accountant_halved() -> Iterator[None]:
 
 def _no_rollback_between_patients() -> Any:
     def make(f: Any) -> Any:
-        def mutated(self: Any, patient: int, pl_module: Any, generator: Any) -> None:
+        def mutated(self: Any, patient: int, streams: Any) -> None:
             previous = getattr(self, "_mutant_previous", None)
-            if previous is not None and previous[0] == self.rounds:
-                self._state.load(previous[1])  # the last patient's local model was not rolled back to θ_t
-            f(self, patient, pl_module, generator)
-            self._mutant_previous = (self.rounds, self._state.vector())
+            if previous is not None and previous[0] is streams:  # a round's patients share its streams
+                self.state.load(previous[1])  # the last patient's local model was not rolled back to θ_t
+            f(self, patient, streams)
+            self._mutant_previous = (streams, self.state.vector())
 
         return mutated
 
-    return _replaced(P3SGD, "_local_update", make)
+    return _replaced(patient_rounds.RoundParts, "train_patient", make)
 
 
 def _noise_reused() -> Any:
@@ -359,7 +360,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "no rollback between patients",
-        "callbacks/p3sgd.py: P3SGD._local_update",
+        "training/patient_rounds.py: RoundParts.train_patient",
         "a patient's local training starts from the previous patient's local model",
         ("P3SGD",),
         _no_rollback_between_patients,

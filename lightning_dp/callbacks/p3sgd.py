@@ -54,7 +54,6 @@ import pytorch_lightning as pl
 import torch
 from pytorch_lightning.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
-from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils.data import DataLoader, IterableDataset, default_collate
 
 from lightning_dp.accounting import PrivacyLedger
@@ -63,14 +62,13 @@ from lightning_dp.errors import (
     PrivacyConfigError,
     PrivacyStateError,
     PrivacyWarning,
-    UnsupportedModelError,
     check_count,
     check_finite_positive,
     check_in_interval,
     check_sample_rate,
 )
 from lightning_dp.sampling.patients import PoissonPatientSampler
-from lightning_dp.sampling.randomness import UnitStreams, draws_random_numbers, training_dropout, unit_seed
+from lightning_dp.sampling.randomness import UnitStreams, unit_seed
 from lightning_dp.sanitization import (
     GaussianRelease,
     ModelState,
@@ -78,43 +76,24 @@ from lightning_dp.sanitization import (
     Release,
     SelectedRelease,
     Selection,
-    updates,
 )
-from lightning_dp.sanitization.buffers import BufferSnapshot
-from lightning_dp.sanitization.per_sample import PerSampleClipper
 from lightning_dp.sanitization.release import check_scales
 from lightning_dp.schedules import ConstantNoise, NoiseSchedule
 from lightning_dp.selection import StepAcceptance
-from lightning_dp.training.checks import (
-    FLOAT32_TOLERANCE,
-    FLOAT64_TOLERANCE,
-    HALF_TOLERANCE,
-    IndependenceCheck,
-    bind,
-    collate_is_per_sample,
-    diverse_indices,
-    eval_mode,
-    float64_copy,
-    public_subsets,
-    take,
-    to_float64,
+from lightning_dp.training.patient_rounds import (
+    BatchedRound,
+    LocalSGD,
+    LoopRound,
+    PatientData,
+    PatientRound,
+    RoundParts,
+    choose_round,
+    images_loss,
+    model_reason,
 )
-from lightning_dp.training.stacked import StackedLocalSGD, free_memory_bytes
 from lightning_dp.training.step import ModelStateTarget
 
 __all__ = ["P3SGD"]
-
-
-#: Why the start-up check refused the batched pass (`IndependenceCheck`'s causes).
-_CAUSES = {
-    "coupled": "the loss or a layer couples the images of a batch (a class-weighted mean, batch statistics)",
-    "not_per_sample": "part of the gradient is not computed per image (a parameter used outside its own layer)",
-    "buffers": "training_step changes buffers or frozen parameters of the model",
-}
-
-
-class _DrewRandomNumbers(Exception):
-    """The batched pass's training_step drew random numbers: the loop re-does the round (nothing is said)."""
 
 
 class _RoundTicks(IterableDataset):
@@ -316,10 +295,12 @@ class P3SGD(DPCallback):
         self.selection_counts = [0] * len(self.noise_scales)
         self.nonfinite_updates = 0
         self._dataset: Any = None
-        #: The images of the k-th patient: the sampler draws positions k, a dataset keys patients by any id.
-        self._patient_groups: list[list[int]] = []
-        #: The k-th patient's id: it keys the patient's own random streams (augmentation, dropout, image order).
-        self._patient_keys: list[Any] = []
+        #: The training images by patient: the sampler draws positions k; the k-th patient's id keys its own random
+        #: streams (augmentation, dropout, image order).
+        self._data: PatientData | None = None
+        #: What a round works on (during fit), and the vectorized round in use (None: the loop).
+        self._parts: RoundParts | None = None
+        self._round: PatientRound | None = None
         #: The secret seed of the patients' random streams (the sampler's secret seed), and this round's secret drawn
         #: from it and the round's number: it seeds every patient's streams (not the other patients sampled).
         self._units_seed: int | None = None
@@ -327,9 +308,6 @@ class P3SGD(DPCallback):
         self._state: ModelState | None = None
         self._tick: torch.nn.Parameter | None = None
         self._collate: Callable[[list[Any]], Any] = default_collate
-        self._clipper: PerSampleClipper | None = None  # the one-step batched round's engine
-        self._stacked: StackedLocalSGD | None = None  # stacked local SGD (several local steps)
-        self._vector_params: frozenset[int] = frozenset()
         #: Why rounds do not take one batched pass (None while they do, or before fit); see round_path.
         self.vectorize_fallback: str | None = None
         #: How this fit's rounds compute their patients' updates: "batched" (one local step: per-patient gradients in
@@ -353,7 +331,15 @@ class P3SGD(DPCallback):
         # the strategy's layer-sync plugin (Lightning keeps it private; on_train_start checks the converted layers too).
         requested = getattr(trainer.strategy, "_layer_sync", None) is not None
         self._refuse_sync_batchnorm(pl_module, requested)
-        return len(self._patient_groups)
+        groups, keys = self._patient_groups(self._dataset)
+        self._data = PatientData(
+            self._dataset,
+            groups,
+            keys,
+            self._collate,
+            lambda batch: pl_module.transfer_batch_to_device(batch, pl_module.device, 0),
+        )
+        return len(groups)
 
     @staticmethod
     def _refuse_sync_batchnorm(pl_module: pl.LightningModule, requested: bool = False) -> None:
@@ -393,7 +379,8 @@ class P3SGD(DPCallback):
 
     def _build(self, trainer: pl.Trainer, pl_module: pl.LightningModule, seeds: list[int]) -> DataLoader[Any]:
         assert self.ledger is not None
-        self.sampler = PoissonPatientSampler(len(self._patient_groups), self.sample_rate, seed=seeds[0])
+        assert self._data is not None
+        self.sampler = PoissonPatientSampler(len(self._data.groups), self.sample_rate, seed=seeds[0])
         self._units_seed = seeds[0]
         rounds = self.rounds_per_epoch or max(1, round(1 / self.sample_rate))
         if self.target_epsilon is not None:
@@ -440,20 +427,32 @@ class P3SGD(DPCallback):
             raise PrivacyConfigError(
                 f"`P3SGD`: patients {empty[:10]} have no images. HINT: drop them from the training data."
             )
-        # Patients may be keyed by any hashable id (a hospital's "MRN-0042" as well as 0..N-1): the sampler draws
-        # positions 0..N-1, and position k is the k-th id in sorted order (insertion order when the ids do not
-        # sort, e.g. a mix of types). Sorted order makes the positions independent of how the dict was built; for
-        # the ids 0..N-1 position k is patient k.
+        return dataset
+
+    @staticmethod
+    def _patient_groups(dataset: Any) -> tuple[list[list[int]], list[Any]]:
+        """The images of the k-th patient and its id, for k = 0..N-1 (the positions the sampler draws).
+
+        Patients may be keyed by any hashable id (a hospital's "MRN-0042" as well as 0..N-1): position k is the k-th id
+        in sorted order (insertion order when the ids do not sort, e.g. a mix of types). Sorted order makes the
+        positions independent of how the dict was built; for the ids 0..N-1 position k is patient k.
+        """
+        groups = dataset.patient_to_indices
         try:
             keys = sorted(groups)
         except TypeError:
             keys = list(groups)
-        self._patient_groups = [[int(i) for i in groups[key]] for key in keys]
-        self._patient_keys = keys
-        return dataset
+        return [[int(i) for i in groups[key]] for key in keys], keys
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_train_start(trainer, pl_module)
+        assert self._state is not None and self._data is not None and self._original_training_step is not None
+        local = LocalSGD(
+            self.local_lr, self.local_batch_size, self.local_epochs, self.local_momentum, self.local_weight_decay
+        )
+        self._parts = RoundParts(
+            pl_module, self._state, self._original_training_step, self._data, local, self.clip_norm
+        )
         self._refuse_sync_batchnorm(pl_module)
         self._check_training_step_returns_loss(pl_module)
         self._setup_vectorized(trainer, pl_module)
@@ -465,112 +464,25 @@ class P3SGD(DPCallback):
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit":
-            self._drop_clipper()
-            self._stacked = None
+            self._close_round()
+            self._parts = None
             if self._state is not None:
                 self._state.drop_workspaces()
         super().teardown(trainer, pl_module, stage)
 
-    # ------------------------------------------------------------------ the vectorized round: when it applies
-    def _drop_clipper(self) -> None:
-        if self._clipper is not None:
-            self._clipper.remove()
-            self._clipper = None
-
-    def _one_step_fallback(self) -> str | None:
-        """Why the settings make a patient's update more than one plain SGD step (None if they do not)."""
-        if self.local_epochs != 1:
-            return f"local_epochs={self.local_epochs} makes several local steps per patient"
-        if self.local_momentum != 0:
-            return f"local_momentum={self.local_momentum} (only plain SGD is one gradient)"
-        if self.local_weight_decay != 0:
-            return f"local_weight_decay={self.local_weight_decay} (the clip of Δ_i = −γ(g_i + wd·θ) is not vectorized)"
-        # A patient with more images than local_batch_size takes several local steps: the loop trains it within the
-        # batched round. Deciding the path from the largest patient would make it (and a message) depend on the data.
-        return None
-
-    def _model_fallback(self, pl_module: pl.LightningModule) -> str | None:
-        """Why the model's update is not its parameters' gradient step alone (None if it is); cheap, every round."""
-        assert self._state is not None
-        norms = [n for n, m in pl_module.named_modules() if isinstance(m, _BatchNorm) and m.training]
-        if norms:
-            return (
-                f"BatchNorm layers in training mode ({', '.join(norms[:3])}{', ...' if len(norms) > 3 else ''}) "
-                "normalize with each patient's batch statistics and release running statistics"
-            )
-        if self._clipper is not None or self._stacked is not None:
-            dropout = self._training_dropout(pl_module)
-            if dropout is not None:
-                return dropout
-        released = self._state.float_buffer_names
-        if released:
-            return f"buffers released with the update ({', '.join(released[:3])})"
-        vectorized = self._clipper is not None or self._stacked is not None
-        if vectorized and frozenset(id(p) for p in self._state.params) != self._vector_params:
-            return "the trainable parameters changed since training started"
-        return None
+    # ------------------------------------------------------------------ the round (training/patient_rounds.py)
+    def _close_round(self) -> None:
+        if self._round is not None:
+            self._round.close()
+            self._round = None
 
     def _setup_vectorized(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Picks how a round computes its patients' updates, and says (once) how.
-
-        One plain local step and a model the per-sample engine covers: one batched pass (``_clipper``). Otherwise
-        (several local steps, or a model the engine does not cover): stacked local SGD over chunks of patients
-        (``_stacked``), if the model runs under ``torch.func`` and matches the loop on start-up. Else the loop.
-        """
-        assert self._state is not None
-        self._drop_clipper()
-        self._stacked = None
-        self._state.refresh()
-        if self.vectorize is False:
-            self._announce("vectorize=False")
-            return
-        reason = (
-            self._model_fallback(pl_module)
-            or self._training_dropout(pl_module)
-            or self._random_step_fallback(pl_module)
-        )
-        if reason is None:
-            reason = self._one_step_fallback()
-            if reason is None:
-                reason = self._engine_fallback(trainer, pl_module)
-                if reason is None:
-                    self._announce(None)
-                    return
-            stacked_reason = self._stacked_fallback(pl_module)
-            if stacked_reason is None:
-                note = f"{reason}: each local step is one torch.func pass over stacked copies"
-                convolutions = [
-                    n
-                    for n, m in pl_module.named_modules()
-                    if isinstance(m, torch.nn.modules.conv._ConvNd) and any(p.requires_grad for p in m.parameters())
-                ]
-                if convolutions and pl_module.device.type == "cpu":
-                    note += (
-                        f" (on CPU, trained convolutions such as {convolutions[0]} run as grouped convolutions: "
-                        "measured 0.4-1.0x the loop's speed, docs/results/speed.md; vectorize=False may be faster)"
-                    )
-                self._announce(reason, stacked=note)
-                return
-            reason = f"{reason}; and stacked local SGD: {stacked_reason}"
-        self._announce(reason)
-
-    def _engine_fallback(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> str | None:
-        """Builds the per-sample engine if one batched pass is exactly the loop; else why not."""
-        assert self._state is not None
-        try:
-            clipper = PerSampleClipper(pl_module, self.clip_norm / self.local_lr, "mean")
-        except UnsupportedModelError as err:
-            return f"no per-sample gradient rule: {str(err).split('. HINT')[0]}"
-        trained = frozenset(id(p) for p in self._state.params)
-        if frozenset(id(p) for p in clipper.params) != trained:
-            reason: str | None = "some trainable parameters are outside the layers the per-sample engine covers"
-        else:
-            reason = self._independence_fallback(trainer, pl_module)
-        if reason is None:
-            self._clipper, self._vector_params = clipper, trained
-        else:
-            clipper.remove()
-        return reason
+        """Picks how a round computes its patients' updates (`choose_round`), and says (once) how."""
+        assert self._parts is not None
+        self._close_round()
+        choice = choose_round(self._parts, self.vectorize, self.vectorize_batch_size, share=[trainer])
+        self._round = None if isinstance(choice.round, LoopRound) else choice.round
+        self._announce(choice.reason, stacked=choice.note)
 
     def _announce(self, reason: str | None, stacked: str | None = None) -> None:
         self.vectorize_fallback = reason
@@ -582,285 +494,12 @@ class P3SGD(DPCallback):
         elif self.vectorize is not False:
             rank_zero_info(f"P3SGD: local updates run patient by patient (not vectorized): {reason}.")
 
-    # ------------------------------------------------------------------ stacked local SGD (several local steps)
-    @staticmethod
-    def _training_dropout(pl_module: pl.LightningModule) -> str | None:
-        names = [name for name, _ in training_dropout(pl_module)]
-        if not names:
-            return None
-        return (
-            f"Dropout layers in training mode ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''}) draw each "
-            "patient's masks from that patient's own random stream only when patients are trained one by one"
-        )
-
-    def _random_step_fallback(self, pl_module: pl.LightningModule) -> str | None:
-        """Why training_step cannot run on several patients' images at once: it draws random numbers (None if not).
-
-        Checked on two images picked in a public order: a step that draws from torch's, NumPy's or Python's global
-        generators (a random augmentation inside training_step) would draw one patient's numbers at a position that
-        depends on the other patients of its batch; one by one, each patient draws from its own stream.
-        """
-        assert self._original_training_step is not None and self._state is not None
-        step = self._original_training_step
-        batch = self._batch(diverse_indices(self._dataset)[:2], pl_module)
-        theta, other = self._state.vector(), self._state.snapshot_other_buffers()
-        try:
-            with torch.no_grad():
-                drew = draws_random_numbers(lambda: step(batch, 0), pl_module.device)
-        finally:
-            self._state.load(theta, other)
-        if drew:
-            return "training_step draws random numbers, which each patient draws from its own stream only one by one"
-        return None
-
-    def _stacked_fallback(self, pl_module: pl.LightningModule) -> str | None:
-        """Builds stacked local SGD if the model runs under torch.func and matches the loop; else why not.
-
-        The start-up check trains two pseudo-patients (images picked in a public order, `diverse_indices`) both ways
-        from the current weights and compares their updates, and requires the stacked run to leave every buffer as it
-        was (a ``training_step`` that re-assigns a buffer would carry one chunk's data into the next). Only pass or
-        fail comes out of it (the reasons are fixed texts), and the model is restored afterwards.
-        """
-        assert self._state is not None and self._original_training_step is not None
-        reason = self._training_dropout(pl_module)
-        if reason is not None:
-            return reason
-        state = self._state
-        picked = diverse_indices(self._dataset)
-        half = max(1, len(picked) // 2)
-        pseudo = [picked[:half], picked[half : 2 * half]] if len(picked) >= 2 else [picked, picked]
-        theta, other = state.vector(), state.snapshot_other_buffers()
-        try:
-            with torch.enable_grad():
-                used = self._used_parameters(pseudo[0], pl_module)
-                looped = []
-                check = UnitStreams(0, "patient", pl_module.device)  # public streams: the check's pseudo-patients
-                for k, indices in enumerate(pseudo):
-                    state.load(theta, other)
-                    with check.unit(k):
-                        self._local_update(indices, pl_module, check.generator(k))
-                    looped.append(state.vector() - theta)
-                state.load(theta, other)
-                stacked = StackedLocalSGD(
-                    pl_module,
-                    self._original_training_step,
-                    self._loss_of,
-                    used,
-                    self.local_lr,
-                    self.local_momentum,
-                    self.local_weight_decay,
-                )
-                before = BufferSnapshot(pl_module, parameters=True)  # buffers and frozen parameters, by value
-                check = UnitStreams(0, "patient", pl_module.device)
-                orders = self._local_orders(pseudo, [check.generator(k) for k in range(len(pseudo))])
-                final = stacked.run(self._stacked_steps(orders, pl_module, check, list(range(len(pseudo)))))
-                changed = before.changed()
-        except Exception as err:  # noqa: BLE001 - whatever torch.func refuses, the loop still runs the model
-            # The exception's type only: its message could quote values computed from the training images.
-            return f"torch.func cannot run training_step on stacked batches ({type(err).__name__})"
-        finally:
-            state.load(theta, other)
-        if changed:
-            listed = f"{', '.join(changed[:3])}{', ...' if len(changed) > 3 else ''}"
-            return f"training_step changes buffers or frozen parameters ({listed})"
-        by_id = {id(p): s for p, s in zip(used, final)}
-        with torch.no_grad():
-            for k, change in enumerate(looped):
-                parts = [
-                    (by_id[id(p)][k].float() - p.detach().float()).reshape(-1)
-                    if id(p) in by_id
-                    else torch.zeros(p.numel(), device=change.device)
-                    for p in state.params
-                ]
-                gap = float((torch.cat(parts) - change).norm())
-                if not gap <= 1e-3 * float(change.norm()) + 1e-6:
-                    return (
-                        "stacked local SGD differs from the loop on start-up (by more than 1e-3 of the update's norm)"
-                    )
-        self._stacked, self._vector_params = stacked, frozenset(id(p) for p in state.params)
-        return None
-
-    def _used_parameters(self, images: Sequence[int], pl_module: pl.LightningModule) -> list[Tensor]:
-        """The trainable parameters a backward pass of ``training_step`` reaches (torch.optim.SGD skips the others).
-
-        torch.func's gradient of an unused parameter is zero, not None: weight decay and momentum would move it
-        where the loop leaves it.
-        """
-        assert self._state is not None and self._original_training_step is not None
-        params = self._state.params
-        for p in params:
-            p.grad = None
-        batch = self._batch(list(images)[: self.local_batch_size], pl_module)
-        self._loss_of(self._original_training_step(batch, 0)).backward()
-        used: list[Tensor] = [p for p in params if p.grad is not None]
-        for p in params:
-            p.grad = None
-        return used
-
-    def _local_orders(
-        self, units: Sequence[Sequence[int]], generators: Sequence[torch.Generator]
-    ) -> list[list[Tensor]]:
-        """Each unit's image order of each local epoch, drawn from its own generator exactly as the loop draws them."""
-        orders = []
-        for indices, generator in zip(units, generators):
-            ix = torch.as_tensor(list(indices))
-            orders.append([ix[torch.randperm(len(ix), generator=generator)] for _ in range(self.local_epochs)])
-        return orders
-
-    def _stacked_steps(
-        self, orders: list[list[Tensor]], pl_module: pl.LightningModule, streams: UnitStreams, keys: Sequence[object]
-    ) -> Iterator[list[Any]]:
-        """The local mini-batches of equal-sized units, step by step.
-
-        Each unit's are fetched from its own stream and collated on their own: a unit draws what it draws in the loop.
-        """
-        size = len(orders[0][0])
-        for epoch in range(self.local_epochs):
-            for start in range(0, size, self.local_batch_size):
-                yield [
-                    self._collated(
-                        streams.fetch(self._dataset, order[epoch][start : start + self.local_batch_size].tolist(), key),
-                        pl_module,
-                    )
-                    for order, key in zip(orders, keys)
-                ]
-
-    def _stacked_chunk(self, pl_module: pl.LightningModule, images_per_step: int) -> int:
-        """Patients per stacked chunk.
-
-        At most vectorize_batch_size images per local step, and a quarter of the free memory for ~6 copies of the
-        trainable parameters per patient (its copy, gradient, momentum and temporaries).
-        """
-        assert self._state is not None
-        param_bytes = sum(p.numel() * p.element_size() for p in self._state.params)
-        by_memory = free_memory_bytes(pl_module.device) // 4 // max(1, 6 * param_bytes)
-        return max(1, min(by_memory, self.vectorize_batch_size // max(1, images_per_step)))
-
-    def _stacked_updates(
-        self,
-        patients: list[int],
-        pl_module: pl.LightningModule,
-        clipped_sum: Tensor,
-        stats: Tensor,
-        streams: UnitStreams,
-        start: tuple[Tensor, list[Tensor]],
-    ) -> None:
-        """Adds Σ_i clip_{C_u}(Δ_i) of ``patients`` to ``clipped_sum``, training chunks of equal-sized patients at once.
-
-        Each patient's image orders come from its own generator and its images from its own stream, as in the loop,
-        so each patient sees the loop's mini-batches; the clip is the loop's (`clip_factor` of the norm over all
-        released tensors). The model goes back to ``start`` (θ_t and the other buffers) before every chunk, as it does
-        before every patient in the loop.
-        """
-        assert self._stacked is not None and self._state is not None
-        groups, keys = self._patient_groups, self._patient_keys
-        generators = [streams.generator(keys[p]) for p in patients]
-        orders = dict(zip(patients, self._local_orders([groups[p] for p in patients], generators)))
-        by_size: dict[int, list[int]] = {}
-        for patient in patients:
-            by_size.setdefault(len(groups[patient]), []).append(patient)
-        params = self._state.params
-        for size, members in by_size.items():
-            per_chunk = self._stacked_chunk(pl_module, min(size, self.local_batch_size))
-            for first in range(0, len(members), per_chunk):
-                chunk = members[first : first + per_chunk]
-                self._state.load(*start)
-                final = dict(
-                    zip(
-                        map(id, self._stacked.params),
-                        self._stacked.run(
-                            self._stacked_steps(
-                                [orders[p] for p in chunk], pl_module, streams, [keys[p] for p in chunk]
-                            )
-                        ),
-                    )
-                )
-                with torch.no_grad():
-                    # A parameter no gradient reaches does not move (torch.optim.SGD skips it): its change is zero.
-                    changes = [
-                        final[id(p)].float() - p.detach().float().unsqueeze(0) if id(p) in final else None
-                        for p in params
-                    ]
-                    del final
-                    squares = torch.zeros(len(chunk), dtype=torch.float64, device=clipped_sum.device)
-                    for c in changes:
-                        if c is not None:
-                            squares += c.double().pow(2).flatten(1).sum(1)
-                    factors = torch.zeros(len(chunk), dtype=torch.float32, device=clipped_sum.device)
-                    for k, norm in enumerate(squares.sqrt().tolist()):
-                        # Through the module, as ModelState does: the audit's mutants patch updates.clip_factor.
-                        factor, clipped, finite = updates.clip_factor(norm, self.clip_norm)
-                        factors[k] = factor
-                        stats += torch.tensor(
-                            [1.0, float(clipped), norm if finite else 0.0, float(not finite)], dtype=torch.float64
-                        )
-                    kept = factors > 0
-                    offset = 0
-                    for p, change in zip(params, changes):
-                        n = p.numel()
-                        if change is not None and bool(kept.any()):
-                            scaled = change[kept].reshape(int(kept.sum()), -1) * factors[kept].unsqueeze(1)
-                            clipped_sum[offset : offset + n].add_(scaled.sum(0))
-                        offset += n
-        self._state.load(*start)
-
-    def _independence_fallback(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> str | None:
-        """Whether one batch's loss is the mean of its images' own losses (DPSGD's start-up check, on a copy).
-
-        In the batched pass a patient's gradient is read from a batch that holds other patients' images: a loss or
-        layer coupling the images of a batch (a class-weighted mean, a batch Dice, batch statistics) or a collate_fn
-        that mixes them would leak one patient into another's clipped update. The check runs on a float64 copy, on
-        batches chosen without looking at private values; only pass or fail comes out of it.
-        """
-        assert self._original_training_step is not None
-        dataset = self._dataset
-        index_sets = [diverse_indices(dataset), *public_subsets(len(dataset))]
-        index_sets = [ix if len(ix) > 1 else ix * 2 for ix in index_sets]
-        for ix in index_sets:
-            if not collate_is_per_sample(self._collate, [dataset[i] for i in ix]):
-                return "the training collate_fn mixes the images of a batch"
-        half = any(p.dtype in (torch.float16, torch.bfloat16) for p in pl_module.parameters())
-        cause: str | None = None
-        for float64 in (True, False) if not half else (False,):
-            clone = float64_copy(pl_module, share=[trainer], float64=float64)
-            tolerance = FLOAT64_TOLERANCE if float64 else HALF_TOLERANCE if half else FLOAT32_TOLERANCE
-            try:
-                check = IndependenceCheck(
-                    clone, bind(self._original_training_step, clone), self._loss_of, "mean", tolerance
-                )
-            except UnsupportedModelError as err:
-                return f"no per-sample gradient rule: {str(err).split('. HINT')[0]}"
-            try:
-                batches = [(self._batch(ix, pl_module), len(ix)) for ix in index_sets]
-                if float64:
-                    batches = [(to_float64(b), n) for b, n in batches]
-                if check.declared_reduction(take(batches[0][0], 0, batches[0][1])) != "mean":
-                    return "training_step's loss is not the mean of the images' losses"
-                for batch, size in batches:
-                    found = check.check(batch, size)
-                    if found is not None:
-                        cause = found
-                        break
-                return None if cause is None else _CAUSES[cause]
-            except (RuntimeError, TypeError):  # a dtype the model's own code fixes: retry on an fp32 copy
-                if not float64:
-                    raise
-            finally:
-                check.close()
-        return cause
-
-    @staticmethod
-    def _loss_of(out: Any) -> Tensor:
-        loss = out["loss"] if isinstance(out, dict) else out
-        assert isinstance(loss, Tensor)
-        return loss
-
     @torch.no_grad()
     def _check_training_step_returns_loss(self, pl_module: pl.LightningModule) -> None:
-        assert self._state is not None and self._original_training_step is not None
+        assert self._state is not None and self._parts is not None
         theta, other = self._state.vector(), self._state.snapshot_other_buffers()
-        first = self._patient_groups[0][:2]
-        out = self._original_training_step(self._batch(first, pl_module), 0)
+        first = self._parts.data.groups[0][:2]
+        out = self._parts.step(self._parts.data.batch(first), 0)
         self._state.load(theta, other)
         loss = out.get("loss") if isinstance(out, dict) else out
         if not isinstance(loss, Tensor) or loss.numel() != 1:
@@ -869,179 +508,10 @@ class P3SGD(DPCallback):
                 "tensor. HINT: return the loss (or {'loss': loss}) from training_step."
             )
 
-    # ------------------------------------------------------------------ the round
-    def _batch(self, indices: Sequence[int] | Tensor, pl_module: pl.LightningModule) -> Any:
-        """The images ``indices``, fetched from the global generators (start-up checks on public positions only)."""
-        return self._collated([self._dataset[int(i)] for i in indices], pl_module)
-
-    def _collated(self, items: list[Any], pl_module: pl.LightningModule) -> Any:
-        return pl_module.transfer_batch_to_device(self._collate(items), pl_module.device, 0)
-
-    def _streams(self, purpose: str, pl_module: pl.LightningModule) -> UnitStreams:
+    def _streams(self, purpose: str) -> UnitStreams:
         """Fresh streams of this round's patients for ``purpose``, seeded from the round's secret."""
-        assert self._round_secret is not None
-        return UnitStreams(self._round_secret, purpose, pl_module.device)
-
-    def _local_update(self, images: Sequence[int], pl_module: pl.LightningModule, generator: torch.Generator) -> None:
-        """Local SGD over one patient's ``images`` (dataset indices), in the module's parameters."""
-        assert self._state is not None and self._original_training_step is not None
-        optimizer = torch.optim.SGD(
-            self._state.params, lr=self.local_lr, momentum=self.local_momentum, weight_decay=self.local_weight_decay
-        )
-        indices = torch.as_tensor(list(images))
-        step = 0
-        for _ in range(self.local_epochs):
-            order = indices[torch.randperm(len(indices), generator=generator)]
-            for start in range(0, len(order), self.local_batch_size):
-                optimizer.zero_grad(set_to_none=True)
-                out = self._original_training_step(
-                    self._batch(order[start : start + self.local_batch_size], pl_module), step
-                )
-                loss = out["loss"] if isinstance(out, dict) else out
-                loss.backward()
-                optimizer.step()
-                step += 1
-        optimizer.zero_grad(set_to_none=True)
-
-    def _loop_updates(
-        self,
-        patients: list[int],
-        pl_module: pl.LightningModule,
-        clipped_sum: Tensor,
-        stats: Tensor,
-        start: tuple[Tensor, list[Tensor]],
-    ) -> None:
-        """Adds Σ_i clip_{C_u}(Δ_i) of ``patients`` to ``clipped_sum``, patient by patient, each from ``start``."""
-        assert self._state is not None
-        state, streams = self._state, self._streams("patient", pl_module)
-        for patient in patients:
-            state.load(*start)
-            key = self._patient_keys[patient]
-            with streams.unit(key):  # the patient's augmentation and dropout: its own stream
-                self._local_update(self._patient_groups[patient], pl_module, streams.generator(key))
-            norm, clipped, finite = state.add_clipped_change(start[0], clipped_sum, self.clip_norm)
-            stats += torch.tensor(
-                [1.0, float(clipped), norm if finite else 0.0, float(not finite)], dtype=torch.float64
-            )
-
-    def _batched_round(
-        self,
-        patients: list[int],
-        pl_module: pl.LightningModule,
-        clipped_sum: Tensor,
-        stats: Tensor,
-        start: tuple[Tensor, list[Tensor]],
-    ) -> bool:
-        """The batched round; False (and nothing added) if its training_step drew random numbers: the loop must run.
-
-        The patients whose images fit in one local batch take one batched pass (one plain SGD step each); the others
-        take several local steps, which the loop trains within the round. Nothing is said either way: which patients
-        are large, and whether a pass drew random numbers, are not chosen from public facts.
-        """
-        one_step = [p for p in patients if len(self._patient_groups[p]) <= self.local_batch_size]
-        try:
-            self._vectorized_updates(one_step, pl_module, clipped_sum, stats, self._streams("patient", pl_module))
-        except _DrewRandomNumbers:
-            assert self._state is not None and self._clipper is not None
-            self._clipper.reset()
-            self._state.load(*start)
-            clipped_sum.zero_()
-            stats.zero_()
-            return False
-        several = [p for p in patients if len(self._patient_groups[p]) > self.local_batch_size]
-        self._loop_updates(several, pl_module, clipped_sum, stats, start)
-        return True
-
-    def _stacked_round(
-        self,
-        patients: list[int],
-        pl_module: pl.LightningModule,
-        clipped_sum: Tensor,
-        stats: Tensor,
-        start: tuple[Tensor, list[Tensor]],
-    ) -> bool:
-        """Stacked local SGD of this rank's patients; False (and nothing added) if it failed and the loop must run.
-
-        A batch that cannot be stacked (images of different sizes in one chunk, a field that is not a tensor) shows
-        only in a round, and only for some samples of patients. Then this round is re-done by the loop from fresh
-        streams, so it trains exactly what the loop would have; later rounds try the stacked path again. Nothing is
-        said and ``round_path`` stays as chosen at start-up: whether a round's stacking failed depends on which
-        patients were sampled, a fact about the private data.
-        """
-        assert self._state is not None
-        try:
-            self._stacked_updates(patients, pl_module, clipped_sum, stats, self._streams("patient", pl_module), start)
-        except Exception:  # noqa: BLE001 - the loop runs any model; KeyboardInterrupt and the like propagate
-            self._state.load(*start)
-            clipped_sum.zero_()
-            stats.zero_()
-            return False
-        return True
-
-    def _vectorized_updates(
-        self,
-        patients: list[int],
-        pl_module: pl.LightningModule,
-        clipped_sum: Tensor,
-        stats: Tensor,
-        streams: UnitStreams,
-    ) -> None:
-        """Adds Σ_i clip_{C_u}(Δ_i) of ``patients`` to ``clipped_sum``, in batched passes over whole patients.
-
-        With one plain SGD step Δ_i = −γ·g_i, g_i the gradient of the mean loss over patient i's images; so
-        clip_{C_u}(Δ_i) = −γ·clip_{C_u/γ}(g_i). The engine takes a patient's images as one group of rows and clips the
-        mean of their gradients. Nothing is written to the model (the engine detaches the parameters); buffers the
-        forward pass changes are restored by the caller, as after every patient of the loop.
-        """
-        assert self._clipper is not None and self._state is not None and self._original_training_step is not None
-        clipper, step = self._clipper, self._original_training_step
-        groups, keys = self._patient_groups, self._patient_keys  # the sampled position k is the k-th patient
-        device = pl_module.device
-        chunks: list[list[int]] = []
-        rows = 0
-        for patient in patients:
-            count = len(groups[patient])
-            if not chunks or rows + count > self.vectorize_batch_size:
-                chunks.append([])
-                rows = 0
-            chunks[-1].append(patient)
-            rows += count
-        clipper.reset()
-        for chunk in chunks:
-            if not chunk:
-                continue
-            batch = self._collated(
-                [item for p in chunk for item in streams.fetch(self._dataset, groups[p], keys[p])], pl_module
-            )
-            sizes = [len(groups[p]) for p in chunk]
-
-            def loss(batch: Any = batch) -> Tensor:
-                return self._loss_of(step(batch, 0))
-
-            results: list[Any] = []
-
-            def run(
-                loss: Any = loss, chunk: list[int] = chunk, sizes: list[int] = sizes, results: list[Any] = results
-            ) -> None:
-                results.append(clipper.accumulate(loss, len(chunk), group_size=sizes))
-
-            # The pass's own randomness would be drawn per position in the batch, not per patient: a training_step
-            # that draws any (the start-up check saw none, but a schedule can switch it on) sends the round to the
-            # loop, and the secret stream it drew from is thrown away.
-            with streams.unit("batched pass"):
-                if draws_random_numbers(run, device):
-                    raise _DrewRandomNumbers
-            found = results[0]
-            stats += torch.tensor(
-                [len(chunk), found.clipped, found.norm_sum * self.local_lr, found.nonfinite], dtype=torch.float64
-            )
-        by_param = {id(p): view for p, view in clipper.views(clipper.flat_sum)}
-        offset = 0
-        with torch.no_grad():
-            for p in self._state.params:
-                n = p.numel()
-                clipped_sum[offset : offset + n].add_(by_param[id(p)].reshape(-1), alpha=-self.local_lr)
-                offset += n
+        assert self._round_secret is not None and self._parts is not None
+        return self._parts.streams(self._round_secret, purpose)
 
     @torch.no_grad()
     def _round_loss(
@@ -1058,55 +528,27 @@ class P3SGD(DPCallback):
         ``vectorize_batch_size`` (patient by patient otherwise). The selection clips this mean to [0, C_o], so its
         sensitivity to one patient is C_o however the images are batched.
         """
-        assert self._state is not None
+        assert self._state is not None and self._parts is not None
+        parts = self._parts
         self._state.load(theta, add=update, alpha=self.server_lr)
         total = torch.zeros(2, dtype=torch.float64, device=pl_module.device)
-        streams = self._streams("score", pl_module)  # fresh: every candidate is scored on the same images
+        streams = self._streams("score")  # fresh: every candidate is scored on the same images
         if self.vectorize == "auto":  # whole chunks of the round's images: the mean is the same, in fewer passes
-            total[0] += self._images_loss(patients, self.vectorize_batch_size, pl_module, streams)
-            total[1] += sum(len(self._patient_groups[p]) for p in patients)
+            total[0] += images_loss(parts, patients, self.vectorize_batch_size, streams)
+            total[1] += sum(parts.data.size(p) for p in patients)
         else:
             for patient in patients:
-                total[0] += self._images_loss([patient], self.local_batch_size, pl_module, streams)
-                total[1] += len(self._patient_groups[patient])
+                total[0] += images_loss(parts, [patient], self.local_batch_size, streams)
+                total[1] += parts.data.size(patient)
         total = trainer.strategy.reduce(total, reduce_op="sum")
         return float(total[0] / total[1]) if total[1] > 0 else 0.0
 
-    @torch.no_grad()
-    def _images_loss(
-        self, patients: Sequence[int], chunk_size: int, pl_module: pl.LightningModule, streams: UnitStreams
-    ) -> float:
-        """Σ of the per-image losses of ``patients``' images at the current weights (eval mode), ``chunk_size`` a pass.
-
-        Each patient's images are fetched drawing from its own stream; the forward passes draw from a stream of the
-        round's own (eval mode rarely draws any).
-        """
-        assert self._original_training_step is not None
-        step = self._original_training_step
-        total = 0.0
-        pending: list[Any] = []
-
-        def evaluate(items: list[Any]) -> float:
-            with streams.unit("forward"):
-                out = step(self._collated(items, pl_module), 0)
-            return float(self._loss_of(out)) * len(items)
-
-        with eval_mode(pl_module):  # each module's own mode comes back (a frozen backbone stays in eval mode)
-            for patient in patients:
-                pending += streams.fetch(self._dataset, self._patient_groups[patient], self._patient_keys[patient])
-                while len(pending) >= chunk_size:
-                    total += evaluate(pending[:chunk_size])
-                    pending = pending[chunk_size:]
-            if pending:
-                total += evaluate(pending)
-        return total
-
-    def _patient_losses(self, patients: list[int], pl_module: pl.LightningModule) -> Tensor:
+    def _patient_losses(self, patients: list[int]) -> Tensor:
         """The mean loss of each of this rank's patients of the round (a private energy's per-unit losses)."""
-        streams = self._streams("energy", pl_module)
+        assert self._parts is not None
+        parts, streams = self._parts, self._streams("energy")
         values = [
-            self._images_loss([p], self.local_batch_size, pl_module, streams) / max(len(self._patient_groups[p]), 1)
-            for p in patients
+            images_loss(parts, [p], self.local_batch_size, streams) / max(parts.data.size(p), 1) for p in patients
         ]
         return torch.tensor(values, dtype=torch.float64)
 
@@ -1126,25 +568,25 @@ class P3SGD(DPCallback):
         self._round_secret = unit_seed(self._units_seed, "p3sgd-round", self.rounds)
         # θ_t and the clipped sum live in kept workspaces: fresh model-sized vectors cost page faults every round.
         theta, other = state.vector(out=state.workspace("theta")), state.snapshot_other_buffers()
-        if self._clipper is not None or self._stacked is not None:
-            problem = self._model_fallback(pl_module)  # modes and trainable parameters can change during fit
+        assert self._parts is not None
+        if self._round is not None:
+            problem = model_reason(self._parts, self._round)  # modes and trainable parameters can change during fit
             if problem is not None:
-                self._drop_clipper()
-                self._stacked = None
+                self._close_round()
                 self._announce(problem)
         try:
             clipped_sum = state.workspace("clipped_sum").zero_()
             stats = torch.zeros(4, dtype=torch.float64)  # patients, clipped, norm sum, non-finite
             with torch.enable_grad():
-                if self._clipper is not None or self._stacked is not None:
+                # A vectorized round that cannot run this round (its pass drew random numbers, a batch did not stack)
+                # adds nothing and the loop re-does it from fresh streams; nothing is said (it depends on the sample).
+                if self._round is not None:
                     self.vectorized_rounds += 1
-                done = False
-                if self._clipper is not None:
-                    done = self._batched_round(mine, pl_module, clipped_sum, stats, (theta, other))
-                elif self._stacked is not None:
-                    done = self._stacked_round(mine, pl_module, clipped_sum, stats, (theta, other))
+                done = self._round is not None and self._round.add_clipped(
+                    mine, clipped_sum, stats, self._round_secret, (theta, other)
+                )
                 if not done:
-                    self._loop_updates(mine, pl_module, clipped_sum, stats, (theta, other))
+                    LoopRound(self._parts).add_clipped(mine, clipped_sum, stats, self._round_secret, (theta, other))
             state.load(theta, other)
             clipped_sum = trainer.strategy.reduce(clipped_sum, reduce_op="sum")
             stats = trainer.strategy.reduce(stats.to(pl_module.device), reduce_op="sum").cpu()
@@ -1160,7 +602,7 @@ class P3SGD(DPCallback):
                 self.sampler.expected_count,
                 target,
                 loss_of=loss_of,
-                unit_losses=lambda: self._patient_losses(mine, pl_module),
+                unit_losses=lambda: self._patient_losses(mine),
                 public_energy=lambda: self._public_loss(trainer, pl_module),
                 reduce=lambda t: trainer.strategy.reduce(t.to(pl_module.device), reduce_op="sum").cpu(),
             )
@@ -1172,8 +614,8 @@ class P3SGD(DPCallback):
         finally:
             self._round_secret = None
             state.wipe_workspaces()  # a patient's raw change and the un-noised sum do not outlive the round
-            if self._clipper is not None:
-                self._clipper.reset()  # nor does the batched path's un-noised gradient sum
+            if isinstance(self._round, BatchedRound):
+                self._round.reset()  # nor does the batched path's un-noised gradient sum
         released = result.released
         self.rounds += 1
         self.selection_counts[released.selected] += 1

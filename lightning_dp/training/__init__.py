@@ -12,6 +12,9 @@ Lightning hooks over what lives here:
 * ``trainer.py``: the start-up checks of the Trainer and the Lightning plumbing around the private
   step (refused Trainer settings, the loader in use, the run's length, the log filter, optimizer and
   LR-scheduler steps).
+* ``patient_rounds.py``: the patient round, Σ clip(Δ_i) over a round's patients, runnable without a Trainer
+  (`PatientRound`: `LoopRound`, `BatchedRound`, `StackedRound`, and `choose_round`; `PatientData`, `LocalSGD`,
+  `RoundParts`): what P3SGD runs every round, and what a hospital's site runs on its own patients.
 * ``stacked.py``: local SGD of many patients at once, ``torch.func`` over stacked parameter copies
   (`StackedLocalSGD`, P3SGD's several-local-step round); plain torch.
 * ``weight_averaging.py``: which callbacks average weights (shared by the DP callbacks and
@@ -19,6 +22,29 @@ Lightning hooks over what lives here:
 """
 
 from lightning_dp.training.checks import IndependenceCheck, collate_is_per_sample, float64_copy
+from lightning_dp.training.patient_rounds import (
+    BatchedRound,
+    LocalSGD,
+    LoopRound,
+    PatientData,
+    PatientRound,
+    RoundParts,
+    StackedRound,
+    choose_round,
+)
 from lightning_dp.training.stacked import StackedLocalSGD
 
-__all__ = ["IndependenceCheck", "StackedLocalSGD", "collate_is_per_sample", "float64_copy"]
+__all__ = [
+    "BatchedRound",
+    "IndependenceCheck",
+    "LocalSGD",
+    "LoopRound",
+    "PatientData",
+    "PatientRound",
+    "RoundParts",
+    "StackedLocalSGD",
+    "StackedRound",
+    "choose_round",
+    "collate_is_per_sample",
+    "float64_copy",
+]

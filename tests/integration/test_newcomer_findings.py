@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader
 from lightning_dp.callbacks import DPSGD, P3SGD, PrivacyBudget
 from lightning_dp.checkpoints import publishable_checkpoint
 from lightning_dp.errors import PrivacyStateError, PrivacyWarning
+from lightning_dp.training.patient_rounds import RoundParts
 from tests.helpers.patients import TinyClassifier, TinyPatientDataModule, TinyPatientDataset
 from tests.helpers.samples import IndexedSamples, SampleClassifier, SampleDataModule, dpsgd, trainer
 
@@ -47,22 +48,23 @@ class _StringIdPatients(TinyPatientDataset):
         self.patient_to_indices = {f"MRN-{p:03d}": idx for p, idx in self.patient_to_indices.items()}
 
 
-def test_p3sgd_accepts_patient_ids_that_are_not_0_to_n_minus_1(tmp_path: Path) -> None:
+def test_p3sgd_accepts_patient_ids_that_are_not_0_to_n_minus_1(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     dm = TinyPatientDataModule()
     dm.train_dataset = _StringIdPatients()
     seen: list[Any] = []
     cb = P3SGD(sample_rate=0.5, clip_norm=1.0, local_lr=0.1, seed=3)
-    original = cb._local_update
+    original = RoundParts.train_patient
 
-    def spy(patient: Any, *args: Any) -> None:
-        seen.append(patient)
-        original(patient, *args)
+    def spy(self: RoundParts, patient: int, streams: Any) -> None:
+        seen.append(self.data.keys[patient])
+        original(self, patient, streams)
 
-    cb._local_update = spy  # type: ignore[method-assign]
+    monkeypatch.setattr(RoundParts, "train_patient", spy)
     trainer = _trainer(tmp_path, [cb])
     trainer.fit(TinyClassifier(), dm)
     assert cb.rounds == 4 and cb.ledger is not None and cb.ledger.steps == 4
     assert seen, "with q = 0.5 and 12 patients some patient must have been sampled in 4 rounds"
+    assert all(str(key).startswith("MRN-") for key in seen), seen
     assert cb.sampler is not None and cb.sampler.num_patients == 12
 
 

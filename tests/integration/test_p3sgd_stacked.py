@@ -17,6 +17,7 @@ from torch import Tensor, nn
 
 from lightning_dp.callbacks import P3SGD
 from lightning_dp.sampling.randomness import UnitStreams
+from lightning_dp.training.patient_rounds import StackedRound, loss_of
 from lightning_dp.training.stacked import StackedLocalSGD, stack_batches
 from tests.helpers.patients import TinyClassifier, TinyPatientDataModule
 from tests.integration.test_p3sgd_vectorized import RuleZoo, _Data, _fit, _p3sgd, _state
@@ -70,22 +71,22 @@ class _Probe(pl.Callback):
         self.together: Tensor | None = None
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        cb, state = self.cb, self.cb._state
-        assert state is not None and cb._stacked is not None, cb.vectorize_fallback
+        cb, state, stacked = self.cb, self.cb._state, self.cb._round
+        assert state is not None and isinstance(stacked, StackedRound), cb.vectorize_fallback
         theta, other = state.vector(), state.snapshot_other_buffers()
         for p in self.patients:
-            out, streams, key = torch.zeros_like(theta), UnitStreams(0, "patient"), cb._patient_keys[p]
-            with torch.enable_grad(), streams.unit(key):
-                cb._local_update(cb._patient_groups[p], pl_module, streams.generator(key))
+            out = torch.zeros_like(theta)
+            with torch.enable_grad():
+                stacked.parts.train_patient(p, UnitStreams(0, "patient"))
             state.add_clipped_change(theta, out, cb.clip_norm)
             state.load(theta, other)
             self.loop[p] = out
             out, stats = torch.zeros_like(theta), torch.zeros(4, dtype=torch.float64)
-            cb._stacked_updates([p], pl_module, out, stats, UnitStreams(0, "patient"), (theta, other))
+            stacked.add_stacked([p], out, stats, UnitStreams(0, "patient"), (theta, other))
             self.alone[p] = (out, stats)
         self.together = torch.zeros_like(theta)
         zeros = torch.zeros(4, dtype=torch.float64)
-        cb._stacked_updates(self.patients, pl_module, self.together, zeros, UnitStreams(0, "patient"), (theta, other))
+        stacked.add_stacked(self.patients, self.together, zeros, UnitStreams(0, "patient"), (theta, other))
         assert torch.equal(state.vector(), theta), "stacked local SGD must not change the model"
 
 
@@ -228,13 +229,14 @@ class _BreakStacking(pl.Callback):
         self.cb = cb
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        assert self.cb._stacked is not None
+        stacked = self.cb._round
+        assert isinstance(stacked, StackedRound)
 
         def broken(steps: Any) -> Any:
             next(iter(steps))  # draws the first mini-batches, as a real failure would, then fails
             raise RuntimeError("stack expects each tensor to be equal size")
 
-        self.cb._stacked.run = broken  # type: ignore[method-assign]
+        stacked.stacked.run = broken  # type: ignore[method-assign]
 
 
 def test_a_round_whose_stacking_fails_is_redone_by_the_loop_and_says_nothing(tmp_path: Path) -> None:
@@ -260,18 +262,16 @@ class _ChunkProbe(pl.Callback):
         self.sums: dict[tuple[int, ...], Tensor] = {}
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        from lightning_dp.training.stacked import StackedLocalSGD
-
-        cb, state = self.cb, self.cb._state
-        assert state is not None and cb._original_training_step is not None
-        cb._stacked = StackedLocalSGD(pl_module, cb._original_training_step, cb._loss_of, state.params, cb.local_lr)
+        cb, state, parts = self.cb, self.cb._state, self.cb._parts
+        assert state is not None and parts is not None
+        engine = StackedLocalSGD(pl_module, parts.step, loss_of, state.params, cb.local_lr)
+        stacked = StackedRound(parts, engine, cb.vectorize_batch_size)
         theta, other = state.vector(), state.snapshot_other_buffers()
         for patients in ((0, 1), (2, 3), (0, 1, 2, 3)):
             out = torch.zeros_like(theta)
             zeros = torch.zeros(4, dtype=torch.float64)
-            cb._stacked_updates(list(patients), pl_module, out, zeros, UnitStreams(0, "patient"), (theta, other))
+            stacked.add_stacked(list(patients), out, zeros, UnitStreams(0, "patient"), (theta, other))
             self.sums[patients] = out
-        cb._stacked = None
         assert torch.equal(state.vector(), theta)
 
 

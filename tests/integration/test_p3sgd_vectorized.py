@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from lightning_dp.callbacks import P3SGD
 from lightning_dp.sampling.randomness import UnitStreams
+from lightning_dp.training.patient_rounds import BatchedRound
 from tests.helpers.patients import TinyClassifier, TinyPatientDataModule
 
 COUNTS = [1, 4, 7, 2, 5, 3, 6, 2, 1, 7, 4, 3]  # images of each patient
@@ -177,23 +178,25 @@ class _Probe(pl.Callback):
         self.together: Tensor | None = None
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        cb, state = self.cb, self.cb._state
-        assert state is not None and cb._clipper is not None, cb.vectorize_fallback
+        cb, state, batched = self.cb, self.cb._state, self.cb._round
+        assert state is not None and isinstance(batched, BatchedRound), cb.vectorize_fallback
+        parts = batched.parts
         theta, other = state.vector(), state.snapshot_other_buffers()
         patients = list(range(self.patients))
         with torch.enable_grad():
             for p in patients:
                 out = torch.zeros_like(theta)
-                cb._local_update(cb._patient_groups[p], pl_module, torch.Generator().manual_seed(0))
+                generator = torch.Generator().manual_seed(0)
+                parts.local.train(state.params, parts.step, parts.data.batch, parts.data.groups[p], generator)
                 state.add_clipped_change(theta, out, cb.clip_norm)
                 state.load(theta, other)
                 self.loop[p] = out
                 out, stats = torch.zeros_like(theta), torch.zeros(4, dtype=torch.float64)
-                cb._vectorized_updates([p], pl_module, out, stats, UnitStreams(0, "patient"))
+                batched.add_one_step([p], out, stats, UnitStreams(0, "patient"))
                 self.alone[p] = (out, stats)
             self.together = torch.zeros_like(theta)
             zeros = torch.zeros(4, dtype=torch.float64)
-            cb._vectorized_updates(patients, pl_module, self.together, zeros, UnitStreams(0, "patient"))
+            batched.add_one_step(patients, self.together, zeros, UnitStreams(0, "patient"))
         assert torch.equal(state.vector(), theta), "the batched pass must not change the model"
 
 

@@ -25,6 +25,8 @@ from lightning_dp.callbacks import DPSGD, P3SGD, ReleasedWeightAveraging
 from lightning_dp.callbacks.base import DPCallback
 from lightning_dp.errors import PrivacyConfigError
 from lightning_dp.models import ImageClassifier, fix_model
+from lightning_dp.sampling.randomness import UnitStreams
+from lightning_dp.training.patient_rounds import RoundParts
 from tests.helpers.patients import TinyClassifier, TinyPatientDataModule
 from tests.helpers.samples import SampleDataModule, flat_weights, trainer
 
@@ -141,13 +143,13 @@ def test_p3sgd_average_never_sees_a_patients_local_model(tmp_path: Path, monkeyp
     # The local models exist only inside the round; what the average is fed (the model at on_train_batch_end)
     # is the released θ_{t+1}, which is none of them.
     local: list[Tensor] = []
-    original = P3SGD._local_update
+    original = RoundParts.train_patient
 
-    def recording(self: P3SGD, patient: int, pl_module: pl.LightningModule, generator: torch.Generator) -> None:
-        original(self, patient, pl_module, generator)
-        local.append(flat_weights(pl_module))
+    def recording(self: RoundParts, patient: int, streams: UnitStreams) -> None:
+        original(self, patient, streams)
+        local.append(flat_weights(self.module))
 
-    monkeypatch.setattr(P3SGD, "_local_update", recording)
+    monkeypatch.setattr(RoundParts, "train_patient", recording)
     _, _, probe = _fit(tmp_path, "p3sgd", [ReleasedWeightAveraging(decay=DECAY)])
     assert local, "some patient must have been sampled"
     assert not any(torch.equal(a, b) for a in probe.batch_end for b in local)
