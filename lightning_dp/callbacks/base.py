@@ -32,6 +32,7 @@ from lightning_dp.callbacks.privacy_report import write_privacy_report
 from lightning_dp.errors import PrivacyConfigError, PrivacyStateError, PrivacyWarning, check_in_interval
 from lightning_dp.sampling.patients import secure_seed
 from lightning_dp.sanitization import Release
+from lightning_dp.sanitization.per_sample import ClipStats
 from lightning_dp.schedules import NoiseSchedule
 from lightning_dp.selection import AlwaysAccept, StepAcceptance
 from lightning_dp.training.privacy import (
@@ -44,7 +45,7 @@ from lightning_dp.training.privacy import (
     state_digest,
 )
 from lightning_dp.training.privacy import MAX_SAFE_DELTA_TIMES_N as MAX_SAFE_DELTA_TIMES_N  # re-exported
-from lightning_dp.training.step import PrivateStep, StepResult
+from lightning_dp.training.step import PrivateStep, StepResult, UpdateTarget
 from lightning_dp.training.threads import ThreadGovernor
 from lightning_dp.training.trainer import (
     check_loader_in_use,
@@ -74,13 +75,21 @@ _CONSTANT_KEYS = ("privacy/delta", "privacy/expected_batch_size")
 class DPCallback(pl.Callback):
     """Base class of the DP training callbacks (`P3SGD`, `DPSGD`); not used directly.
 
-    Subclasses set ``mechanism`` and ``unit`` and implement `_prepare`, `_build`, `_private_step`,
-    `_extra_state`/`_load_extra_state` and `_report_extra`.
+    Subclasses set ``mechanism``, ``unit`` and ``diagnostic_names`` and implement `_prepare`, `_build`, the parts of
+    the private step (`_begin_step`, `_clip`, `_target`, `_normalizer`, `_public_metrics`; optionally `_check_batch`,
+    `_release_inputs`, `_abort_step`, `_end_step`, `_after_step`), `_extra_state`/`_load_extra_state` and
+    `_report_extra`. The step itself, `_private_step`, is the same for both: budget → clip → sum over ranks →
+    release (noise and charge, in one call) → count → log.
     """
 
     mechanism: ClassVar[str]
     unit: ClassVar[PrivacyUnit]
     format_version: ClassVar[int] = 1
+    #: The private diagnostics of a step: (units in it, fraction clipped, mean norm, non-finite units).
+    diagnostic_names: ClassVar[tuple[str, str, str, str]]
+    #: The ε the noise is calibrated to (None: the noise is given) and the run length it was calibrated for.
+    target_epsilon: float | None = None
+    planned_steps: int | None = None
 
     def __init__(
         self,
@@ -131,6 +140,8 @@ class DPCallback(pl.Callback):
         self._told_threads = False
         #: The constants of `_CONSTANT_KEYS` were logged in this fit.
         self._logged_constants = False
+        #: Private steps taken (P3SGD calls them rounds); the ledger has one event per step.
+        self.steps = 0
         self.ledger: PrivacyLedger | None = None
         self.release: Release | None = None
         self.private_step: PrivateStep | None = None
@@ -176,9 +187,85 @@ class DPCallback(pl.Callback):
         """Creates the sampler, the release and whatever else the step needs; returns the training loader."""
         raise NotImplementedError
 
-    def _private_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> None:
-        """One private step (called by Lightning in place of the module's training_step)."""
+    def _check_batch(self, batch: Any) -> None:
+        """Refuses a batch that is not this step's (before the budget is consulted); nothing by default."""
+
+    def _begin_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> Any:
+        """Everything the step needs before clipping (its sample, θ_t, snapshots); returned to the other parts."""
         raise NotImplementedError
+
+    def _clip(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, step: Any
+    ) -> tuple[torch.Tensor, ClipStats]:
+        """This rank's Σ of clipped per-unit contributions (flat) and what clipping saw; the model left at θ_t."""
+        raise NotImplementedError
+
+    def _target(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: Any) -> UpdateTarget:
+        """Where the released update goes."""
+        raise NotImplementedError
+
+    def _normalizer(self) -> float:
+        """The public expected number of units per step (q·N): the release divides by it."""
+        raise NotImplementedError
+
+    def _release_inputs(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, step: Any
+    ) -> dict[str, Any]:
+        """Further arguments of `PrivateStep.__call__` (``loss_of``, ``unit_losses``, ``public_energy``)."""
+        return {}
+
+    def _abort_step(self, step: Any) -> None:
+        """Undoes what an interrupted step left in the model (an error, OOM or Ctrl-C between clipping and release)."""
+
+    def _end_step(self, step: Any) -> None:
+        """Wipes what the step held (un-noised sums, secrets), whether it was released or not."""
+
+    def _after_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, result: StepResult, stats: ClipStats
+    ) -> None:
+        """Book-keeping after a released step (``self.steps`` already counts it)."""
+
+    def _public_metrics(self, result: StepResult) -> dict[str, float]:
+        """The step's public values to log beside ε (computed from public facts and the release only)."""
+        raise NotImplementedError
+
+    def _private_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> None:
+        """One private step (called by Lightning in place of the module's training_step), the same for both engines.
+
+        Budget → clip (this rank's units) → sum over ranks → `PrivateStep` (noise drawn and ledger charged in one call,
+        then the update applied, accepted or restored) → count → log. What a step reads of private data reaches the
+        loggers only through the release; the clipping statistics only if the user opted in.
+        """
+        self._check_batch(batch)
+        if not self._budget_allows(trainer, self.steps):
+            return
+        step = self._begin_step(trainer, pl_module, batch)
+        device = pl_module.device
+
+        def reduce(t: torch.Tensor) -> torch.Tensor:
+            return trainer.strategy.reduce(t.to(device), reduce_op="sum").cpu()
+
+        try:
+            clipped_sum, stats = self._clip(trainer, pl_module, batch, step)
+            clipped_sum = trainer.strategy.reduce(clipped_sum, reduce_op="sum")
+            stats = ClipStats.from_tensor(reduce(stats.to_tensor()))
+            assert self.private_step is not None
+            result = self.private_step(
+                self.steps,
+                clipped_sum,
+                self._normalizer(),
+                self._target(trainer, pl_module, step),
+                reduce=reduce,
+                **self._release_inputs(trainer, pl_module, batch, step),
+            )
+        except BaseException:
+            self._abort_step(step)
+            raise
+        finally:
+            self._end_step(step)
+        self.steps += 1
+        self._after_step(trainer, pl_module, result, stats)
+        self._log_step(pl_module, result, self._public_metrics(result), stats)
 
     def _extra_state(self) -> dict[str, Any]:
         raise NotImplementedError
@@ -203,26 +290,18 @@ class DPCallback(pl.Callback):
 
     def _planned_steps(self, trainer: pl.Trainer, steps_per_epoch: int) -> int:
         """The length of the run that ``target_epsilon`` is calibrated for (max_steps, or max_epochs × steps)."""
-        return planned_steps(trainer, steps_per_epoch, self.mechanism, getattr(self, "target_epsilon", None))
-
-    def _calibrated_length(self) -> int | None:
-        """The run length ``target_epsilon`` was calibrated for (DPSGD's planned_steps, P3SGD's planned_rounds)."""
-        for attribute in ("planned_steps", "planned_rounds"):
-            value = getattr(self, attribute, None)
-            if value is not None:
-                return int(value)
-        return None
+        return planned_steps(trainer, steps_per_epoch, self.mechanism, self.target_epsilon)
 
     def _planned_length(self, trainer: pl.Trainer) -> int | None:
         """The steps the Trainer is set to run (the calibrated length, max_steps, or max_epochs × steps per epoch)."""
-        return planned_length(trainer, self._calibrated_length(), self._loader)
+        return planned_length(trainer, self.planned_steps, self._loader)
 
     def _calibrate(self, schedule: NoiseSchedule, rate: float, steps: int, delta: float) -> NoiseSchedule:
         """``schedule`` scaled so that ``steps`` steps of this callback's step end at ε ≤ target_epsilon.
 
         See `lightning_dp.training.privacy.calibrate_schedule` (the energy noise is scaled with it).
         """
-        target = getattr(self, "target_epsilon", None)
+        target = self.target_epsilon
         assert target is not None
         return calibrate_schedule(
             schedule, steps, delta, target, self.unit, self.acceptance, self.accountant.name, self._new_release
@@ -275,7 +354,7 @@ class DPCallback(pl.Callback):
         self._loader = self._build(trainer, pl_module, seeds)
         self._units = units
         self._planned_run = self._planned_length(trainer)
-        warn_calibrated_debug_run(trainer, self.mechanism, getattr(self, "target_epsilon", None), self._planned_run)
+        warn_calibrated_debug_run(trainer, self.mechanism, self.target_epsilon, self._planned_run)
         assert self.release is not None
         self.acceptance.seed(seeds[2])
         self.private_step = PrivateStep(self.release, self.acceptance)
@@ -466,13 +545,11 @@ class DPCallback(pl.Callback):
         pl_module: pl.LightningModule,
         result: StepResult,
         public: dict[str, float],
-        stats: torch.Tensor,
-        names: tuple[str, str, str, str],
+        stats: ClipStats,
     ) -> None:
         """Logs a step's sanitized metrics and, if the user opted in, its private diagnostics.
 
-        ``stats`` holds (units in the step, units clipped, sum of their norms, non-finite units), summed
-        over ranks; ``names`` are the diagnostics' names for those four (count, clipped fraction,
+        ``stats``: what clipping saw, summed over ranks, logged under ``diagnostic_names`` (count, clipped fraction,
         mean norm, non-finite count). The diagnostics are computed from private data, not sanitized.
         """
         assert self.ledger is not None
@@ -499,9 +576,9 @@ class DPCallback(pl.Callback):
         if not self.acceptance.can_reject:
             metrics.pop("privacy/accepted", None)
         if self.log_private_diagnostics:
-            n = max(stats[0].item(), 1.0)
-            values = (stats[0].item(), stats[1].item() / n, stats[2].item() / n, stats[3].item())
-            metrics.update({f"private_diagnostics/{name}": value for name, value in zip(names, values)})
+            n = max(float(stats.batch_size), 1.0)
+            values = (float(stats.batch_size), stats.clipped / n, stats.norm_sum / n, float(stats.nonfinite))
+            metrics.update({f"private_diagnostics/{name}": value for name, value in zip(self.diagnostic_names, values)})
         self._log(pl_module, metrics)
 
     def _log(self, pl_module: pl.LightningModule, metrics: dict[str, float]) -> None:
@@ -545,9 +622,9 @@ class DPCallback(pl.Callback):
             extra["stop_reason"] = self._budget.stop_reason
         extra["num_units"] = self._units
         extra["planned_steps"] = self._planned_run
-        calibrated = self._calibrated_length()
+        calibrated = self.planned_steps
         if calibrated is not None and self.ledger.steps < calibrated and not self._stopped_by_budget:
-            target = getattr(self, "target_epsilon", None)
+            target = self.target_epsilon
             note = (
                 f"the noise was calibrated for target_epsilon={target} over {calibrated} steps, and the run stopped "
                 f"after {self.ledger.steps} (limit_train_batches, fast_dev_run, early stopping or an interruption): "

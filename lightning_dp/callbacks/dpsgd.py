@@ -20,6 +20,7 @@ that mean is clipped to C. The sample, the sensitivity C and so the ε are those
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import pytorch_lightning as pl
@@ -43,6 +44,7 @@ from lightning_dp.sampling.samples import LogicalBatch, PoissonBatches, PoissonS
 from lightning_dp.sanitization import GaussianRelease
 from lightning_dp.sanitization.buffers import BufferSnapshot
 from lightning_dp.sanitization.per_sample import (
+    ClipStats,
     LossReduction,
     NonFiniteGradientsError,
     PerSampleClipper,
@@ -60,7 +62,7 @@ from lightning_dp.training.checks import (
     take,
     tensor_leaves,
 )
-from lightning_dp.training.step import OptimizerTarget
+from lightning_dp.training.step import OptimizerTarget, StepResult
 from lightning_dp.training.trainer import (
     map_style_training_data,
     refuse_averaging_before_conversion,
@@ -72,6 +74,14 @@ __all__ = ["DPSGD"]
 
 _FP16 = ("16-mixed", "16-true", "16")
 _INITIAL_LOSS_SCALE = 2.0**16
+
+
+@dataclass
+class _Step:
+    """What one DP-SGD step holds between its parts: the model's buffers and parameters before it, its secret."""
+
+    buffers: BufferSnapshot
+    secret: int
 
 
 class DPSGD(DPCallback):
@@ -137,6 +147,7 @@ class DPSGD(DPCallback):
 
     mechanism = "DPSGD"
     unit = "sample"
+    diagnostic_names = ("batch_size", "clipped_fraction", "mean_per_sample_norm", "nonfinite_samples")
 
     def __init__(
         self,
@@ -202,7 +213,6 @@ class DPSGD(DPCallback):
         super().__init__(
             delta, seed, log_private_diagnostics, name, flush_denormal, accountant, acceptance, adapt_threads
         )
-        self.steps = 0
         self.sampler: PoissonSampleSampler | None = None
         self.clipper: PerSampleClipper | None = None
         self.converted_layers: list[str] = []
@@ -429,17 +439,18 @@ class DPSGD(DPCallback):
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         step_schedulers(trainer, "epoch", trainer.current_epoch + 1)
 
-    def _private_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> None:
-        assert self.ledger is not None and self.release is not None and self.sampler is not None
-        assert self.clipper is not None and self._original_training_step is not None
+    # ------------------------------------------------------------------ the step's parts (the sequence: DPCallback)
+    def _check_batch(self, batch: Any) -> None:
         if not isinstance(batch, LogicalBatch) or batch.step != self.steps:
             found = batch.step if isinstance(batch, LogicalBatch) else type(batch).__name__
             raise PrivacyStateError(
                 f"`DPSGD`: the loader delivered the batch of step {found}, but this is step {self.steps}. Every "
                 "step must use a fresh Poisson sample. HINT: do not use persistent_workers or a custom fit loop."
             )
-        if not self._budget_allows(trainer, self.steps):
-            return
+
+    def _begin_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: LogicalBatch) -> _Step:
+        assert self.ledger is not None and self.release is not None and self.sampler is not None
+        assert self.clipper is not None and self._original_training_step is not None
         if batch.chunks and self._first_chunk_check is not None:  # once, on the first real chunk
             check, self._first_chunk_check = self._first_chunk_check, None
             rows = min(self.max_physical_batch_size, batch.size) * self.augmentation_multiplicity
@@ -460,22 +471,27 @@ class DPSGD(DPCallback):
         # requires_grad: a training_step that writes one (a weight average, an input mean) releases it un-noised.
         buffers = BufferSnapshot(pl_module, parameters=True)
         self.clipper.reset()
-        stats = torch.zeros(4, dtype=torch.float64)  # samples, clipped, norm sum, non-finite
+        return _Step(buffers, self.sampler.unit_secret(batch.step))
+
+    def _clip(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: LogicalBatch, step: _Step
+    ) -> tuple[torch.Tensor, ClipStats]:
+        assert self.clipper is not None
+        stats = ClipStats()
         scale = [_INITIAL_LOSS_SCALE if self._fp16 else 1.0]
-        secret = self.sampler.unit_secret(batch.step)
         try:
             for k, chunk in enumerate(batch.chunks):
                 first = k * self.max_physical_batch_size
                 size = min(self.max_physical_batch_size, batch.size - first)
                 keys = [i for i in batch.indices[first : first + size] for _ in range(self.augmentation_multiplicity)]
-                result = self._accumulate_chunk(chunk, size, k, scale, pl_module, (secret, keys))
-                stats += torch.tensor([size, result.clipped, result.norm_sum, result.nonfinite], dtype=torch.float64)
-            changed = buffers.changed()
+                result = self._accumulate_chunk(chunk, size, k, scale, pl_module, (step.secret, keys))
+                stats += ClipStats(size, result.clipped, result.norm_sum, result.nonfinite)
+            changed = step.buffers.changed()
         except BaseException:  # an error mid-step (a corrupt image, OOM, Ctrl-C) leaves no data-dependent buffer
-            buffers.restore()
+            step.buffers.restore()
             raise
         if changed:
-            buffers.restore()
+            step.buffers.restore()
             raise UnsupportedModelError(
                 f"`DPSGD`: the training step changed buffers or parameters of {type(pl_module).__name__} "
                 f"({changed[:5]}) outside the gradient step: running statistics, counts, flags or averages updated "
@@ -486,10 +502,11 @@ class DPSGD(DPCallback):
                 "public: keep it outside the model's buffers (a plain attribute, or update it in a callback's "
                 "on_train_batch_end)."
             )
-        device = pl_module.device
-        clipped_sum = trainer.strategy.reduce(self.clipper.flat_sum, reduce_op="sum")
-        stats = trainer.strategy.reduce(stats.to(device), reduce_op="sum").cpu()
-        target = OptimizerTarget(
+        return self.clipper.flat_sum, stats
+
+    def _target(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: _Step) -> OptimizerTarget:
+        assert self.clipper is not None
+        return OptimizerTarget(
             pl_module,
             self.clipper.params,
             self._optimizers(pl_module),
@@ -497,25 +514,27 @@ class DPSGD(DPCallback):
             step_schedulers=lambda: step_schedulers(trainer, "step", self.steps + 1),
             schedulers=[config.scheduler for config in trainer.lr_scheduler_configs],
         )
-        assert self.private_step is not None
-        energy = UnitStreams(self.sampler.unit_secret(batch.step), "energy", device)
-        result = self.private_step(
-            self.steps,
-            clipped_sum,
-            self.sampler.expected_batch_size,
-            target,
-            unit_losses=lambda: self._sample_losses(pl_module, batch, energy),
-            public_energy=lambda: self._public_loss(trainer, pl_module),
-            reduce=lambda t: trainer.strategy.reduce(t.to(device), reduce_op="sum").cpu(),
-        )
-        self.steps += 1
-        public = {
+
+    def _normalizer(self) -> float:
+        assert self.sampler is not None
+        return self.sampler.expected_batch_size
+
+    def _release_inputs(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: LogicalBatch, step: _Step
+    ) -> dict[str, Any]:
+        energy = UnitStreams(step.secret, "energy", pl_module.device)
+        return {
+            "unit_losses": lambda: self._sample_losses(pl_module, batch, energy),
+            "public_energy": lambda: self._public_loss(trainer, pl_module),
+        }
+
+    def _public_metrics(self, result: StepResult) -> dict[str, float]:
+        assert self.sampler is not None
+        return {
             "privacy/steps": float(self.steps),
             "privacy/expected_batch_size": self.sampler.expected_batch_size,
             "privacy/accepted": float(result.accepted),
         }
-        names = ("batch_size", "clipped_fraction", "mean_per_sample_norm", "nonfinite_samples")
-        self._log_step(pl_module, result, public, stats, names)
 
     @torch.no_grad()
     def _sample_losses(self, pl_module: pl.LightningModule, batch: LogicalBatch, streams: UnitStreams) -> torch.Tensor:

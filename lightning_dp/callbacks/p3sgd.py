@@ -48,6 +48,7 @@ docs/results/speed.md (benchmarks/p3sgd_vectorized.py).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import pytorch_lightning as pl
@@ -77,6 +78,7 @@ from lightning_dp.sanitization import (
     SelectedRelease,
     Selection,
 )
+from lightning_dp.sanitization.per_sample import ClipStats
 from lightning_dp.sanitization.release import check_scales
 from lightning_dp.schedules import ConstantNoise, NoiseSchedule
 from lightning_dp.selection import StepAcceptance
@@ -91,9 +93,19 @@ from lightning_dp.training.patient_rounds import (
     images_loss,
     model_reason,
 )
-from lightning_dp.training.step import ModelStateTarget
+from lightning_dp.training.step import ModelStateTarget, StepResult
 
 __all__ = ["P3SGD"]
+
+
+@dataclass
+class _Round:
+    """What one round holds between its parts: this rank's patients, θ_t and the other buffers, the round's secret."""
+
+    patients: list[int]
+    theta: Tensor
+    other: list[Tensor]
+    secret: int
 
 
 class _RoundTicks(IterableDataset):
@@ -182,6 +194,7 @@ class P3SGD(DPCallback):
 
     mechanism = "P3SGD"
     unit = "patient"
+    diagnostic_names = ("patients_in_round", "clipped_fraction", "mean_update_norm", "nonfinite_updates")
 
     def __init__(
         self,
@@ -235,7 +248,6 @@ class P3SGD(DPCallback):
                 "`P3SGD(accounting='paper', target_epsilon=...)`: the paper's ε is not a guarantee to calibrate to. "
                 "HINT: accounting='rigorous'."
             )
-        self.planned_rounds: int | None = None
         self.selection: Selection | None = None
         if len(scales) > 1:
             if selection_epsilon is None or loss_bound is None:
@@ -291,7 +303,6 @@ class P3SGD(DPCallback):
             delta, seed, log_private_diagnostics, name, flush_denormal, accountant, acceptance, adapt_threads
         )
         self.sampler: PoissonPatientSampler | None = None
-        self.rounds = 0
         self.selection_counts = [0] * len(self.noise_scales)
         self.nonfinite_updates = 0
         self._dataset: Any = None
@@ -316,6 +327,24 @@ class P3SGD(DPCallback):
         #: Rounds of this fit run on the batched or stacked path (not privacy state; a round whose stacking fails is
         #: re-done by the loop within the round, silently).
         self.vectorized_rounds = 0
+
+    @property
+    def rounds(self) -> int:
+        """Rounds taken (the base's step counter: a P3SGD step is a round)."""
+        return self.steps
+
+    @rounds.setter
+    def rounds(self, value: int) -> None:
+        self.steps = value
+
+    @property
+    def planned_rounds(self) -> int | None:
+        """The run length ``target_epsilon`` was calibrated for (the base's ``planned_steps``)."""
+        return self.planned_steps
+
+    @planned_rounds.setter
+    def planned_rounds(self, value: int | None) -> None:
+        self.planned_steps = value
 
     def __repr__(self) -> str:
         return (
@@ -384,9 +413,9 @@ class P3SGD(DPCallback):
         self._units_seed = seeds[0]
         rounds = self.rounds_per_epoch or max(1, round(1 / self.sample_rate))
         if self.target_epsilon is not None:
-            self.planned_rounds = self._planned_steps(trainer, rounds)
+            self.planned_steps = self._planned_steps(trainer, rounds)
             self._schedule = self._calibrate(
-                self.noise_schedule, self.sample_rate, self.planned_rounds, self.ledger.delta
+                self.noise_schedule, self.sample_rate, self.planned_steps, self.ledger.delta
             )
         elif trainer.max_steps is not None and trainer.max_steps > 0:
             self.noise_schedule.multipliers(trainer.max_steps)  # a bad multiplier anywhere in the run: an error now
@@ -552,11 +581,10 @@ class P3SGD(DPCallback):
         ]
         return torch.tensor(values, dtype=torch.float64)
 
-    def _private_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> None:
+    # ------------------------------------------------------------------ the round's parts (the sequence: DPCallback)
+    def _begin_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> _Round:
         assert self.ledger is not None and self.sampler is not None and self.release is not None
-        assert self._state is not None
-        if not self._budget_allows(trainer, self.rounds):
-            return
+        assert self._state is not None and self._parts is not None
         state = self._state
         state.refresh()  # what a round releases follows requires_grad and train/eval modes
         patients = self.sampler.sample().tolist()
@@ -565,68 +593,79 @@ class P3SGD(DPCallback):
         # and the patient's id (sampling.randomness), never from the global generators that seed_everything seeds. It
         # is a function of the secret seed and the round's number alone, not of the patients sampled before.
         assert self._units_seed is not None
-        self._round_secret = unit_seed(self._units_seed, "p3sgd-round", self.rounds)
+        self._round_secret = unit_seed(self._units_seed, "p3sgd-round", self.steps)
         # θ_t and the clipped sum live in kept workspaces: fresh model-sized vectors cost page faults every round.
         theta, other = state.vector(out=state.workspace("theta")), state.snapshot_other_buffers()
-        assert self._parts is not None
         if self._round is not None:
             problem = model_reason(self._parts, self._round)  # modes and trainable parameters can change during fit
             if problem is not None:
                 self._close_round()
                 self._announce(problem)
-        try:
-            clipped_sum = state.workspace("clipped_sum").zero_()
-            stats = torch.zeros(4, dtype=torch.float64)  # patients, clipped, norm sum, non-finite
-            with torch.enable_grad():
-                # A vectorized round that cannot run this round (its pass drew random numbers, a batch did not stack)
-                # adds nothing and the loop re-does it from fresh streams; nothing is said (it depends on the sample).
-                if self._round is not None:
-                    self.vectorized_rounds += 1
-                done = self._round is not None and self._round.add_clipped(
-                    mine, clipped_sum, stats, self._round_secret, (theta, other)
-                )
-                if not done:
-                    LoopRound(self._parts).add_clipped(mine, clipped_sum, stats, self._round_secret, (theta, other))
-            state.load(theta, other)
-            clipped_sum = trainer.strategy.reduce(clipped_sum, reduce_op="sum")
-            stats = trainer.strategy.reduce(stats.to(pl_module.device), reduce_op="sum").cpu()
+        return _Round(mine, theta, other, self._round_secret)
 
-            def loss_of(update: Tensor) -> float:
-                return self._round_loss(theta, mine, pl_module, trainer, update=update)
+    def _clip(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, step: _Round
+    ) -> tuple[Tensor, ClipStats]:
+        assert self._state is not None and self._parts is not None
+        start = (step.theta, step.other)
+        clipped_sum = self._state.workspace("clipped_sum").zero_()
+        with torch.enable_grad():
+            # A vectorized round that cannot run this round (its pass drew random numbers, a batch did not stack) adds
+            # nothing and the loop re-does it from fresh streams; nothing is said (it depends on the patients sampled).
+            stats = None
+            if self._round is not None:
+                self.vectorized_rounds += 1
+                stats = self._round.add_clipped(step.patients, clipped_sum, step.secret, start)
+            if stats is None:
+                stats = LoopRound(self._parts).add_clipped(step.patients, clipped_sum, step.secret, start)
+        self._state.load(*start)
+        return clipped_sum, stats
 
-            target = ModelStateTarget(state, theta, other, self.server_lr)
-            assert self.private_step is not None
-            result = self.private_step(
-                self.rounds,
-                clipped_sum,
-                self.sampler.expected_count,
-                target,
-                loss_of=loss_of,
-                unit_losses=lambda: self._patient_losses(mine),
-                public_energy=lambda: self._public_loss(trainer, pl_module),
-                reduce=lambda t: trainer.strategy.reduce(t.to(pl_module.device), reduce_op="sum").cpu(),
-            )
-        except BaseException:
-            # A corrupt image, an OOM or Ctrl-C mid-round: the model goes back to θ_t, so that no patient's raw
-            # (unclipped, un-noised) change stays in it for a checkpoint to save.
-            state.load(theta, other)
-            raise
-        finally:
-            self._round_secret = None
-            state.wipe_workspaces()  # a patient's raw change and the un-noised sum do not outlive the round
-            if isinstance(self._round, BatchedRound):
-                self._round.reset()  # nor does the batched path's un-noised gradient sum
-        released = result.released
-        self.rounds += 1
-        self.selection_counts[released.selected] += 1
-        self.nonfinite_updates += int(stats[3])
+    def _target(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: _Round) -> ModelStateTarget:
+        assert self._state is not None
+        return ModelStateTarget(self._state, step.theta, step.other, self.server_lr)
+
+    def _normalizer(self) -> float:
+        assert self.sampler is not None
+        return self.sampler.expected_count
+
+    def _release_inputs(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, step: _Round
+    ) -> dict[str, Any]:
+        def loss_of(update: Tensor) -> float:
+            return self._round_loss(step.theta, step.patients, pl_module, trainer, update=update)
+
+        return {
+            "loss_of": loss_of,
+            "unit_losses": lambda: self._patient_losses(step.patients),
+            "public_energy": lambda: self._public_loss(trainer, pl_module),
+        }
+
+    def _abort_step(self, step: _Round) -> None:
+        # A corrupt image, an OOM or Ctrl-C mid-round: the model goes back to θ_t, so that no patient's raw (unclipped,
+        # un-noised) change stays in it for a checkpoint to save.
+        assert self._state is not None
+        self._state.load(step.theta, step.other)
+
+    def _end_step(self, step: _Round) -> None:
+        assert self._state is not None
+        self._round_secret = None
+        self._state.wipe_workspaces()  # a patient's raw change and the un-noised sum do not outlive the round
+        if isinstance(self._round, BatchedRound):
+            self._round.reset()  # nor does the batched path's un-noised gradient sum
+
+    def _after_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, result: StepResult, stats: ClipStats
+    ) -> None:
+        self.selection_counts[result.released.selected] += 1
+        self.nonfinite_updates += stats.nonfinite
         # Advances Lightning's step counter (the tick optimizer changes nothing).
         assert self._tick is not None
         self._tick.grad = torch.zeros_like(self._tick)
         self._step_optimizers(trainer, pl_module)
-        names = ("patients_in_round", "clipped_fraction", "mean_update_norm", "nonfinite_updates")
-        public = {"privacy/rounds": float(self.rounds), "privacy/accepted": float(result.accepted)}
-        self._log_step(pl_module, result, public, stats, names)
+
+    def _public_metrics(self, result: StepResult) -> dict[str, float]:
+        return {"privacy/rounds": float(self.rounds), "privacy/accepted": float(result.accepted)}
 
     def _nonfinite_loss_causes(self) -> str:
         return (

@@ -204,15 +204,45 @@ class _Layer:
 
 @dataclass(frozen=True)
 class ClipStats:
-    """What clipping saw in one batch. Computed from private data: not sanitized, not for logging by default.
+    """What clipping saw in one batch, step or round. Computed from private data: not sanitized, not logged by default.
 
-    Counts samples (not the rows of their augmented views), norms are those of the clipped per-sample gradients.
+    Counts units (samples, not the rows of their augmented views; or patients), ``norm_sum`` sums the units' norms
+    before clipping (the finite ones). Stats add up (``a + b``) and travel between DDP ranks as a float64 tensor.
+
+    Example:
+        >>> total = ClipStats() + ClipStats.of_unit(2.0, clipped=True, finite=True) + ClipStats(3, 1, 1.5, 0)
+        >>> total, ClipStats.from_tensor(total.to_tensor()) == total
+        (ClipStats(batch_size=4, clipped=2, norm_sum=3.5, nonfinite=0), True)
     """
 
-    batch_size: int
-    clipped: int
-    norm_sum: float
-    nonfinite: int
+    batch_size: int = 0
+    clipped: int = 0
+    norm_sum: float = 0.0
+    nonfinite: int = 0
+
+    @classmethod
+    def of_unit(cls, norm: float, clipped: bool, finite: bool) -> ClipStats:
+        """One unit's stats: its norm counts only if finite."""
+        return cls(1, int(clipped), norm if finite else 0.0, int(not finite))
+
+    def __add__(self, other: ClipStats) -> ClipStats:
+        return ClipStats(
+            self.batch_size + other.batch_size,
+            self.clipped + other.clipped,
+            self.norm_sum + other.norm_sum,
+            self.nonfinite + other.nonfinite,
+        )
+
+    def to_tensor(self, device: torch.device | str | None = None) -> Tensor:
+        """(units, clipped, norm sum, non-finite) as float64, e.g. to sum over DDP ranks."""
+        values = [float(self.batch_size), float(self.clipped), self.norm_sum, float(self.nonfinite)]
+        return torch.tensor(values, dtype=torch.float64, device=device)
+
+    @classmethod
+    def from_tensor(cls, values: Tensor) -> ClipStats:
+        """The inverse of `to_tensor` (counts rounded to integers)."""
+        units, clipped, norm_sum, nonfinite = values.double().cpu().tolist()
+        return cls(round(units), round(clipped), norm_sum, round(nonfinite))
 
 
 class PerSampleClipper:

@@ -42,7 +42,7 @@ from lightning_dp.errors import UnsupportedModelError, check_count, check_finite
 from lightning_dp.sampling.randomness import UnitStreams, draws_random_numbers, training_dropout
 from lightning_dp.sanitization import ModelState, updates
 from lightning_dp.sanitization.buffers import BufferSnapshot
-from lightning_dp.sanitization.per_sample import PerSampleClipper
+from lightning_dp.sanitization.per_sample import ClipStats, PerSampleClipper
 from lightning_dp.training.checks import (
     FLOAT32_TOLERANCE,
     FLOAT64_TOLERANCE,
@@ -84,9 +84,6 @@ _CAUSES = {
 #: θ_t and the other buffers a round starts every patient from (``state.vector()``, ``state.snapshot_other_buffers()``).
 Start = tuple[Tensor, list[Tensor]]
 
-#: (patients, clipped, sum of update norms, non-finite updates): what clipping saw, summed over a round's patients.
-STATS_SIZE = 4
-
 
 def loss_of(out: Any) -> Tensor:
     """The loss a ``training_step`` returned: the tensor itself, or its ``"loss"`` entry."""
@@ -95,8 +92,8 @@ def loss_of(out: Any) -> Tensor:
     return loss
 
 
-def _stats_row(clipped: bool, norm: float, finite: bool) -> Tensor:
-    return torch.tensor([1.0, float(clipped), norm if finite else 0.0, float(not finite)], dtype=torch.float64)
+#: Nothing seen yet (ClipStats is immutable: one instance serves as every default).
+NO_STATS = ClipStats()
 
 
 # ---------------------------------------------------------------------- what a round works on
@@ -248,11 +245,13 @@ class RoundParts:
             )
 
 
-def clip_changes(changes: list[Tensor | None], clip_norm: float, stats: Tensor) -> Tensor:
+def clip_changes(
+    changes: list[Tensor | None], clip_norm: float, stats: ClipStats = NO_STATS
+) -> tuple[Tensor, ClipStats]:
     """Clip factors of a chunk's changes (``changes[j]``: one parameter's change for every unit, or None: no change).
 
     The norm of unit k is over all its parameters' changes; factor min(1, C/‖Δ_k‖), 0 for a non-finite change, as
-    `ModelState.add_clipped_change` clips the loop's. Adds each unit's row to ``stats``.
+    `ModelState.add_clipped_change` clips the loop's. Returns the factors and ``stats`` plus what clipping saw.
     """
     units = next(c.shape[0] for c in changes if c is not None)
     squares = torch.zeros(units, dtype=torch.float64, device=next(c for c in changes if c is not None).device)
@@ -264,8 +263,8 @@ def clip_changes(changes: list[Tensor | None], clip_norm: float, stats: Tensor) 
         # Through the module, as ModelState does: the audit's mutants patch updates.clip_factor.
         factor, clipped, finite = updates.clip_factor(norm, clip_norm)
         factors[k] = factor
-        stats += _stats_row(clipped, norm, finite)
-    return factors
+        stats += ClipStats.of_unit(norm, clipped, finite)
+    return factors, stats
 
 
 # ---------------------------------------------------------------------- the round implementations
@@ -284,27 +283,19 @@ class PatientRound(abc.ABC):
         self.parts = parts
 
     @abc.abstractmethod
-    def add_clipped(
-        self,
-        patients: Sequence[int],
-        clipped_sum: Tensor,
-        stats: Tensor,
-        secret: int,
-        start: Start,
-    ) -> bool:
-        """Adds the clipped changes of ``patients`` (positions k) to ``clipped_sum`` and their rows to ``stats``.
+    def add_clipped(self, patients: Sequence[int], clipped_sum: Tensor, secret: int, start: Start) -> ClipStats | None:
+        """Adds the clipped changes of ``patients`` (positions k) to ``clipped_sum``.
 
         Args:
             patients: the positions of this round's patients in ``parts.data``.
             clipped_sum: a flat vector the size of ``parts.state.vector()``.
-            stats: a float64 vector of `STATS_SIZE` (patients, clipped, norm sum, non-finite).
             secret: the round's secret seed (never derived from data).
             start: θ_t and the other buffers (``state.vector()``, ``state.snapshot_other_buffers()``).
 
         Returns:
-            True; False if the round could not be computed this way (nothing added): the loop must run it. Whether
-            that happens can depend on the patients sampled: a caller says nothing about it. Either way the model is
-            back at ``start``.
+            What clipping saw (private: not for logging by default); None if the round could not be computed this way
+            (nothing added): the loop must run it. Whether that happens can depend on the patients sampled: a caller
+            says nothing about it. Either way the model is back at ``start``.
         """
 
     def close(self) -> None:  # noqa: B027 - most rounds hold nothing to free
@@ -317,23 +308,19 @@ class LoopRound(PatientRound):
     path = "loop"
 
     def add_clipped(
-        self,
-        patients: Sequence[int],
-        clipped_sum: Tensor,
-        stats: Tensor,
-        secret: int,
-        start: Start,
-    ) -> bool:
+        self, patients: Sequence[int], clipped_sum: Tensor, secret: int, start: Start, stats: ClipStats = NO_STATS
+    ) -> ClipStats:
+        """As `PatientRound.add_clipped`; ``stats``: what the round saw before these patients (added to)."""
         parts = self.parts
         state, streams = parts.state, parts.streams(secret)
         for patient in patients:
             state.load(*start)
             parts.train_patient(patient, streams)
             norm, clipped, finite = state.add_clipped_change(start[0], clipped_sum, parts.clip_norm)
-            stats += _stats_row(clipped, norm, finite)
+            stats += ClipStats.of_unit(norm, clipped, finite)
         if patients:
             state.load(*start)  # no patient's local model stays in the module
-        return True
+        return stats
 
 
 class _DrewRandomNumbers(Exception):
@@ -389,30 +376,23 @@ class BatchedRound(PatientRound):
         """Wipes the engine's un-noised sum (after every round)."""
         self.clipper.reset()
 
-    def add_clipped(
-        self,
-        patients: Sequence[int],
-        clipped_sum: Tensor,
-        stats: Tensor,
-        secret: int,
-        start: Start,
-    ) -> bool:
+    def add_clipped(self, patients: Sequence[int], clipped_sum: Tensor, secret: int, start: Start) -> ClipStats | None:
         parts = self.parts
         one_step = [p for p in patients if parts.data.size(p) <= parts.local.batch_size]
         try:
-            self.add_one_step(one_step, clipped_sum, stats, parts.streams(secret))
+            stats = self.add_one_step(one_step, clipped_sum, parts.streams(secret))
         except _DrewRandomNumbers:
             self.clipper.reset()
             parts.state.load(*start)
             clipped_sum.zero_()
-            stats.zero_()
-            return False
+            return None
         several = [p for p in patients if parts.data.size(p) > parts.local.batch_size]
-        return LoopRound(parts).add_clipped(several, clipped_sum, stats, secret, start)
+        return LoopRound(parts).add_clipped(several, clipped_sum, secret, start, stats)
 
-    def add_one_step(self, patients: Sequence[int], clipped_sum: Tensor, stats: Tensor, streams: UnitStreams) -> None:
+    def add_one_step(self, patients: Sequence[int], clipped_sum: Tensor, streams: UnitStreams) -> ClipStats:
         """Adds Σ_i clip_{C_u}(Δ_i) of ``patients`` (each one local step) to ``clipped_sum``, in batched passes."""
         parts, clipper = self.parts, self.clipper
+        stats = ClipStats()
         data, step = parts.data, parts.step
         chunks: list[list[int]] = []
         rows = 0
@@ -447,9 +427,7 @@ class BatchedRound(PatientRound):
                 if draws_random_numbers(run, parts.device):
                     raise _DrewRandomNumbers
             found = results[0]
-            stats += torch.tensor(
-                [len(chunk), found.clipped, found.norm_sum * parts.local.lr, found.nonfinite], dtype=torch.float64
-            )
+            stats += ClipStats(len(chunk), found.clipped, found.norm_sum * parts.local.lr, found.nonfinite)
         by_param = {id(p): view for p, view in clipper.views(clipper.flat_sum)}
         offset = 0
         with torch.no_grad():
@@ -457,6 +435,7 @@ class BatchedRound(PatientRound):
                 n = p.numel()
                 clipped_sum[offset : offset + n].add_(by_param[id(p)].reshape(-1), alpha=-parts.local.lr)
                 offset += n
+        return stats
 
 
 class StackedRound(PatientRound):
@@ -563,39 +542,26 @@ class StackedRound(PatientRound):
         by_memory = free_memory_bytes(self.parts.device) // 4 // max(1, 6 * param_bytes)
         return max(1, min(by_memory, self.images_per_step // max(1, images_per_step)))
 
-    def add_clipped(
-        self,
-        patients: Sequence[int],
-        clipped_sum: Tensor,
-        stats: Tensor,
-        secret: int,
-        start: Start,
-    ) -> bool:
-        """Stacked local SGD of ``patients``; False (and nothing added) if it failed and the loop must run.
+    def add_clipped(self, patients: Sequence[int], clipped_sum: Tensor, secret: int, start: Start) -> ClipStats | None:
+        """Stacked local SGD of ``patients``; None (and nothing added) if it failed and the loop must run.
 
         A batch that cannot be stacked (images of different sizes in one chunk, a field that is not a tensor) shows
         only in a round, and only for some samples of patients: the caller re-does the round by the loop from fresh
         streams, so it trains exactly what the loop would have, and says nothing.
         """
         try:
-            self.add_stacked(patients, clipped_sum, stats, self.parts.streams(secret), start)
+            return self.add_stacked(patients, clipped_sum, self.parts.streams(secret), start)
         except Exception:  # noqa: BLE001 - the loop runs any model; KeyboardInterrupt and the like propagate
             self.parts.state.load(*start)
             clipped_sum.zero_()
-            stats.zero_()
-            return False
-        return True
+            return None
 
     def add_stacked(
-        self,
-        patients: Sequence[int],
-        clipped_sum: Tensor,
-        stats: Tensor,
-        streams: UnitStreams,
-        start: Start,
-    ) -> None:
+        self, patients: Sequence[int], clipped_sum: Tensor, streams: UnitStreams, start: Start
+    ) -> ClipStats:
         """Adds Σ_i clip_{C_u}(Δ_i) of ``patients`` to ``clipped_sum``, chunks of equal-sized patients at once."""
         parts = self.parts
+        stats = ClipStats()
         data, local, state = parts.data, parts.local, parts.state
         generators = [streams.generator(data.keys[p]) for p in patients]
         orders = dict(zip(patients, local.orders([data.groups[p] for p in patients], generators)))
@@ -617,7 +583,7 @@ class StackedRound(PatientRound):
                         for p in params
                     ]
                     del final
-                    factors = clip_changes(changes, parts.clip_norm, stats)
+                    factors, stats = clip_changes(changes, parts.clip_norm, stats)
                     kept = factors > 0
                     offset = 0
                     for p, change in zip(params, changes):
@@ -627,6 +593,7 @@ class StackedRound(PatientRound):
                             clipped_sum[offset : offset + n].add_(scaled.sum(0))
                         offset += n
         state.load(*start)
+        return stats
 
 
 # ---------------------------------------------------------------------- which round runs

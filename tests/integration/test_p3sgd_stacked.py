@@ -81,12 +81,11 @@ class _Probe(pl.Callback):
             state.add_clipped_change(theta, out, cb.clip_norm)
             state.load(theta, other)
             self.loop[p] = out
-            out, stats = torch.zeros_like(theta), torch.zeros(4, dtype=torch.float64)
-            stacked.add_stacked([p], out, stats, UnitStreams(0, "patient"), (theta, other))
+            out = torch.zeros_like(theta)
+            stats = stacked.add_stacked([p], out, UnitStreams(0, "patient"), (theta, other)).to_tensor()
             self.alone[p] = (out, stats)
         self.together = torch.zeros_like(theta)
-        zeros = torch.zeros(4, dtype=torch.float64)
-        stacked.add_stacked(self.patients, self.together, zeros, UnitStreams(0, "patient"), (theta, other))
+        stacked.add_stacked(self.patients, self.together, UnitStreams(0, "patient"), (theta, other))
         assert torch.equal(state.vector(), theta), "stacked local SGD must not change the model"
 
 
@@ -269,8 +268,7 @@ class _ChunkProbe(pl.Callback):
         theta, other = state.vector(), state.snapshot_other_buffers()
         for patients in ((0, 1), (2, 3), (0, 1, 2, 3)):
             out = torch.zeros_like(theta)
-            zeros = torch.zeros(4, dtype=torch.float64)
-            stacked.add_stacked(list(patients), out, zeros, UnitStreams(0, "patient"), (theta, other))
+            stacked.add_stacked(list(patients), out, UnitStreams(0, "patient"), (theta, other))
             self.sums[patients] = out
         assert torch.equal(state.vector(), theta)
 

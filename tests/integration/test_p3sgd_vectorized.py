@@ -191,12 +191,11 @@ class _Probe(pl.Callback):
                 state.add_clipped_change(theta, out, cb.clip_norm)
                 state.load(theta, other)
                 self.loop[p] = out
-                out, stats = torch.zeros_like(theta), torch.zeros(4, dtype=torch.float64)
-                batched.add_one_step([p], out, stats, UnitStreams(0, "patient"))
+                out = torch.zeros_like(theta)
+                stats = batched.add_one_step([p], out, UnitStreams(0, "patient")).to_tensor()
                 self.alone[p] = (out, stats)
             self.together = torch.zeros_like(theta)
-            zeros = torch.zeros(4, dtype=torch.float64)
-            batched.add_one_step(patients, self.together, zeros, UnitStreams(0, "patient"))
+            batched.add_one_step(patients, self.together, UnitStreams(0, "patient"))
         assert torch.equal(state.vector(), theta), "the batched pass must not change the model"
 
 

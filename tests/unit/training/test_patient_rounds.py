@@ -18,8 +18,8 @@ from torch.utils.data import Dataset
 from lightning_dp.errors import PrivacyConfigError
 from lightning_dp.sampling.randomness import UnitStreams
 from lightning_dp.sanitization import ModelState
+from lightning_dp.sanitization.per_sample import ClipStats
 from lightning_dp.training.patient_rounds import (
-    STATS_SIZE,
     BatchedRound,
     LocalSGD,
     LoopRound,
@@ -77,15 +77,14 @@ def _parts(local: LocalSGD, counts: list[int], dropout: float = 0.0) -> RoundPar
     return RoundParts(net, ModelState(net), net.training_step, data, local, CLIP)
 
 
-def _run(round_: PatientRound, patients: list[int], secret: int = 7) -> tuple[Tensor, Tensor, bool]:
+def _run(round_: PatientRound, patients: list[int], secret: int = 7) -> tuple[Tensor, ClipStats | None]:
     state = round_.parts.state
     start = (state.vector(), state.snapshot_other_buffers())
     clipped_sum = torch.zeros_like(start[0])
-    stats = torch.zeros(STATS_SIZE, dtype=torch.float64)
     with torch.enable_grad():
-        done = round_.add_clipped(patients, clipped_sum, stats, secret, start)
+        stats = round_.add_clipped(patients, clipped_sum, secret, start)
     assert torch.equal(state.vector(), start[0]), f"{round_.path}: the round must leave the model at θ_t"
-    return clipped_sum, stats, done
+    return clipped_sum, stats
 
 
 def _built(kind: str, parts: RoundParts) -> PatientRound | str:
@@ -106,13 +105,14 @@ def test_every_round_adds_the_loops_clipped_sum(kind: str, local: LocalSGD, coun
     built = _built(kind, parts)
     assert isinstance(built, PatientRound), built
     patients = list(range(len(counts)))
-    looped, loop_stats, _ = _run(LoopRound(parts), patients)
-    summed, stats, done = _run(built, patients)
-    assert done and built.path == kind
+    looped, loop_stats = _run(LoopRound(parts), patients)
+    summed, stats = _run(built, patients)
+    assert stats is not None and loop_stats is not None and built.path == kind
     assert float(looped.norm()) > 0.1 * CLIP, "the patients must move the model"
     assert torch.allclose(summed, looped, rtol=0, atol=1e-5 * CLIP), float((summed - looped).abs().max())
-    assert stats[:2].tolist() == loop_stats[:2].tolist() and stats[3] == loop_stats[3]  # patients, clipped, non-finite
-    assert float(stats[2]) == pytest.approx(float(loop_stats[2]), rel=1e-5)  # the norms' sum
+    assert (stats.batch_size, stats.clipped, stats.nonfinite) == (len(counts), loop_stats.clipped, 0)
+    assert loop_stats.batch_size == len(counts) and loop_stats.nonfinite == 0
+    assert stats.norm_sum == pytest.approx(loop_stats.norm_sum, rel=1e-5)  # the norms before clipping
     built.close()
 
 
@@ -129,8 +129,8 @@ def test_a_loud_patient_adds_at_most_the_clip_norm(kind: str, local: LocalSGD, c
             dataset.x[images] *= 1e4
             with torch.no_grad():
                 dataset.y[images] = parts.module.net(dataset.x[images]).argmin(1)
-        with_it, _, _ = _run(built, patients)
-        without, _, _ = _run(built, patients[1:])
+        with_it, _ = _run(built, patients)
+        without, _ = _run(built, patients[1:])
         sums[loud] = float((with_it - without).norm())
         built.close()
     assert sums[0] == pytest.approx(CLIP, rel=1e-4), "a patient 1e4 times louder is clipped to C_u"
@@ -142,7 +142,7 @@ def test_the_round_is_the_same_whoever_else_is_sampled() -> None:
     # depend on which patients come before it (the image orders of local SGD are random).
     parts = _parts(SEVERAL_STEPS, [3, 3, 3, 3])
     loop = LoopRound(parts)
-    alone, _, _ = _run(loop, [2])
+    alone, _ = _run(loop, [2])
     with_others = _run(loop, [0, 1, 2])[0] - _run(loop, [0, 1])[0]
     assert torch.allclose(alone, with_others, rtol=0, atol=1e-6)
     other_secret = _run(loop, [2], secret=8)[0]
@@ -159,8 +159,8 @@ def test_a_failed_stacked_round_adds_nothing_and_says_so() -> None:
         raise RuntimeError("stack expects each tensor to be equal size")
 
     stacked.stacked.run = broken  # type: ignore[method-assign]
-    summed, stats, done = _run(stacked, [0, 1])
-    assert not done and not summed.any() and not stats.any()
+    summed, stats = _run(stacked, [0, 1])
+    assert stats is None and not summed.any()
 
 
 @pytest.mark.parametrize(
