@@ -26,6 +26,7 @@ import pytorch_lightning as pl
 import torch
 from pytorch_lightning.utilities import rank_zero_warn
 from torch import Tensor
+from typing_extensions import override
 
 from lightning_dp.callbacks.base import DPCallback
 from lightning_dp.errors import PrivacyConfigError, PrivacyStateError, PrivacyWarning, check_count, check_in_interval
@@ -82,6 +83,7 @@ class ReleasedWeightAveraging(AveragesReleasedWeights, pl.Callback):
         return f"ReleasedWeightAveraging(decay={self.decay}, start_step={self.start_step})"
 
     @property
+    @override
     def state_key(self) -> str:
         return f"ReleasedWeightAveraging[{self.name}]" if self.name else "ReleasedWeightAveraging"
 
@@ -91,6 +93,7 @@ class ReleasedWeightAveraging(AveragesReleasedWeights, pl.Callback):
         return self._average
 
     # ------------------------------------------------------------------ setup
+    @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
@@ -110,6 +113,7 @@ class ReleasedWeightAveraging(AveragesReleasedWeights, pl.Callback):
             )
         self._dp = private[0]
 
+    @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         current = _float_tensors(pl_module)
         self._upcast = {k for k, t in current.items() if t.dtype in (torch.float16, torch.bfloat16)}
@@ -135,6 +139,7 @@ class ReleasedWeightAveraging(AveragesReleasedWeights, pl.Callback):
         return 0 if ledger is None else ledger.steps
 
     # ------------------------------------------------------------------ the average
+    @override
     @torch.no_grad()
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         steps = self._ledger_steps()
@@ -169,14 +174,17 @@ class ReleasedWeightAveraging(AveragesReleasedWeights, pl.Callback):
             tensor.data.copy_(self._held[key])
         self._held = None
 
+    @override
     def on_validation_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.updates and self._average is not None and trainer.state.fn == "fit":
             self._swap_in(pl_module)
 
+    @override
     def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.state.fn == "fit":
             self._swap_out(pl_module)
 
+    @override
     @torch.no_grad()
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._average is None:
@@ -192,6 +200,7 @@ class ReleasedWeightAveraging(AveragesReleasedWeights, pl.Callback):
             tensor.data.copy_(self._average[key])
 
     # ------------------------------------------------------------------ checkpoints
+    @override
     def on_save_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
@@ -203,6 +212,7 @@ class ReleasedWeightAveraging(AveragesReleasedWeights, pl.Callback):
             k: (self._average[k].detach().to(v.dtype).clone() if k in self._average else v) for k, v in current.items()
         }
 
+    @override
     def on_load_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
@@ -220,6 +230,7 @@ class ReleasedWeightAveraging(AveragesReleasedWeights, pl.Callback):
                 category=PrivacyWarning,
             )
 
+    @override
     def state_dict(self) -> dict[str, Any]:
         """The counters (the average itself is the checkpoint's ``state_dict``)."""
         if self._average is None:
@@ -235,6 +246,7 @@ class ReleasedWeightAveraging(AveragesReleasedWeights, pl.Callback):
             "float32_average": {k: self._average[k].detach().cpu().clone() for k in sorted(self._upcast)},
         }
 
+    @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if state_dict.get("format_version") != self.format_version:
             raise PrivacyStateError(

@@ -19,6 +19,7 @@ import pytorch_lightning as pl
 import torch
 from pytorch_lightning.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader
+from typing_extensions import override
 
 from lightning_dp._quiet import WarningWindow
 from lightning_dp.accounting import (
@@ -172,6 +173,7 @@ class DPCallback(pl.Callback):
         self.preflight: NoisePreflight | None = None
 
     @property
+    @override
     def state_key(self) -> str:
         return f"{self.mechanism}[{self.name}]" if self.name else self.mechanism
 
@@ -308,6 +310,7 @@ class DPCallback(pl.Callback):
         )
 
     # ------------------------------------------------------------------ setup and teardown
+    @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._warned_nonfinite_loss = False
         self._logged_constants = False
@@ -388,6 +391,7 @@ class DPCallback(pl.Callback):
         setattr(owner, attribute, value)
         self._patched.append((owner, attribute))
 
+    @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         for window in self._quiet:
             window.open()
@@ -421,6 +425,7 @@ class DPCallback(pl.Callback):
             self._governor.restore()
             self._governor = None
 
+    @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         # Lightning calls no teardown hook after an exception: undo what setup patched into the module and the
         # datamodule here, or a retry in the same process would train through this fit's stale loader and step.
@@ -437,6 +442,7 @@ class DPCallback(pl.Callback):
                 "retry with weights_only=False."
             )
 
+    @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._stop_flushing()
         if stage != "fit":
@@ -449,6 +455,7 @@ class DPCallback(pl.Callback):
             trainer.log_every_n_steps = self._user_log_every  # type: ignore[attr-defined]
             self._user_log_every = None
 
+    @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._trained_steps:
             self.ledger, self.accepted_ledger = self._trained_ledgers  # the record of what this callback trained
@@ -494,10 +501,12 @@ class DPCallback(pl.Callback):
             rank_zero_info(line)
 
     # ------------------------------------------------------------------ evaluation
+    @override
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not trainer.sanity_checking:  # the sanity check runs the model as the user built it, before any step
             self._warn_nonfinite_loss(trainer, "validation")
 
+    @override
     def on_test_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._warn_nonfinite_loss(trainer, "test")
 
@@ -598,6 +607,7 @@ class DPCallback(pl.Callback):
             self._logging = False
 
     # ------------------------------------------------------------------ end of run
+    @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.ledger is None:
             return
@@ -649,6 +659,7 @@ class DPCallback(pl.Callback):
         return schedule_report(self.release, self.ledger, self.accountant.name)
 
     # ------------------------------------------------------------------ checkpoints
+    @override
     def state_dict(self) -> dict[str, Any]:
         if self.ledger is None or self.release is None:
             return {}
@@ -665,6 +676,7 @@ class DPCallback(pl.Callback):
         state["checksum"] = state_digest(state)
         return state
 
+    @override
     def on_load_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
@@ -691,6 +703,7 @@ class DPCallback(pl.Callback):
                 category=UserWarning,
             )
 
+    @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if self._evaluating:
             return  # evaluation charges nothing: this callback's ledger (if it trained) stays what it trained

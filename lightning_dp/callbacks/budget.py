@@ -6,6 +6,7 @@ from typing import Any
 
 import pytorch_lightning as pl
 from pytorch_lightning.utilities import rank_zero_info
+from typing_extensions import override
 
 from lightning_dp.accounting import Accountant, PrivacyEvent, PrivacyLedger, get_accountant
 from lightning_dp.accounting.accountants import AccountantName
@@ -69,6 +70,7 @@ class PrivacyBudget(pl.Callback):
         rank_zero_info(self.stop_reason)
         return False
 
+    @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
@@ -79,8 +81,10 @@ class PrivacyBudget(pl.Callback):
                 "would be stopped. HINT: add the DP callback next to PrivacyBudget."
             )
 
+    @override
     def state_dict(self) -> dict[str, Any]:
         return {"stop_reason": self.stop_reason}
 
+    @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.stop_reason = state_dict.get("stop_reason")

@@ -27,6 +27,7 @@ import pytorch_lightning as pl
 import torch
 from pytorch_lightning.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader
+from typing_extensions import override
 
 from lightning_dp.accounting import PrivacyLedger, calibrate_noise_multiplier
 from lightning_dp.callbacks.base import DPAccountantName, DPCallback
@@ -362,6 +363,7 @@ class DPSGD(DPCallback):
                 "augmentation_multiplicity=1."
             )
 
+    @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         super().teardown(trainer, pl_module, stage)
         if stage == "fit" and self.clipper is not None:
@@ -397,6 +399,7 @@ class DPSGD(DPCallback):
         rank_zero_info(f"DPSGD: the trainable parameters changed; per-sample clipping now covers {len(current)}.")
 
     # ------------------------------------------------------------------ checks before training
+    @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_train_start(trainer, pl_module)
         optimizers = self._optimizers(pl_module)
@@ -432,10 +435,12 @@ class DPSGD(DPCallback):
         return loss_tensor(out, self.loss_reduction)
 
     # ------------------------------------------------------------------ the step
+    @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         assert self._batches is not None
         self._batches.first_step = self.steps  # the loader's epoch continues the step counter
 
+    @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         step_schedulers(trainer, "epoch", trainer.current_epoch + 1)
 

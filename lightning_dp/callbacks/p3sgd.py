@@ -56,6 +56,7 @@ import torch
 from pytorch_lightning.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from torch.utils.data import DataLoader, IterableDataset, default_collate
+from typing_extensions import override
 
 from lightning_dp.accounting import PrivacyLedger
 from lightning_dp.callbacks.base import DPCallback
@@ -473,6 +474,7 @@ class P3SGD(DPCallback):
             keys = list(groups)
         return [[int(i) for i in groups[key]] for key in keys], keys
 
+    @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_train_start(trainer, pl_module)
         assert self._state is not None and self._data is not None and self._original_training_step is not None
@@ -491,6 +493,7 @@ class P3SGD(DPCallback):
         assert self.sampler is not None and self._state is not None
         return self.sampler.expected_count, self._state.params + self._state.float_buffers, self.server_lr
 
+    @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit":
             self._close_round()

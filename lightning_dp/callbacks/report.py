@@ -9,6 +9,7 @@ from typing import Any
 import pytorch_lightning as pl
 import torch
 from torch.utils.data import DataLoader
+from typing_extensions import override
 
 __all__ = ["GeneralizationReport", "evaluate_accuracy"]
 
@@ -44,6 +45,7 @@ class GeneralizationReport(pl.Callback):
         self.json_name = json_name
         self.result: dict[str, float] = {}
 
+    @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         dm = trainer.datamodule  # type: ignore[attr-defined]
         if dm is None or not hasattr(dm, "train_eval_dataloader"):

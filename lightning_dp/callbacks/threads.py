@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytorch_lightning as pl
+from typing_extensions import override
 
 from lightning_dp.training.threads import ThreadGovernor
 
@@ -30,14 +31,17 @@ class FreeCores(pl.Callback):
     def __init__(self) -> None:
         self._governor: ThreadGovernor | None = None
 
+    @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.strategy.root_device.type == "cpu":
             self._governor = ThreadGovernor()
 
+    @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         if self._governor is not None:
             self._governor.adjust()
 
+    @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if self._governor is not None:
             self._governor.restore()
