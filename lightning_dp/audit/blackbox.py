@@ -14,6 +14,11 @@ attack). Two privacy units (``level``):
   (``local_steps`` full-batch steps; vectorized over patients with ``torch.func``), `ModelState`'s
   per-patient clipping (`clip_factor`, as `P3SGD` clips), the sum, `GaussianRelease` with the
   normalizer q·N_p (ledger unit ``"patient"``) and `ModelStateTarget`, θ_{t+1} = θ_t + Δ̃.
+  Its round is its own: one ``vmap`` over the round's patients of a tiny MLP, 2.5 ms a round against 17 ms for the
+  library's `lightning_dp.training.patient_rounds.StackedRound` on the same patients (26 patients × 4 images,
+  10-64-10 MLP, one thread), which pays per patient for its own random streams and batches; thousands of rounds per
+  audit make that the difference between seconds and minutes. The library's round itself is audited through the
+  real `P3SGD` callback by `CallbackAudit` (white-box, every round path) and `SensitivityAudit`.
   ``training="sample"`` trains the same patients' images by *sample-level* DP-SGD instead and still
   attacks patients: its ε_upper is then the sample-level ε, which does not cover a patient (the
   point of patient-level DP: a patient's k images leak up to about k times more).
