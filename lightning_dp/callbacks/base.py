@@ -21,6 +21,7 @@ from pytorch_lightning.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader
 
 from lightning_dp._quiet import WarningWindow
+from lightning_dp.acceptance import AlwaysAccept, StepAcceptance
 from lightning_dp.accounting import (
     PrivacyLedger,
     PrivacyUnit,
@@ -33,7 +34,6 @@ from lightning_dp.errors import PrivacyConfigError, PrivacyStateError, PrivacyWa
 from lightning_dp.sampling.patients import secure_seed
 from lightning_dp.sanitization import Release
 from lightning_dp.schedules import NoiseSchedule
-from lightning_dp.selection import AlwaysAccept, StepAcceptance
 from lightning_dp.training.privacy import (
     EPSILON_KEY,
     PAPER_EPSILON_KEY,
@@ -104,7 +104,7 @@ class DPCallback(pl.Callback):
         if acceptance is not None and not isinstance(acceptance, StepAcceptance):
             raise PrivacyConfigError(
                 f"`{self.mechanism}(acceptance={acceptance!r})`: acceptance must be a StepAcceptance, found "
-                f"{type(acceptance).__name__}. HINT: lightning_dp.selection.AnnealedAcceptance(q0=10.0, mu0=10)."
+                f"{type(acceptance).__name__}. HINT: lightning_dp.acceptance.AnnealedAcceptance(q0=10.0, mu0=10)."
             )
         self.acceptance: StepAcceptance = acceptance or AlwaysAccept()
         self.delta = (

@@ -27,6 +27,7 @@ import torch
 from pytorch_lightning.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader
 
+from lightning_dp.acceptance import StepAcceptance
 from lightning_dp.accounting import PrivacyLedger, calibrate_noise_multiplier
 from lightning_dp.callbacks.base import DPAccountantName, DPCallback
 from lightning_dp.errors import (
@@ -50,7 +51,6 @@ from lightning_dp.sanitization.per_sample import (
     check_loss_reduction,
 )
 from lightning_dp.schedules import ConstantNoise, NoiseSchedule, as_schedule
-from lightning_dp.selection import StepAcceptance
 from lightning_dp.training.checks import (
     IndependenceCheck,
     check_first_chunk,

@@ -56,6 +56,7 @@ from pytorch_lightning.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from torch.utils.data import DataLoader, IterableDataset, default_collate
 
+from lightning_dp.acceptance import StepAcceptance
 from lightning_dp.accounting import PrivacyLedger
 from lightning_dp.callbacks.base import DPCallback
 from lightning_dp.errors import (
@@ -79,7 +80,6 @@ from lightning_dp.sanitization import (
 )
 from lightning_dp.sanitization.release import check_scales
 from lightning_dp.schedules import ConstantNoise, NoiseSchedule
-from lightning_dp.selection import StepAcceptance
 from lightning_dp.training.patient_rounds import (
     BatchedRound,
     LocalSGD,

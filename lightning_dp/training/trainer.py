@@ -28,9 +28,9 @@ from pytorch_lightning.callbacks import BatchSizeFinder, LearningRateFinder, Sto
 from pytorch_lightning.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, SequentialSampler
 
+from lightning_dp.acceptance import StepAcceptance
 from lightning_dp.accounting import PrivacyUnit
 from lightning_dp.errors import PrivacyConfigError, PrivacyWarning
-from lightning_dp.selection import StepAcceptance
 from lightning_dp.training.checks import eval_mode
 from lightning_dp.training.privacy import MAX_SAFE_DELTA_TIMES_N, default_delta
 from lightning_dp.training.weight_averaging import is_lightning_weight_averaging

@@ -1,0 +1,69 @@
+"""Issue 34, item 5: every renamed module's old import path gives the very same objects as the new one.
+
+The old paths are kept for one release (each a thin re-exporting module); a config or a user's import that names
+the old path must keep building the same classes until then.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pickle
+from types import ModuleType
+
+import jsonargparse
+import pytest
+
+#: (old module, new module, names the old one must give).
+ALIASES = [
+    (
+        "lightning_dp.selection",
+        "lightning_dp.acceptance",
+        ["AlwaysAccept", "AnnealedAcceptance", "EnergySource", "StepAcceptance", "ThresholdAcceptance"],
+    ),
+    (
+        "lightning_dp.selection.acceptance",
+        "lightning_dp.acceptance.rules",
+        [
+            "FORMAT_VERSION",
+            "AlwaysAccept",
+            "AnnealedAcceptance",
+            "EnergySource",
+            "StepAcceptance",
+            "ThresholdAcceptance",
+        ],
+    ),
+]
+
+
+def _module(path: str) -> ModuleType:
+    return importlib.import_module(path)
+
+
+@pytest.mark.parametrize(("old", "new", "names"), ALIASES, ids=[old for old, _, _ in ALIASES])
+def test_the_old_path_gives_the_same_objects(old: str, new: str, names: list[str]) -> None:
+    old_module, new_module = _module(old), _module(new)
+    missing = [name for name in names if not hasattr(old_module, name)]
+    assert not missing, f"{old} lost {missing}"
+    different = [name for name in names if getattr(old_module, name) is not getattr(new_module, name)]
+    assert not different, f"{old} and {new} give different objects for {different}"
+    assert old_module.__doc__ and new in old_module.__doc__.replace("`", ""), f"{old}'s docstring must name {new}"
+
+
+@pytest.mark.parametrize(("old", "new", "names"), ALIASES, ids=[old for old, _, _ in ALIASES])
+def test_a_pickle_that_names_the_old_module_loads_the_same_class(old: str, new: str, names: list[str]) -> None:
+    # A pickle names a class by its module then (Lightning's hyper-parameters may pickle objects of these classes).
+    classes = [name for name in names if isinstance(getattr(_module(new), name), type)]
+    for name in classes:
+        assert pickle.loads(f"c{old}\n{name}\n.".encode()) is getattr(_module(new), name)
+
+
+def test_an_old_class_path_in_a_config_builds_the_same_class() -> None:
+    from lightning_dp.acceptance import AnnealedAcceptance, StepAcceptance
+
+    parser = jsonargparse.ArgumentParser(exit_on_error=False)
+    parser.add_argument("--acceptance", type=StepAcceptance)
+    spec = {"class_path": "lightning_dp.selection.AnnealedAcceptance", "init_args": {"q0": 5.0, "mu0": 3}}
+    instantiate = getattr(parser, "instantiate", None) or parser.instantiate_classes  # renamed in jsonargparse 4.49
+    built = instantiate(parser.parse_object({"acceptance": spec})).acceptance
+    assert type(built) is AnnealedAcceptance
+    assert (built.q0, built.mu0) == (5.0, 3)
