@@ -73,10 +73,10 @@ from lightning_dp.sampling.randomness import UnitStreams, unit_seed
 from lightning_dp.sanitization import (
     GaussianRelease,
     ModelState,
+    NoiseSelection,
     PaperSelectedRelease,
     Release,
     SelectedRelease,
-    Selection,
 )
 from lightning_dp.sanitization.release import check_scales
 from lightning_dp.schedules import ConstantNoise, NoiseSchedule
@@ -236,7 +236,7 @@ class P3SGD(DPCallback):
                 "HINT: accounting='rigorous'."
             )
         self.planned_rounds: int | None = None
-        self.selection: Selection | None = None
+        self.selection: NoiseSelection | None = None
         if len(scales) > 1:
             if selection_epsilon is None or loss_bound is None:
                 raise PrivacyConfigError(
@@ -244,10 +244,10 @@ class P3SGD(DPCallback):
                     "selecting among several noise scales needs selection_epsilon (ε′) and loss_bound (C_o). "
                     "HINT: the paper uses selection_epsilon=0.316, loss_bound=3.0."
                 )
-            self.selection = Selection(epsilon=selection_epsilon, loss_bound=loss_bound)
+            self.selection = NoiseSelection(epsilon=selection_epsilon, loss_bound=loss_bound)
         elif selection_epsilon is not None and accounting == "paper":
             # The paper charges the selection term every round even for a single scale (Table 2).
-            self.selection = Selection(epsilon=selection_epsilon, loss_bound=loss_bound or 1.0)
+            self.selection = NoiseSelection(epsilon=selection_epsilon, loss_bound=loss_bound or 1.0)
         self.local_lr = check_finite_positive(owner, "local_lr", local_lr, "e.g. 0.05.")
         self.local_batch_size = check_count(owner, "local_batch_size", local_batch_size, "e.g. 16.", minimum=1)
         self.local_epochs = check_count(owner, "local_epochs", local_epochs, "e.g. 1.", minimum=1)

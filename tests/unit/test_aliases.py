@@ -67,3 +67,13 @@ def test_an_old_class_path_in_a_config_builds_the_same_class() -> None:
     built = instantiate(parser.parse_object({"acceptance": spec})).acceptance
     assert type(built) is AnnealedAcceptance
     assert (built.q0, built.mu0) == (5.0, 3)
+
+
+def test_selection_is_the_old_name_of_noise_selection() -> None:
+    import lightning_dp.sanitization as sanitization
+    from lightning_dp.sanitization import release
+
+    assert sanitization.Selection is release.Selection is release.NoiseSelection is sanitization.NoiseSelection
+    assert "Selection" in sanitization.__all__ and "Selection" in release.__all__
+    assert pickle.loads(b"clightning_dp.sanitization.release\nSelection\n.") is release.NoiseSelection
+    assert release.Selection(0.316, 3.0) == release.NoiseSelection(epsilon=0.316, loss_bound=3.0)
