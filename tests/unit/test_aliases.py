@@ -32,6 +32,20 @@ ALIASES = [
             "ThresholdAcceptance",
         ],
     ),
+    (
+        "lightning_dp.audit.engine",
+        "lightning_dp.audit.callback_audit",
+        [
+            "NOISE_CHECK_SIGNIFICANCE",
+            "POWER",
+            "VERDICT_RULE",
+            "CallbackAudit",
+            "CallbackAuditResult",
+            "check_units",
+            "fit_world",
+            "gdp_mu_lower",
+        ],
+    ),
 ]
 
 
