@@ -46,6 +46,53 @@ ALIASES = [
             "gdp_mu_lower",
         ],
     ),
+    (
+        "lightning_dp.segmentation",
+        "lightning_dp.pate",
+        [
+            "AutoencoderCompressor",
+            "Compressor",
+            "PATEAggregator",
+            "PATEReport",
+            "PATEResult",
+            "PATEStudentDataModule",
+            "PCACompressor",
+            "check_maps",
+            "check_partitions",
+            "encoded_maps",
+            "partition_patients",
+            "pate_epsilon",
+            "pate_noise_multiplier",
+            "teacher_of",
+            "thesis_epsilon",
+            "thesis_epsilon_of_ledger",
+            "thesis_noise_multiplier",
+        ],
+    ),
+    (
+        "lightning_dp.segmentation.compression",
+        "lightning_dp.pate.compression",
+        ["AutoencoderCompressor", "Compressor", "PCACompressor", "check_maps"],
+    ),
+    (
+        "lightning_dp.segmentation.pate",
+        "lightning_dp.pate.aggregator",
+        [
+            "PATEAggregator",
+            "PATEReport",
+            "PATEResult",
+            "check_partitions",
+            "encoded_maps",
+            "partition_patients",
+            "pate_epsilon",
+            "pate_noise_multiplier",
+            "teacher_of",
+            "thesis_epsilon",
+            "thesis_epsilon_of_ledger",
+            "thesis_noise_multiplier",
+        ],
+    ),
+    ("lightning_dp.segmentation.student", "lightning_dp.pate.student", ["PATEStudentDataModule"]),
 ]
 
 
@@ -71,16 +118,37 @@ def test_a_pickle_that_names_the_old_module_loads_the_same_class(old: str, new: 
         assert pickle.loads(f"c{old}\n{name}\n.".encode()) is getattr(_module(new), name)
 
 
-def test_an_old_class_path_in_a_config_builds_the_same_class() -> None:
-    from lightning_dp.acceptance import AnnealedAcceptance, StepAcceptance
+@pytest.mark.parametrize(
+    ("base", "class_path", "init_args", "new"),
+    [
+        (
+            "lightning_dp.acceptance.StepAcceptance",
+            "lightning_dp.selection.AnnealedAcceptance",
+            {"q0": 5.0, "mu0": 3},
+            "lightning_dp.acceptance.AnnealedAcceptance",
+        ),
+        (
+            "lightning_dp.pate.Compressor",
+            "lightning_dp.segmentation.PCACompressor",
+            {"code_dim": 3},
+            "lightning_dp.pate.PCACompressor",
+        ),
+    ],
+)
+def test_an_old_class_path_in_a_config_builds_the_same_class(
+    base: str, class_path: str, init_args: dict[str, object], new: str
+) -> None:
+    # As LightningCLI reads `class_path` / `init_args` (through jsonargparse) from a config written before the rename.
+    def resolve(path: str) -> type:
+        module, _, name = path.rpartition(".")
+        return getattr(_module(module), name)
 
     parser = jsonargparse.ArgumentParser(exit_on_error=False)
-    parser.add_argument("--acceptance", type=StepAcceptance)
-    spec = {"class_path": "lightning_dp.selection.AnnealedAcceptance", "init_args": {"q0": 5.0, "mu0": 3}}
+    parser.add_argument("--built", type=resolve(base))
     instantiate = getattr(parser, "instantiate", None) or parser.instantiate_classes  # renamed in jsonargparse 4.49
-    built = instantiate(parser.parse_object({"acceptance": spec})).acceptance
-    assert type(built) is AnnealedAcceptance
-    assert (built.q0, built.mu0) == (5.0, 3)
+    built = instantiate(parser.parse_object({"built": {"class_path": class_path, "init_args": init_args}})).built
+    assert type(built) is resolve(new)
+    assert {key: getattr(built, key) for key in init_args} == init_args
 
 
 def test_selection_is_the_old_name_of_noise_selection() -> None:
