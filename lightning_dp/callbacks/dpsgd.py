@@ -60,12 +60,9 @@ from lightning_dp.training.checks import (
     take,
     tensor_leaves,
 )
+from lightning_dp.training.manual_optimization import step_schedulers
 from lightning_dp.training.step import OptimizerTarget
-from lightning_dp.training.trainer import (
-    map_style_training_data,
-    refuse_averaging_before_conversion,
-    step_schedulers,
-)
+from lightning_dp.training.trainer_checks import map_style_training_data, refuse_averaging_before_conversion
 
 __all__ = ["DPSGD"]
 

@@ -93,6 +93,24 @@ ALIASES = [
         ],
     ),
     ("lightning_dp.segmentation.student", "lightning_dp.pate.student", ["PATEStudentDataModule"]),
+    *[
+        ("lightning_dp.training.trainer", f"lightning_dp.training.{new}", names)
+        for new, names in {
+            "trainer_checks": [
+                "check_loader_in_use",
+                "check_public_energy",
+                "map_style_training_data",
+                "refuse_averaging_before_conversion",
+                "refuse_batch_norm_reset",
+                "refuse_budget_conflicts",
+                "refuse_unsupported_trainer",
+                "resolve_delta",
+            ],
+            "run_length": ["planned_length", "planned_steps", "warn_calibrated_debug_run"],
+            "logged_metrics": ["install_log_filter", "log_every_step", "nonfinite_losses"],
+            "manual_optimization": ["public_loss", "step_optimizers", "step_schedulers"],
+        }.items()
+    ],
 ]
 
 
@@ -100,7 +118,10 @@ def _module(path: str) -> ModuleType:
     return importlib.import_module(path)
 
 
-@pytest.mark.parametrize(("old", "new", "names"), ALIASES, ids=[old for old, _, _ in ALIASES])
+IDS = [f"{old}->{new}" for old, new, _ in ALIASES]
+
+
+@pytest.mark.parametrize(("old", "new", "names"), ALIASES, ids=IDS)
 def test_the_old_path_gives_the_same_objects(old: str, new: str, names: list[str]) -> None:
     old_module, new_module = _module(old), _module(new)
     missing = [name for name in names if not hasattr(old_module, name)]
@@ -110,7 +131,7 @@ def test_the_old_path_gives_the_same_objects(old: str, new: str, names: list[str
     assert old_module.__doc__ and new in old_module.__doc__.replace("`", ""), f"{old}'s docstring must name {new}"
 
 
-@pytest.mark.parametrize(("old", "new", "names"), ALIASES, ids=[old for old, _, _ in ALIASES])
+@pytest.mark.parametrize(("old", "new", "names"), ALIASES, ids=IDS)
 def test_a_pickle_that_names_the_old_module_loads_the_same_class(old: str, new: str, names: list[str]) -> None:
     # A pickle names a class by its module then (Lightning's hyper-parameters may pickle objects of these classes).
     classes = [name for name in names if isinstance(getattr(_module(new), name), type)]
@@ -149,6 +170,14 @@ def test_an_old_class_path_in_a_config_builds_the_same_class(
     built = instantiate(parser.parse_object({"built": {"class_path": class_path, "init_args": init_args}})).built
     assert type(built) is resolve(new)
     assert {key: getattr(built, key) for key in init_args} == init_args
+
+
+def test_the_split_trainer_module_still_gives_every_name_it_had() -> None:
+    # training/trainer.py was split by subject into four modules: the old module re-exports all 17 functions.
+    from lightning_dp.training import trainer
+
+    split = {name for old, _, names in ALIASES if old == "lightning_dp.training.trainer" for name in names}
+    assert set(trainer.__all__) == split and len(split) == 17
 
 
 def test_selection_is_the_old_name_of_noise_selection() -> None:
