@@ -9,7 +9,7 @@ Each optimizer step becomes one DP-SGD step:
 2. Run the module's own ``training_step`` on physical chunks of at most ``max_physical_batch_size``
    samples; for every sample compute its gradient, clip it to C and add it up (`PerSampleClipper`).
 3. Sum across ranks, add N(0, (zC)²) once, divide by the expected batch size q·N and charge the
-   ledger — in one call (`NoisyRelease.release`).
+   ledger — in one call (`Release.release`, which the shared `PrivateStep` runs).
 4. Hand the noisy gradient to the module's optimizer (its state is then post-processing).
 
 With ``augmentation_multiplicity=K`` (De et al. 2022) each sampled index is loaded K times (K views

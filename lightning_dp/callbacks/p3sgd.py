@@ -9,7 +9,8 @@ Add the callback to a Trainer; the module stays an ordinary LightningModule whos
    parameters **and** floating-point buffers (BatchNorm running statistics).
 3. Clip each Δ_i to C; sum (across DDP ranks); add Gaussian noise once; divide by the expected
    patient count q·N; optionally select among noise scales with the exponential mechanism.
-4. θ_{t+1} = θ_t + server_lr · Δ̃ and charge the ledger — in one call (`NoisyRelease.release`).
+4. θ_{t+1} = θ_t + server_lr · Δ̃ (the shared `PrivateStep`); the noise and the ledger's charge come from
+   one call (`Release.release`).
 
 How it plugs into Lightning, using public hooks only: in ``setup`` the callback switches the
 module to manual optimization, routes the module's ``training_step`` through the round, and has
