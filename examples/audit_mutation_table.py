@@ -27,7 +27,7 @@ from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
-from lightning_dp.audit.engine import CallbackAudit, CallbackAuditResult
+from lightning_dp.audit.callback_audit import CallbackAudit, CallbackAuditResult
 from lightning_dp.audit.mutants import MUTANTS, Mutant
 from lightning_dp.audit.scenarios import coupling_audit, dpsgd_audit, p3sgd_audit
 from lightning_dp.audit.sensitivity import SensitivityAudit, SensitivityAuditResult

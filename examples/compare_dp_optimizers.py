@@ -34,12 +34,12 @@ import torch
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from lightning_dp.acceptance import AnnealedAcceptance, ThresholdAcceptance
 from lightning_dp.callbacks import DPSGD, P3SGD
 from lightning_dp.callbacks.report import evaluate_accuracy
 from lightning_dp.data import SyntheticPathologyDataModule
 from lightning_dp.models import ImageClassifier
 from lightning_dp.schedules import ExponentialDecay
-from lightning_dp.selection import AnnealedAcceptance, ThresholdAcceptance
 
 DELTA = 1e-5
 

@@ -57,7 +57,7 @@ from lightning_dp.accounting import GaussianEvent, PoissonSampledEvent, PrivacyL
 from lightning_dp.callbacks import DPSGD, P3SGD
 from lightning_dp.data import SyntheticSilhouettesDataModule
 from lightning_dp.models import SegmentationModule
-from lightning_dp.segmentation import (
+from lightning_dp.pate import (
     AutoencoderCompressor,
     Compressor,
     PATEAggregator,

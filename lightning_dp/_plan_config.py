@@ -297,8 +297,8 @@ def _release_plan(
     config: DPConfig, rate: float, steps: int, delta: float, accountant: str, target: float | None
 ) -> tuple[list[float], PrivacyLedger]:
     """(z_t of each step, the run's ledger) through the callbacks' own release, acceptance and calibration."""
-    from lightning_dp.sanitization import GaussianRelease, Release, SelectedRelease, Selection
-    from lightning_dp.selection import AlwaysAccept, StepAcceptance
+    from lightning_dp.acceptance import AlwaysAccept, StepAcceptance
+    from lightning_dp.sanitization import GaussianRelease, NoiseSelection, Release, SelectedRelease
     from lightning_dp.training.privacy import calibrate_schedule as calibrate_release
     from lightning_dp.training.step import PrivateStep
 
@@ -307,9 +307,9 @@ def _release_plan(
         _refuse(
             config.path,
             f"{config.mechanism}(acceptance={config.acceptance!r}) is not a StepAcceptance.",
-            "lightning_dp.selection.AnnealedAcceptance with its init_args.",
+            "lightning_dp.acceptance.AnnealedAcceptance with its init_args.",
         )
-    selection = None if config.selection is None else Selection(*config.selection)
+    selection = None if config.selection is None else NoiseSelection(*config.selection)
     unit: Any = config.unit
 
     def new_release(ledger: PrivacyLedger, seed: int, schedule: NoiseSchedule | None = None) -> Release:

@@ -2,9 +2,9 @@
 
 * `bounds`: ε lower bounds from attack scores (Clopper–Pearson, Gaussian-DP reading, one-run).
 * `noise`: the white-box audit's noise checks (fresh at every lag; nowhere below the ledger's multiplier).
-* `CallbackAudit`: the white-box audit of the code that trains — the user's own `DPSGD` or `P3SGD` callback fits
-  a real model with and without a canary unit, every released update observed (`scenarios` has ready set-ups;
-  `mutants` the planted bugs it is checked against).
+* `CallbackAudit` (`callback_audit`): the white-box audit of the code that trains — the user's own `DPSGD` or
+  `P3SGD` callback fits a real model with and without a canary unit, every released update observed (`scenarios`
+  has ready set-ups; `mutants` the planted bugs it is checked against).
 * `SensitivityAudit`: the paired-world audit of coupling between units — the same seed in every world, so the
   noise cancels and one canary must move the clipped sum by its own clipped share alone (crafted cancelling samples,
   randomness drawn in processing order, shared clip groups).
@@ -26,7 +26,7 @@ from lightning_dp.audit.bounds import (
     one_run_ceiling,
     one_run_p_value,
 )
-from lightning_dp.audit.engine import CallbackAudit, CallbackAuditResult
+from lightning_dp.audit.callback_audit import CallbackAudit, CallbackAuditResult
 from lightning_dp.audit.sensitivity import SensitivityAudit, SensitivityAuditResult
 from lightning_dp.audit.whitebox import StepAudit, StepAuditResult
 

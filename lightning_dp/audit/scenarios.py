@@ -31,7 +31,7 @@ from typing import Literal
 import torch
 from torch import nn
 
-from lightning_dp.audit.engine import CallbackAudit
+from lightning_dp.audit.callback_audit import CallbackAudit
 from lightning_dp.audit.sensitivity import SensitivityAudit
 from lightning_dp.callbacks.dpsgd import DPSGD
 from lightning_dp.callbacks.p3sgd import P3SGD

@@ -47,7 +47,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_dp.audit.engine import _Units, check_units, fit_world
+from lightning_dp.audit.callback_audit import _Units, check_units, fit_world
 from lightning_dp.errors import PrivacyConfigError, check_count
 
 __all__ = ["SensitivityAudit", "SensitivityAuditResult"]

@@ -22,6 +22,7 @@ from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lightning_dp._quiet import WarningWindow
+from lightning_dp.acceptance import AlwaysAccept, StepAcceptance
 from lightning_dp.accounting import (
     PrivacyLedger,
     PrivacyUnit,
@@ -35,7 +36,8 @@ from lightning_dp.sampling.patients import secure_seed
 from lightning_dp.sanitization import Release
 from lightning_dp.sanitization.per_sample import ClipStats
 from lightning_dp.schedules import NoiseSchedule
-from lightning_dp.selection import AlwaysAccept, StepAcceptance
+from lightning_dp.training.logged_metrics import install_log_filter, log_every_step, nonfinite_losses
+from lightning_dp.training.manual_optimization import public_loss, step_optimizers
 from lightning_dp.training.privacy import (
     EPSILON_KEY,
     PAPER_EPSILON_KEY,
@@ -46,23 +48,16 @@ from lightning_dp.training.privacy import (
     state_digest,
 )
 from lightning_dp.training.privacy import MAX_SAFE_DELTA_TIMES_N as MAX_SAFE_DELTA_TIMES_N  # re-exported
+from lightning_dp.training.run_length import planned_length, planned_steps, warn_calibrated_debug_run
 from lightning_dp.training.step import PrivateStep, StepResult, UpdateTarget
 from lightning_dp.training.threads import ThreadGovernor
-from lightning_dp.training.trainer import (
+from lightning_dp.training.trainer_checks import (
     check_loader_in_use,
     check_public_energy,
-    install_log_filter,
-    log_every_step,
-    nonfinite_losses,
-    planned_length,
-    planned_steps,
-    public_loss,
     refuse_batch_norm_reset,
     refuse_budget_conflicts,
     refuse_unsupported_trainer,
     resolve_delta,
-    step_optimizers,
-    warn_calibrated_debug_run,
 )
 from lightning_dp.training.weight_averaging import averages_weights
 
@@ -114,7 +109,7 @@ class DPCallback(pl.Callback):
         if acceptance is not None and not isinstance(acceptance, StepAcceptance):
             raise PrivacyConfigError(
                 f"`{self.mechanism}(acceptance={acceptance!r})`: acceptance must be a StepAcceptance, found "
-                f"{type(acceptance).__name__}. HINT: lightning_dp.selection.AnnealedAcceptance(q0=10.0, mu0=10)."
+                f"{type(acceptance).__name__}. HINT: lightning_dp.acceptance.AnnealedAcceptance(q0=10.0, mu0=10)."
             )
         self.acceptance: StepAcceptance = acceptance or AlwaysAccept()
         self.delta = (
@@ -167,7 +162,7 @@ class DPCallback(pl.Callback):
         #: The number of privacy units N of the training data, and the run's planned length (for the report).
         self._units: int | None = None
         self._planned_run: int | None = None
-        #: The Trainer's log_every_n_steps while this callback has it at 1 (see `training.trainer.log_every_step`).
+        #: The Trainer's log_every_n_steps while this callback has it at 1 (`training.logged_metrics.log_every_step`).
         self._user_log_every: int | None = None
         #: The noise the planned run will add, against its signal and weights (computed before the first step).
         self.preflight: NoisePreflight | None = None

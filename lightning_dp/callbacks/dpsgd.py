@@ -9,7 +9,7 @@ Each optimizer step becomes one DP-SGD step:
 2. Run the module's own ``training_step`` on physical chunks of at most ``max_physical_batch_size``
    samples; for every sample compute its gradient, clip it to C and add it up (`PerSampleClipper`).
 3. Sum across ranks, add N(0, (zC)²) once, divide by the expected batch size q·N and charge the
-   ledger — in one call (`NoisyRelease.release`).
+   ledger — in one call (`Release.release`, which the shared `PrivateStep` runs).
 4. Hand the noisy gradient to the module's optimizer (its state is then post-processing).
 
 With ``augmentation_multiplicity=K`` (De et al. 2022) each sampled index is loaded K times (K views
@@ -29,6 +29,7 @@ from pytorch_lightning.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
+from lightning_dp.acceptance import StepAcceptance
 from lightning_dp.accounting import PrivacyLedger, calibrate_noise_multiplier
 from lightning_dp.callbacks.base import DPAccountantName, DPCallback
 from lightning_dp.errors import (
@@ -53,7 +54,6 @@ from lightning_dp.sanitization.per_sample import (
     check_loss_reduction,
 )
 from lightning_dp.schedules import ConstantNoise, NoiseSchedule, as_schedule
-from lightning_dp.selection import StepAcceptance
 from lightning_dp.training.checks import (
     IndependenceCheck,
     check_first_chunk,
@@ -63,12 +63,9 @@ from lightning_dp.training.checks import (
     take,
     tensor_leaves,
 )
+from lightning_dp.training.manual_optimization import step_schedulers
 from lightning_dp.training.step import OptimizerTarget, StepResult
-from lightning_dp.training.trainer import (
-    map_style_training_data,
-    refuse_averaging_before_conversion,
-    step_schedulers,
-)
+from lightning_dp.training.trainer_checks import map_style_training_data, refuse_averaging_before_conversion
 
 __all__ = ["DPSGD"]
 

@@ -9,7 +9,8 @@ Add the callback to a Trainer; the module stays an ordinary LightningModule whos
    parameters **and** floating-point buffers (BatchNorm running statistics).
 3. Clip each Δ_i to C; sum (across DDP ranks); add Gaussian noise once; divide by the expected
    patient count q·N; optionally select among noise scales with the exponential mechanism.
-4. θ_{t+1} = θ_t + server_lr · Δ̃ and charge the ledger — in one call (`NoisyRelease.release`).
+4. θ_{t+1} = θ_t + server_lr · Δ̃ (the shared `PrivateStep`); the noise and the ledger's charge come from
+   one call (`Release.release`).
 
 How it plugs into Lightning, using public hooks only: in ``setup`` the callback switches the
 module to manual optimization, routes the module's ``training_step`` through the round, and has
@@ -58,6 +59,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader, IterableDataset, default_collate
 from typing_extensions import override
 
+from lightning_dp.acceptance import StepAcceptance
 from lightning_dp.accounting import PrivacyLedger
 from lightning_dp.callbacks.base import DPCallback
 from lightning_dp.errors import (
@@ -74,15 +76,14 @@ from lightning_dp.sampling.randomness import UnitStreams, unit_seed
 from lightning_dp.sanitization import (
     GaussianRelease,
     ModelState,
+    NoiseSelection,
     PaperSelectedRelease,
     Release,
     SelectedRelease,
-    Selection,
 )
 from lightning_dp.sanitization.per_sample import ClipStats
 from lightning_dp.sanitization.release import check_scales
 from lightning_dp.schedules import ConstantNoise, NoiseSchedule
-from lightning_dp.selection import StepAcceptance
 from lightning_dp.training.patient_rounds import (
     BatchedRound,
     LocalSGD,
@@ -249,7 +250,7 @@ class P3SGD(DPCallback):
                 "`P3SGD(accounting='paper', target_epsilon=...)`: the paper's ε is not a guarantee to calibrate to. "
                 "HINT: accounting='rigorous'."
             )
-        self.selection: Selection | None = None
+        self.selection: NoiseSelection | None = None
         if len(scales) > 1:
             if selection_epsilon is None or loss_bound is None:
                 raise PrivacyConfigError(
@@ -257,10 +258,10 @@ class P3SGD(DPCallback):
                     "selecting among several noise scales needs selection_epsilon (ε′) and loss_bound (C_o). "
                     "HINT: the paper uses selection_epsilon=0.316, loss_bound=3.0."
                 )
-            self.selection = Selection(epsilon=selection_epsilon, loss_bound=loss_bound)
+            self.selection = NoiseSelection(epsilon=selection_epsilon, loss_bound=loss_bound)
         elif selection_epsilon is not None and accounting == "paper":
             # The paper charges the selection term every round even for a single scale (Table 2).
-            self.selection = Selection(epsilon=selection_epsilon, loss_bound=loss_bound or 1.0)
+            self.selection = NoiseSelection(epsilon=selection_epsilon, loss_bound=loss_bound or 1.0)
         self.local_lr = check_finite_positive(owner, "local_lr", local_lr, "e.g. 0.05.")
         self.local_batch_size = check_count(owner, "local_batch_size", local_batch_size, "e.g. 16.", minimum=1)
         self.local_epochs = check_count(owner, "local_epochs", local_epochs, "e.g. 1.", minimum=1)

@@ -198,7 +198,7 @@ class SegmentationDataModule(PatientSplitsDataModule):
                 "patient, found none. HINT: mark some rows 'train' in the split column, or lower the fractions."
             )
         if self.num_teachers is not None:
-            from lightning_dp.segmentation import partition_patients
+            from lightning_dp.pate import partition_patients
 
             assert self.teacher is not None
             part = partition_patients(train.patient_ids, self.num_teachers, self.teacher_seed)[self.teacher]
@@ -337,7 +337,7 @@ class SegmentationDataModule(PatientSplitsDataModule):
         See `segmentation.partition_patients`: a patient's teacher depends on its own id only, and the groups
         are of about equal size (an empty group is an error).
         """
-        from lightning_dp.segmentation import partition_patients
+        from lightning_dp.pate import partition_patients
 
         return partition_patients(self.train_patients, num_teachers, seed)
 

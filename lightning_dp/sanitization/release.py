@@ -4,7 +4,7 @@ A `Release` knows the step: ``event(step)`` is what ``release(step, ...)`` charg
 is what a `PrivacyBudget` checks before the step. The noise multiplier lives in one place, the
 release's `NoiseSchedule`. `GaussianRelease` noises a sum of clipped per-unit contributions (DPSGD,
 P3SGD with one noise scale, PATE's votes); `SelectedRelease` adds P3SGD's noisy-update selection by
-the exponential mechanism; `PaperSelectedRelease` charges the selected scale as the P3SGD paper did
+the exponential mechanism (`NoiseSelection`); `PaperSelectedRelease` charges the selected scale as the P3SGD paper did
 (**not** a guarantee). A private energy for an accept/reject decision (`EnergyNoise`) is noised by the
 same release and charged in the same event as the step it judges. A noised value that was not
 accounted cannot be produced through this module.
@@ -38,6 +38,7 @@ __all__ = [
     "AccountingMode",
     "EnergyNoise",
     "GaussianRelease",
+    "NoiseSelection",
     "PaperSelectedRelease",
     "Release",
     "SelectedRelease",
@@ -51,8 +52,10 @@ FORMAT_VERSION = 1
 
 
 @dataclass(frozen=True)
-class Selection:
-    """Noisy-update selection by the exponential mechanism (P3SGD, Wu et al. 2019).
+class NoiseSelection:
+    """Noisy-update selection by the exponential mechanism (P3SGD, Wu et al. 2019): which noise scale a round releases.
+
+    Its old name, `Selection`, still gives this class for one release.
 
     Args:
         epsilon: ε′, the selection's privacy parameter per round.
@@ -64,14 +67,18 @@ class Selection:
     loss_bound: float
 
     def __post_init__(self) -> None:
-        check_finite_positive("Selection", "epsilon", self.epsilon, "the paper uses sqrt(0.1) ≈ 0.316.")
-        check_finite_positive("Selection", "loss_bound", self.loss_bound, "the paper uses 3.0 for cross-entropy.")
+        check_finite_positive("NoiseSelection", "epsilon", self.epsilon, "the paper uses sqrt(0.1) ≈ 0.316.")
+        check_finite_positive("NoiseSelection", "loss_bound", self.loss_bound, "the paper uses 3.0 for cross-entropy.")
 
     def probabilities(self, losses: Tensor) -> Tensor:
         """P(z) ∝ exp(ε′·u_z / (2 C_o)) with u_z = −min(max(loss_z, 0), C_o); a non-finite loss scores −C_o."""
         losses = torch.nan_to_num(losses.double(), nan=self.loss_bound, posinf=self.loss_bound)
         utility = -losses.clamp(0.0, self.loss_bound)
         return torch.softmax(self.epsilon * utility / (2 * self.loss_bound), dim=0)
+
+
+#: The old name of `NoiseSelection`, kept for one release (`lightning_dp.acceptance` holds the accept/reject rules).
+Selection = NoiseSelection
 
 
 #: The noise of a release is drawn in this many chunks, each from its own generator seeded by the release's
@@ -294,7 +301,7 @@ class SelectedRelease(Release):
     Example:
         >>> ledger = PrivacyLedger("patient", delta=1e-5)
         >>> release = SelectedRelease(ledger, clip_norm=1.0, sample_rate=0.1, noise_scales=(3.0, 1.0),
-        ...                           selection=Selection(0.316, 3.0), seed=0)
+        ...                           selection=NoiseSelection(0.316, 3.0), seed=0)
         >>> out = release.release(0, torch.zeros(4), 10.0, loss_of=lambda update: 0.0)
         >>> out.noise_multiplier in (1.0, 3.0), ledger.steps
         (True, 1)
@@ -307,7 +314,7 @@ class SelectedRelease(Release):
         clip_norm: float,
         sample_rate: float | None,
         noise_scales: Sequence[float],
-        selection: Selection,
+        selection: NoiseSelection,
         schedule: NoiseSchedule | float = 1.0,
         seed: int | None = None,
     ) -> None:

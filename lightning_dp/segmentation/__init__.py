@@ -1,16 +1,20 @@
-"""Private segmentation: PATE with compressed teacher predictions (docs/algorithms/pate.md).
+"""Old name of `lightning_dp.pate` (PATE: aggregation, compression, the student's data), kept for one release.
 
-DP-SGD and P3SGD train segmentation models through the ordinary callbacks (`lightning_dp.callbacks`);
-this package adds the PATE route: teachers on disjoint patient partitions, compression of their maps
-(`PCACompressor`, `AutoencoderCompressor`), and the noisy aggregation (`PATEAggregator`), whose noise and
-ledger charge go through the engines' own `GaussianRelease`.
+DP-SGD and P3SGD train segmentation models too; PATE lives in `lightning_dp.pate`, which this package re-exports
+(with its old submodules ``compression``, ``pate`` and ``student``), so ``class_path:
+lightning_dp.segmentation.PATEStudentDataModule`` in an older config still builds the same class. Import from
+`lightning_dp.pate`: this alias is removed in the release after the next one.
 """
 
-from lightning_dp.segmentation.compression import AutoencoderCompressor, Compressor, PCACompressor, check_maps
-from lightning_dp.segmentation.pate import (
+from lightning_dp.pate import (
+    AutoencoderCompressor,
+    Compressor,
     PATEAggregator,
     PATEReport,
     PATEResult,
+    PATEStudentDataModule,
+    PCACompressor,
+    check_maps,
     check_partitions,
     encoded_maps,
     partition_patients,
@@ -21,7 +25,6 @@ from lightning_dp.segmentation.pate import (
     thesis_epsilon_of_ledger,
     thesis_noise_multiplier,
 )
-from lightning_dp.segmentation.student import PATEStudentDataModule
 
 __all__ = [
     "AutoencoderCompressor",

@@ -1,6 +1,11 @@
-"""Deciding about noisy steps: accept/reject rules (SA-DPSGD, DPSUR)."""
+"""Old name of `lightning_dp.acceptance` (the accept/reject rules), kept for one release.
 
-from lightning_dp.selection.acceptance import (
+The rules live in `lightning_dp.acceptance` (`lightning_dp/acceptance/rules.py`); this package re-exports
+them, so ``class_path: lightning_dp.selection.AnnealedAcceptance`` in an older config still resolves to the
+same class. Import from `lightning_dp.acceptance`: this alias is removed in the release after the next one.
+"""
+
+from lightning_dp.acceptance import (
     AlwaysAccept,
     AnnealedAcceptance,
     EnergySource,

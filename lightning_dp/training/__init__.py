@@ -9,9 +9,14 @@ Lightning hooks over what lives here:
   (`IndependenceCheck`, `collate_is_per_sample`, `float64_copy`, DPSGD's `start_checks`); plain torch.
 * ``privacy.py``: δ and its default, the keys ε is logged under, the calibration of a noise schedule
   to a target ε, the schedule part of the privacy report, the checkpoint state's digest; no Lightning.
-* ``trainer.py``: the start-up checks of the Trainer and the Lightning plumbing around the private
-  step (refused Trainer settings, the loader in use, the run's length, the log filter, optimizer and
-  LR-scheduler steps).
+* ``trainer_checks.py``: the start-up checks of the Trainer and of the training data (refused Trainer
+  settings and callbacks, δ, the loader in use, DPSGD's map-style training data).
+* ``run_length.py``: the run's length as the Trainer is set up (what ``target_epsilon`` is calibrated for).
+* ``logged_metrics.py``: the log filter that drops the module's own training logs, the privacy metrics logged
+  at every step, the non-finite evaluation losses.
+* ``manual_optimization.py``: the optimizer and LR-scheduler steps the callbacks take in place of Lightning's,
+  and the module's loss on public data for a public acceptance energy.
+* ``trainer.py``: the old home of the four above, re-exporting their names for one release.
 * ``patient_rounds.py``: the patient round, Σ clip(Δ_i) over a round's patients, runnable without a Trainer
   (`PatientRound`: `LoopRound`, `BatchedRound`, `StackedRound`, and `choose_round`; `PatientData`, `LocalSGD`,
   `RoundParts`): what P3SGD runs every round, and what a hospital's site runs on its own patients.

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from lightning_dp.acceptance import StepAcceptance
 from lightning_dp.accounting import (
     AccountantName,
     PrivacyLedger,
@@ -27,7 +28,6 @@ from lightning_dp.accounting.preflight import default_delta as default_delta  # 
 from lightning_dp.errors import PrivacyStateError
 from lightning_dp.sanitization import EnergyNoise, Release
 from lightning_dp.schedules import ExponentialDecay, NoiseSchedule
-from lightning_dp.selection import StepAcceptance
 
 __all__ = [
     "EPSILON_KEY",
@@ -50,7 +50,6 @@ EPSILON_KEY = "privacy/epsilon"
 #: The ε a paper-reproduction mode logs instead (``P3SGD(accounting="paper")``): the paper's own count, NOT a
 #: guarantee, so never under `EPSILON_KEY`, the key every rigorous run and every dashboard reads as the guarantee.
 PAPER_EPSILON_KEY = "privacy/epsilon_paper_not_a_guarantee"
-
 
 
 def state_digest(state: Any) -> str:

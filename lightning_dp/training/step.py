@@ -21,11 +21,11 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor, nn
 
+from lightning_dp.acceptance.rules import AlwaysAccept, StepAcceptance
 from lightning_dp.accounting import PrivacyEvent
 from lightning_dp.errors import PrivacyConfigError
 from lightning_dp.sanitization.release import Release, StepRelease
 from lightning_dp.sanitization.updates import ModelState
-from lightning_dp.selection.acceptance import AlwaysAccept, StepAcceptance
 
 __all__ = ["ModelStateTarget", "OptimizerTarget", "PrivateStep", "StepResult", "UpdateTarget", "clip_energy"]
 

@@ -23,11 +23,11 @@ import torch.distributed as dist  # noqa: E402
 from torch import Tensor, nn  # noqa: E402
 from torch.utils.data import DataLoader, Dataset  # noqa: E402
 
+from lightning_dp.acceptance import AnnealedAcceptance  # noqa: E402
 from lightning_dp.accounting import RDPAccountant  # noqa: E402
 from lightning_dp.callbacks import DPSGD  # noqa: E402
 from lightning_dp.sampling.samples import LogicalBatch  # noqa: E402
 from lightning_dp.schedules import ExponentialDecay  # noqa: E402
-from lightning_dp.selection import AnnealedAcceptance  # noqa: E402
 
 SEED = 23
 

@@ -19,11 +19,11 @@ import pytorch_lightning as pl  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from lightning_dp.acceptance import AnnealedAcceptance  # noqa: E402
 from lightning_dp.accounting import RDPAccountant  # noqa: E402
 from lightning_dp.callbacks import P3SGD  # noqa: E402
 from lightning_dp.errors import PrivacyConfigError  # noqa: E402
 from lightning_dp.schedules import ExponentialDecay  # noqa: E402
-from lightning_dp.selection import AnnealedAcceptance  # noqa: E402
 from tests.helpers.patients import TinyClassifier, TinyPatientDataModule, TinyPatientDataset  # noqa: E402
 
 

@@ -20,7 +20,7 @@ import torch.distributed as dist  # noqa: E402
 
 from lightning_dp.data import SyntheticSilhouettesDataModule  # noqa: E402
 from lightning_dp.models import SegmentationModule  # noqa: E402
-from lightning_dp.segmentation import PATEStudentDataModule, PCACompressor  # noqa: E402
+from lightning_dp.pate import PATEStudentDataModule, PCACompressor  # noqa: E402
 
 DATA = {"num_patients": 16, "images_per_patient": 4, "image_size": 16, "public_fraction": 0.3, "augment": False}
 

@@ -20,12 +20,12 @@ import torch
 from pytorch_lightning.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader
 
+from lightning_dp.acceptance import AnnealedAcceptance, StepAcceptance, ThresholdAcceptance
 from lightning_dp.accounting import PrivacyLedger
 from lightning_dp.callbacks import DPSGD, P3SGD, PrivacyBudget
 from lightning_dp.callbacks.base import DPCallback
 from lightning_dp.errors import PrivacyConfigError, PrivacyStateError
 from lightning_dp.schedules import ExponentialDecay
-from lightning_dp.selection import AnnealedAcceptance, StepAcceptance, ThresholdAcceptance
 from tests.helpers.patients import TinyClassifier, TinyPatientDataModule, TinyPatientDataset
 from tests.helpers.samples import IndexedSamples, SampleClassifier, SampleDataModule, WeightSnapshots, flat_weights
 from tests.helpers.samples import trainer as make_trainer

@@ -59,7 +59,7 @@ def test_p3sgd_noise_scale_multiplies_the_audited_noise(
 @pytest.mark.parametrize("engine", ["DPSGD", "P3SGD"])
 def test_a_private_acceptance_energy_is_refused_with_its_value(tmp_path: Path, capsys: Any, engine: str) -> None:
     rule = {
-        "class_path": "lightning_dp.selection.AnnealedAcceptance",
+        "class_path": "lightning_dp.acceptance.AnnealedAcceptance",
         "init_args": {"q0": 10.0, "mu0": 2, "energy": "private", "energy_noise_multiplier": 0.3},
     }
     args: dict[str, Any] = {"sample_rate": 0.5, "clip_norm": 1.0, "acceptance": rule}
@@ -72,7 +72,7 @@ def test_a_private_acceptance_energy_is_refused_with_its_value(tmp_path: Path, c
 
 
 def test_a_public_acceptance_energy_and_augmentation_multiplicity_are_named(tmp_path: Path, capsys: Any) -> None:
-    rule = {"class_path": "lightning_dp.selection.ThresholdAcceptance", "init_args": {"energy": "public"}}
+    rule = {"class_path": "lightning_dp.acceptance.ThresholdAcceptance", "init_args": {"energy": "public"}}
     args = {"sample_rate": 0.5, "noise_multiplier": 1.0, "augmentation_multiplicity": 4, "acceptance": rule}
     assert _audit(_config(tmp_path, "DPSGD", args), tmp_path / "out") == 0
     out = capsys.readouterr().out

@@ -211,7 +211,7 @@ ACCEPTANCE = {
     "local_batch_size": 4,
     "seed": 0,
     "acceptance": {
-        "class_path": "lightning_dp.selection.AnnealedAcceptance",
+        "class_path": "lightning_dp.acceptance.AnnealedAcceptance",
         "init_args": {"q0": 10.0, "mu0": 10, "energy": "private", "energy_clip": 1.0, "energy_noise_multiplier": 2.0},
     },
 }

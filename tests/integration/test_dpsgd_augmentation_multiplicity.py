@@ -19,11 +19,11 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.data import DataLoader
 
+from lightning_dp.acceptance import AnnealedAcceptance
 from lightning_dp.accounting import RDPAccountant
 from lightning_dp.callbacks import DPSGD
 from lightning_dp.errors import PrivacyConfigError
 from lightning_dp.sampling.samples import LogicalBatch
-from lightning_dp.selection import AnnealedAcceptance
 from tests.helpers.samples import (
     BatchRecorder,
     IndexedSamples,

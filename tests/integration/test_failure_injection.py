@@ -31,12 +31,12 @@ import torch
 from pytorch_lightning.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader
 
+from lightning_dp.acceptance import AnnealedAcceptance
 from lightning_dp.accounting import PrivacyLedger, get_accountant
 from lightning_dp.callbacks import DPSGD, P3SGD, PrivacyBudget
 from lightning_dp.callbacks.base import DPCallback
 from lightning_dp.errors import PrivacyStateError
 from lightning_dp.schedules import ExponentialDecay
-from lightning_dp.selection import AnnealedAcceptance
 from tests.helpers import killed_run
 from tests.helpers.patients import TinyClassifier, TinyPatientDataModule, TinyPatientDataset
 from tests.helpers.samples import IndexedSamples, SampleClassifier, SampleDataModule, flat_weights

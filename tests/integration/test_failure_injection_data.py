@@ -22,13 +22,13 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from torch import Tensor, nn
 
+from lightning_dp.acceptance import AnnealedAcceptance
 from lightning_dp.accounting import PrivacyLedger
 from lightning_dp.callbacks import DPSGD, P3SGD
 from lightning_dp.callbacks.base import DPCallback
 from lightning_dp.data import DataError, PatientDataModule
 from lightning_dp.sanitization import ModelState
 from lightning_dp.sanitization.per_sample import PerSampleClipper, UnsupportedModelError, clip_coefficients
-from lightning_dp.selection import AnnealedAcceptance
 from lightning_dp.training.checks import diverse_indices
 from tests.helpers.patients import TinyClassifier, TinyPatientDataModule
 from tests.helpers.samples import BatchRecorder, SampleClassifier, SampleDataModule, dpsgd, flat_weights, trainer

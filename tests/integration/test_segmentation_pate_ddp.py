@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit" / "segmentation"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit" / "pate"))
 from test_student_release import _teachers  # noqa: E402
 
 pytestmark = pytest.mark.distributed

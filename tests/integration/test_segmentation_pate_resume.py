@@ -15,9 +15,9 @@ import torch
 from lightning_dp.data import SyntheticSilhouettesDataModule
 from lightning_dp.errors import PrivacyStateError
 from lightning_dp.models import SegmentationModule
-from lightning_dp.segmentation import PATEStudentDataModule, PCACompressor
+from lightning_dp.pate import PATEStudentDataModule, PCACompressor
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit" / "segmentation"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit" / "pate"))
 from test_student_release import DATA, _teachers  # noqa: E402
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from lightning_dp.acceptance import AnnealedAcceptance
 from lightning_dp.accounting import (
     ComposedEvent,
     ExponentialMechanismEvent,
@@ -21,7 +22,6 @@ from lightning_dp.accounting import (
 )
 from lightning_dp.callbacks import P3SGD
 from lightning_dp.schedules import ExponentialDecay
-from lightning_dp.selection import AnnealedAcceptance
 from tests.helpers.patients import TinyClassifier, TinyPatientDataModule
 from tests.helpers.samples import SampleClassifier, SampleDataModule, dpsgd, trainer
 

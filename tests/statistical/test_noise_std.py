@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from lightning_dp.accounting import PrivacyLedger
-from lightning_dp.sanitization import GaussianRelease, SelectedRelease, Selection
+from lightning_dp.sanitization import GaussianRelease, NoiseSelection, SelectedRelease
 
 pytestmark = pytest.mark.statistical
 
@@ -30,7 +30,7 @@ def test_selected_candidate_has_its_scale_std(pick: int) -> None:
         clip_norm=5.0,
         sample_rate=0.1,
         noise_scales=scales,
-        selection=Selection(50.0, 1.0),
+        selection=NoiseSelection(50.0, 1.0),
         seed=2,
     )
     unit = 5.0 / 20.0

@@ -21,10 +21,10 @@ from lightning_dp.errors import PrivacyConfigError, PrivacyStateError
 from lightning_dp.sanitization import (
     EnergyNoise,
     GaussianRelease,
+    NoiseSelection,
     PaperSelectedRelease,
     Release,
     SelectedRelease,
-    Selection,
     clip_update,
 )
 from lightning_dp.schedules import ExponentialDecay, LambdaNoise
@@ -33,7 +33,7 @@ from lightning_dp.schedules import ExponentialDecay, LambdaNoise
 def _release(scales: tuple[float, ...], accounting: str = "rigorous", seed: int = 0, schedule: object = 1.0) -> Release:
     ledger = PrivacyLedger("patient", 1e-5)
     common = {"clip_norm": 5.0, "sample_rate": 0.1, "seed": seed}
-    selection = Selection(epsilon=0.316, loss_bound=3.0)
+    selection = NoiseSelection(epsilon=0.316, loss_bound=3.0)
     if accounting == "paper":
         return PaperSelectedRelease(ledger, noise_scales=scales, selection=selection, schedule=schedule, **common)
     if len(scales) > 1:
@@ -116,7 +116,7 @@ def test_a_schedule_that_stops_noising_is_an_error_before_anything_is_charged() 
 
 
 def test_exponential_mechanism_probabilities() -> None:
-    sel = Selection(epsilon=2.0, loss_bound=3.0)
+    sel = NoiseSelection(epsilon=2.0, loss_bound=3.0)
     p = sel.probabilities(torch.tensor([0.0, 3.0, 10.0, float("nan")]))
     # u = (0, -3, -3, -3): p0 / p1 = exp(ε·3 / (2·3)) = e.
     assert p[0] / p[1] == pytest.approx(math.e)
@@ -136,7 +136,7 @@ def test_bad_configuration(kwargs: dict, match: str) -> None:
         "noise_scales": (1.0, 3.0),
         "clip_norm": 1.0,
         "sample_rate": 0.1,
-        "selection": Selection(epsilon=0.316, loss_bound=3.0),
+        "selection": NoiseSelection(epsilon=0.316, loss_bound=3.0),
     }
     args.update(kwargs)
     with pytest.raises(PrivacyConfigError, match=match):

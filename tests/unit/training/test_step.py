@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch import nn
 
+from lightning_dp.acceptance import AnnealedAcceptance, StepAcceptance, ThresholdAcceptance
 from lightning_dp.accounting import (
     ComposedEvent,
     ExponentialMechanismEvent,
@@ -18,7 +19,6 @@ from lightning_dp.accounting import (
     RDPAccountant,
 )
 from lightning_dp.sanitization import GaussianRelease
-from lightning_dp.selection import AnnealedAcceptance, StepAcceptance, ThresholdAcceptance
 from lightning_dp.training.step import OptimizerTarget, PrivateStep
 
 

@@ -14,7 +14,7 @@ import torch
 from lightning_dp.data import SyntheticSilhouettesDataModule
 from lightning_dp.errors import PrivacyBudgetExceededError, PrivacyStateError, PrivacyWarning
 from lightning_dp.models import SegmentationModule
-from lightning_dp.segmentation import PATEStudentDataModule, PCACompressor, pate_epsilon
+from lightning_dp.pate import PATEStudentDataModule, PCACompressor, pate_epsilon
 from lightning_dp.training.privacy import state_digest
 
 #: A seed that cannot be there by chance: its text and its binary forms are looked for in the files written.

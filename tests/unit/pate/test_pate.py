@@ -14,7 +14,7 @@ from scipy.stats import chi2, norm
 
 from lightning_dp.accounting import GaussianEvent, PrivacyLedger
 from lightning_dp.errors import PrivacyBudgetExceededError, PrivacyConfigError, PrivacyWarning
-from lightning_dp.segmentation import (
+from lightning_dp.pate import (
     AutoencoderCompressor,
     PATEAggregator,
     PCACompressor,
