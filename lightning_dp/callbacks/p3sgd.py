@@ -84,6 +84,7 @@ from lightning_dp.sanitization import (
 from lightning_dp.sanitization.per_sample import ClipStats
 from lightning_dp.sanitization.release import check_scales
 from lightning_dp.schedules import ConstantNoise, NoiseSchedule
+from lightning_dp.training.batches import returned_loss
 from lightning_dp.training.patient_rounds import (
     BatchedRound,
     LocalSGD,
@@ -534,7 +535,7 @@ class P3SGD(DPCallback):
         first = self._parts.data.groups[0][:2]
         out = self._parts.step(self._parts.data.batch(first), 0)
         self._state.load(theta, other)
-        loss = out.get("loss") if isinstance(out, dict) else out
+        loss = returned_loss(out)
         if not isinstance(loss, Tensor) or loss.numel() != 1:
             raise PrivacyConfigError(
                 f"`P3SGD`: {type(pl_module).__name__}.training_step returned {type(out).__name__}, not a scalar loss "

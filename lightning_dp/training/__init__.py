@@ -5,6 +5,7 @@ Lightning hooks over what lives here:
 
 * ``step.py``: the private step both engines share (`PrivateStep`: release → apply → accept or
   restore), with the targets a released update goes to; plain torch, no Lightning.
+* ``batches.py``: what a ``training_step`` returns, read one way everywhere (`loss_of`).
 * ``checks.py``: the start-up checks that per-sample clipping bounds one sample's influence
   (`IndependenceCheck`, `collate_is_per_sample`, `float64_copy`, DPSGD's `start_checks`); plain torch.
 * ``privacy.py``: δ and its default, the keys ε is logged under, the calibration of a noise schedule

@@ -33,6 +33,7 @@ from torch import Tensor, nn
 from lightning_dp.errors import PrivacyConfigError
 from lightning_dp.sanitization.buffers import BufferSnapshot
 from lightning_dp.sanitization.per_sample import LossReduction, PerSampleClipper, UnsupportedModelError
+from lightning_dp.training.batches import returned_loss
 
 __all__ = [
     "Cause",
@@ -358,7 +359,7 @@ def loss_tensor(out: Any, loss_reduction: LossReduction) -> Tensor:
     Raises:
         PrivacyConfigError: not a scalar tensor (or, with ``loss_reduction='none'``, not a tensor).
     """
-    loss = out.get("loss") if isinstance(out, dict) else out
+    loss = returned_loss(out)
     if not isinstance(loss, Tensor) or (loss_reduction != "none" and loss.numel() != 1):
         raise PrivacyConfigError(
             f"`DPSGD`: training_step returned {type(out).__name__}, not a "

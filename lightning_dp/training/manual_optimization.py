@@ -15,6 +15,7 @@ import pytorch_lightning as pl
 import torch
 
 from lightning_dp.errors import PrivacyConfigError
+from lightning_dp.training.batches import loss_of
 from lightning_dp.training.checks import eval_mode
 
 __all__ = [
@@ -39,7 +40,7 @@ def public_loss(
         for index, batch in enumerate(loader):
             batch = pl_module.transfer_batch_to_device(batch, pl_module.device, 0)
             out = training_step(batch, index)
-            loss = out["loss"] if isinstance(out, dict) else out
+            loss = loss_of(out)
             total += float(loss.detach().double().mean())
             count += 1
     if count == 0:

@@ -43,6 +43,7 @@ from lightning_dp.sampling.randomness import UnitStreams, draws_random_numbers, 
 from lightning_dp.sanitization import ModelState, updates
 from lightning_dp.sanitization.buffers import BufferSnapshot
 from lightning_dp.sanitization.per_sample import ClipStats, PerSampleClipper
+from lightning_dp.training.batches import loss_of
 from lightning_dp.training.checks import (
     FLOAT32_TOLERANCE,
     FLOAT64_TOLERANCE,
@@ -70,7 +71,6 @@ __all__ = [
     "choose_round",
     "clip_changes",
     "images_loss",
-    "loss_of",
     "model_reason",
 ]
 
@@ -83,13 +83,6 @@ _CAUSES = {
 
 #: θ_t and the other buffers a round starts every patient from (``state.vector()``, ``state.snapshot_other_buffers()``).
 Start = tuple[Tensor, list[Tensor]]
-
-
-def loss_of(out: Any) -> Tensor:
-    """The loss a ``training_step`` returned: the tensor itself, or its ``"loss"`` entry."""
-    loss = out["loss"] if isinstance(out, dict) else out
-    assert isinstance(loss, Tensor)
-    return loss
 
 
 #: Nothing seen yet (ClipStats is immutable: one instance serves as every default).

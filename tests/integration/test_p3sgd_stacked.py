@@ -17,7 +17,8 @@ from torch import Tensor, nn
 
 from lightning_dp.callbacks import P3SGD
 from lightning_dp.sampling.randomness import UnitStreams
-from lightning_dp.training.patient_rounds import StackedRound, loss_of
+from lightning_dp.training.batches import loss_of
+from lightning_dp.training.patient_rounds import StackedRound
 from lightning_dp.training.stacked import StackedLocalSGD, stack_batches
 from tests.helpers.patients import TinyClassifier, TinyPatientDataModule
 from tests.integration.test_p3sgd_vectorized import RuleZoo, _Data, _fit, _p3sgd, _state
