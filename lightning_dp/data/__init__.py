@@ -9,8 +9,9 @@ Where things are:
 * ``dataset.py`` / ``datamodule.py``: classification (images and labels) on that base.
 * ``segmentation_manifest.py`` / ``segmentation.py`` / ``segmentation_datamodule.py``: segmentation
   (images or volumes and masks, with a public split) on that base.
-* ``synthetic.py`` / ``silhouettes.py`` / ``volumes.py``: the synthetic data generators (pathology patches,
-  silhouettes, 3-D volumes) and their datamodules.
+* ``synthetic/``: the synthetic data: its kit (sites, the on-disk cache, the datamodule mixin) and
+  ``classification/`` (pathology patches); ``silhouettes.py`` / ``volumes.py``: the synthetic segmentation
+  generators (silhouettes, 3-D volumes) and their datamodules.
 * ``errors.py``: `DataError`, `DataNotReadyError`.
 
 Example:
@@ -22,7 +23,7 @@ Example:
     (3, 1)
 """
 
-from lightning_dp.data.datamodule import PatientDataModule, RandomRot90, SyntheticPathologyDataModule, split_patients
+from lightning_dp.data.datamodule import PatientDataModule, RandomRot90, split_patients
 from lightning_dp.data.dataset import PatientImageDataset, PatientSample
 from lightning_dp.data.errors import DataError, DataNotReadyError
 from lightning_dp.data.manifest import ManifestRow, load_image, read_manifest
@@ -41,6 +42,7 @@ from lightning_dp.data.silhouettes import generate_synthetic_silhouettes, synthe
 from lightning_dp.data.synthetic import (
     SITES,
     SiteStyle,
+    SyntheticPathologyDataModule,
     generate_synthetic_pathology,
     render_synthetic_patient,
     site_style,

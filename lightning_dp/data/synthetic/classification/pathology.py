@@ -31,22 +31,18 @@ few threads (NumPy, SciPy and Pillow's PNG encoder release the GIL): 200 patient
 
 from __future__ import annotations
 
-import csv
-import json
 import os
-import shutil
 from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Union
+from typing import Any, ClassVar, Union
 
 import numpy as np
 from numpy.typing import NDArray
-from PIL import Image
 from scipy import ndimage
 
-from lightning_dp.errors import PrivacyConfigError, check_count, check_in_interval
+from lightning_dp.data.synthetic.kit import SyntheticCache, SyntheticSite, write_patients, write_pngs
+from lightning_dp.errors import check_count, check_in_interval
 
 __all__ = [
     "GENERATOR_VERSION",
@@ -56,7 +52,6 @@ __all__ = [
     "check_synthetic_parameters",
     "generate_synthetic_pathology",
     "render_synthetic_patient",
-    "synthetic_parameters",
 ]
 
 GENERATOR_VERSION = 1
@@ -67,12 +62,8 @@ _E_OD = np.array([0.07, 0.99, 0.11])  # eosin
 _OWNER = "generate_synthetic_pathology"
 
 
-def _check_closed(name: str, value: Any, low: float, high: float, hint: str) -> float:
-    return check_in_interval("SiteStyle", name, value, low, high, low_closed=True, high_closed=True, hint=hint)
-
-
 @dataclass(frozen=True)
-class SiteStyle:
+class SiteStyle(SyntheticSite):
     """How one hospital's scanner and lab render every one of its patients (a deterministic domain shift).
 
     The patient-level variation (each patient's own stain, texture, noise) is drawn as before; a site
@@ -96,6 +87,8 @@ class SiteStyle:
         (True, 0.75)
     """
 
+    EXAMPLE: ClassVar[str] = "{'magnification': 0.8, 'eosin_strength': 1.4}"
+
     hematoxylin_hue: float = 0.0
     hematoxylin_strength: float = 1.0
     eosin_strength: float = 1.0
@@ -107,30 +100,11 @@ class SiteStyle:
 
     def __post_init__(self) -> None:
         for name in ("hematoxylin_strength", "eosin_strength", "magnification", "brightness"):
-            _check_closed(name, getattr(self, name), 0.1, 10.0, "1.0 is the reference site.")
-        _check_closed("hematoxylin_hue", self.hematoxylin_hue, -1.0, 1.0, "radians, e.g. 0.3.")
-        _check_closed("blur", self.blur, 0.0, 8.0, "pixels of a 64-px patch, e.g. 0.8.")
-        _check_closed("noise", self.noise, 0.0, 0.5, "a fraction of full scale, e.g. 0.02.")
-        balance = tuple(self.white_balance)
-        if len(balance) != 3:
-            raise PrivacyConfigError(
-                f"`SiteStyle(white_balance={self.white_balance!r})`: white_balance must hold 3 gains (R, G, B), found "
-                f"{len(balance)}. HINT: (1.0, 1.0, 1.0) is the reference."
-            )
-        for gain in balance:
-            _check_closed("white_balance", gain, 0.1, 10.0, "gains near 1.0, e.g. 1.05.")
-        object.__setattr__(self, "white_balance", tuple(float(g) for g in balance))
-
-    @property
-    def is_reference(self) -> bool:
-        """Whether this site renders exactly like the reference (no shift)."""
-        return self == SiteStyle()
-
-    def as_dict(self) -> dict[str, Any]:
-        """The fields as plain JSON-able values (what ``synthetic.json`` stores)."""
-        values = asdict(self)
-        values["white_balance"] = list(self.white_balance)
-        return values
+            self._check_range(name, getattr(self, name), 0.1, 10.0, "1.0 is the reference site.")
+        self._check_range("hematoxylin_hue", self.hematoxylin_hue, -1.0, 1.0, "radians, e.g. 0.3.")
+        self._check_range("blur", self.blur, 0.0, 8.0, "pixels of a 64-px patch, e.g. 0.8.")
+        self._check_range("noise", self.noise, 0.0, 0.5, "a fraction of full scale, e.g. 0.02.")
+        self._check_rgb("white_balance", "gains", 0.1, 10.0, "gains near 1.0, e.g. 1.05.")
 
 
 SITES: dict[str, SiteStyle] = {
@@ -160,29 +134,7 @@ def site_style(site: Union[str, SiteStyle, Mapping[str, Any], None]) -> SiteStyl
         >>> site_style("hospital_b") == SITES["hospital_b"]
         True
     """
-    if site is None:
-        return SiteStyle()
-    if isinstance(site, SiteStyle):
-        return site
-    if isinstance(site, str):
-        if site not in SITES:
-            raise PrivacyConfigError(
-                f"`site={site!r}`: unknown site, the named ones are {sorted(SITES)}. HINT: or pass a dict of "
-                f"SiteStyle fields, e.g. {{'magnification': 0.8, 'eosin_strength': 1.4}}."
-            )
-        return SITES[site]
-    if isinstance(site, Mapping):
-        known = {f.name for f in fields(SiteStyle)}
-        unknown = sorted(set(site) - known)
-        if unknown:
-            raise PrivacyConfigError(
-                f"`site={dict(site)!r}`: unknown field(s) {unknown}. HINT: SiteStyle's fields are {sorted(known)}."
-            )
-        return SiteStyle(**dict(site))
-    raise PrivacyConfigError(
-        f"`site={site!r}`: site must be a name, a dict of SiteStyle fields or None, found {type(site).__name__}. "
-        f"HINT: e.g. site='hospital_b'."
-    )
+    return SiteStyle.resolve(site, SITES)
 
 
 def _rotate_towards(vector: NDArray[np.float64], other: NDArray[np.float64], angle: float) -> NDArray[np.float64]:
@@ -627,9 +579,6 @@ def generate_synthetic_pathology(
         (7, 'path,label,patient_id', True)
     """
     check_synthetic_parameters(num_patients, patches_per_patient, image_size, seed, positive_fraction)
-    folder = Path(root)
-    manifest = folder / "manifest.csv"
-    info = folder / "synthetic.json"
     params: dict[str, Any] = {
         "generator": "synthetic_pathology",
         "version": GENERATOR_VERSION,
@@ -642,56 +591,19 @@ def generate_synthetic_pathology(
     style = site_style(site)
     if not style.is_reference:  # a reference data set keeps the parameters (and the cache) it always had
         params["site"] = style.as_dict()
-    if not overwrite and synthetic_parameters(folder) == params and manifest.is_file():
-        return manifest
-    if manifest.exists() and not info.exists() and not overwrite:
-        raise PrivacyConfigError(
-            f"`{_OWNER}(root={str(folder)!r})`: root must be empty or hold a data set written by this function, found "
-            f"a manifest.csv without synthetic.json. HINT: choose another root, or pass overwrite=True to replace it."
-        )
-    if info.exists():
-        info.unlink()  # the data set is incomplete until the new synthetic.json is written
-    images_dir = folder / "images"
-    if images_dir.exists():
-        shutil.rmtree(images_dir)
-    images_dir.mkdir(parents=True)
-    width = max(2, len(str(patches_per_patient - 1)))
+    # Another generator's data set in root is replaced, as it always was here (the segmentation generators refuse).
+    cache = SyntheticCache(Path(root), params, _OWNER, folders=("images",), other_generators="replace")
+    if cache.is_current(overwrite):
+        return cache.manifest
+    cache.clear(overwrite)
 
     def write_patient(i: int) -> list[tuple[str, int, str]]:
         patient = f"P{i:04d}"
         images, labels = render_synthetic_patient(
             np.random.default_rng([seed, i]), patches_per_patient, image_size, positive_fraction, style
         )
-        patient_dir = images_dir / patient
-        patient_dir.mkdir()
-        rows = []
-        for k in range(patches_per_patient):
-            name = f"{patient}_{k:0{width}d}.png"
-            Image.fromarray(images[k]).save(patient_dir / name, compress_level=1)
-            rows.append((f"images/{patient}/{name}", int(labels[k]), patient))
-        return rows
+        paths = write_pngs(cache.root, "images", patient, list(images))
+        return [(path, int(label), patient) for path, label in zip(paths, labels)]
 
-    # Every patient has its own generator, so the threads cannot change the output.
-    with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:
-        rows = [row for patient_rows in pool.map(write_patient, range(num_patients)) for row in patient_rows]
-    with manifest.open("w", newline="") as handle:
-        writer = csv.writer(handle, lineterminator="\n")
-        writer.writerow(["path", "label", "patient_id"])
-        writer.writerows(rows)
-    info.write_text(json.dumps(params, indent=2, sort_keys=True) + "\n")
-    return manifest
-
-
-def synthetic_parameters(root: Union[str, os.PathLike[str]]) -> dict[str, Any] | None:
-    """The parameters stored in ``root/synthetic.json``, or ``None`` if there is no (readable) file.
-
-    Example:
-        >>> import tempfile
-        >>> synthetic_parameters(tempfile.mkdtemp()) is None
-        True
-    """
-    try:
-        loaded = json.loads((Path(root) / "synthetic.json").read_text())
-    except (OSError, ValueError):
-        return None
-    return loaded if isinstance(loaded, dict) else None
+    rows = write_patients(write_patient, num_patients)
+    return cache.finish(("path", "label", "patient_id"), rows)
