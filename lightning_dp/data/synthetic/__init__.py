@@ -8,6 +8,12 @@ Where things are:
   mixin: ``prepare_data()`` writes the data set, ``setup()`` reads it through its manifest).
 * ``classification/``: ``pathology.py`` (glomerulus patches, P3SGD's setting) and ``datamodules.py``
   (`SyntheticPathologyDataModule`).
+* ``segmentation/``: ``silhouettes.py`` (2-D silhouettes, PATE's setting), ``volumes.py`` (CT-like 3-D volumes)
+  and ``datamodules.py`` (`SyntheticSilhouettesDataModule`, `SyntheticVolumesDataModule`).
+
+Every generator file reads alike: its site class, named sites and resolver (`SiteStyle` / `SITES` / `site_style`,
+`SilhouetteSite` / `SILHOUETTE_SITES` / `silhouette_site`, `VolumeSite` / `VOLUME_SITES` / `volume_site`), a
+parameter check, a patient renderer (``render_*_patient``), and the writer (``generate_synthetic_*``).
 
 This package is also the module ``lightning_dp.data.synthetic`` of earlier releases: its names
 (`generate_synthetic_pathology`, `render_synthetic_patient`, `SiteStyle`, `SITES`, `site_style`,
@@ -39,20 +45,66 @@ from lightning_dp.data.synthetic.kit import (
     write_patients,
     write_pngs,
 )
+from lightning_dp.data.synthetic.segmentation import (
+    SHAPES,
+    SILHOUETTE_SITES,
+    SILHOUETTES_VERSION,
+    VOLUME_SITES,
+    VOLUMES_VERSION,
+    Shape,
+    SilhouetteSite,
+    SilhouetteStyle,
+    SyntheticSilhouettesDataModule,
+    SyntheticVolumesDataModule,
+    VolumeSite,
+    check_silhouette_parameters,
+    check_volume_parameters,
+    generate_synthetic_silhouettes,
+    generate_synthetic_volumes,
+    render_silhouette_patient,
+    render_volume_patient,
+    silhouette,
+    silhouette_site,
+    synthetic_silhouettes,
+    synthetic_volumes,
+    volume_site,
+)
 
 __all__ = [
     "GENERATOR_VERSION",
+    "SHAPES",
+    "SILHOUETTES_VERSION",
+    "SILHOUETTE_SITES",
     "SITES",
+    "VOLUMES_VERSION",
+    "VOLUME_SITES",
     "GeneratedDataModule",
+    "Shape",
+    "SilhouetteSite",
+    "SilhouetteStyle",
     "SiteStyle",
     "SyntheticCache",
     "SyntheticPathologyDataModule",
+    "SyntheticSilhouettesDataModule",
     "SyntheticSite",
+    "SyntheticVolumesDataModule",
+    "VolumeSite",
+    "check_silhouette_parameters",
     "check_synthetic_parameters",
+    "check_volume_parameters",
     "generate_synthetic_pathology",
+    "generate_synthetic_silhouettes",
+    "generate_synthetic_volumes",
+    "render_silhouette_patient",
     "render_synthetic_patient",
+    "render_volume_patient",
+    "silhouette",
+    "silhouette_site",
     "site_style",
     "synthetic_parameters",
+    "synthetic_silhouettes",
+    "synthetic_volumes",
+    "volume_site",
     "write_patients",
     "write_pngs",
 ]

@@ -38,8 +38,7 @@ from lightning_dp.data import (
     render_synthetic_patient,
     synthetic_silhouettes,
 )
-from lightning_dp.data.silhouettes import SHAPES, silhouette
-from lightning_dp.data.volumes import synthetic_volumes
+from lightning_dp.data.synthetic import SHAPES, silhouette, synthetic_volumes
 
 
 def hash_arrays(*arrays: Any) -> str:
@@ -151,7 +150,7 @@ CASES: dict[str, Callable[[Path], str]] = {
 }
 
 # Recorded from the code before the move into data/synthetic/ (commit afc17d1), with
-# `python tests/unit/data/test_generated_bytes.py`.
+# `PYTHONPATH=. python tests/unit/data/test_generated_bytes.py` (from the repository root: this checkout's package).
 EXPECTED: dict[str, str] = {
     "pathology-datamodule-hospital_b": "aaa27a7794e8f231ccb35999612c266dafa99feaec9718b6471991501387eca5",
     "pathology-files-hospital_b": "aaa27a7794e8f231ccb35999612c266dafa99feaec9718b6471991501387eca5",
