@@ -5,32 +5,5 @@ Its code lives in `lightning_dp.data.synthetic.segmentation.silhouettes`. Import
 `synthetic_silhouettes`).
 """
 
-from lightning_dp.data.synthetic.segmentation.silhouettes import (
-    SHAPES,
-    SILHOUETTE_SITES,
-    SILHOUETTES_VERSION,
-    Shape,
-    SilhouetteSite,
-    SilhouetteStyle,
-    check_silhouette_parameters,
-    generate_synthetic_silhouettes,
-    render_silhouette_patient,
-    silhouette,
-    silhouette_site,
-    synthetic_silhouettes,
-)
-
-__all__ = [
-    "SHAPES",
-    "SILHOUETTES_VERSION",
-    "SILHOUETTE_SITES",
-    "Shape",
-    "SilhouetteSite",
-    "SilhouetteStyle",
-    "check_silhouette_parameters",
-    "generate_synthetic_silhouettes",
-    "render_silhouette_patient",
-    "silhouette",
-    "silhouette_site",
-    "synthetic_silhouettes",
-]
+from lightning_dp.data.synthetic.segmentation.silhouettes import *  # noqa: F403
+from lightning_dp.data.synthetic.segmentation.silhouettes import __all__ as __all__

@@ -5,22 +5,8 @@ Its code lives in `lightning_dp.data.synthetic.segmentation.volumes`, its datamo
 from ``lightning_dp.data`` (`generate_synthetic_volumes`, `SyntheticVolumesDataModule`, `VolumeSite`, …).
 """
 
+from lightning_dp.data.synthetic.segmentation import volumes as _volumes
 from lightning_dp.data.synthetic.segmentation.datamodules import SyntheticVolumesDataModule
-from lightning_dp.data.synthetic.segmentation.volumes import (
-    VOLUME_SITES,
-    VOLUMES_VERSION,
-    VolumeSite,
-    generate_synthetic_volumes,
-    render_volume_patient,
-    synthetic_volumes,
-)
+from lightning_dp.data.synthetic.segmentation.volumes import *  # noqa: F403
 
-__all__ = [
-    "VOLUMES_VERSION",
-    "VOLUME_SITES",
-    "SyntheticVolumesDataModule",
-    "VolumeSite",
-    "generate_synthetic_volumes",
-    "render_volume_patient",
-    "synthetic_volumes",
-]
+__all__ = [*_volumes.__all__, "SyntheticVolumesDataModule"]

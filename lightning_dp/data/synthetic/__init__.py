@@ -27,11 +27,11 @@ Example:
     'synthetic_pathology'
 """
 
-from lightning_dp.data.synthetic.classification import (
+from lightning_dp.data.synthetic.classification.datamodules import SyntheticPathologyDataModule
+from lightning_dp.data.synthetic.classification.pathology import (
     GENERATOR_VERSION,
     SITES,
     SiteStyle,
-    SyntheticPathologyDataModule,
     check_synthetic_parameters,
     generate_synthetic_pathology,
     render_synthetic_patient,
@@ -45,27 +45,31 @@ from lightning_dp.data.synthetic.kit import (
     write_patients,
     write_pngs,
 )
-from lightning_dp.data.synthetic.segmentation import (
+from lightning_dp.data.synthetic.segmentation.datamodules import (
+    SyntheticSilhouettesDataModule,
+    SyntheticVolumesDataModule,
+)
+from lightning_dp.data.synthetic.segmentation.silhouettes import (
     SHAPES,
     SILHOUETTE_SITES,
     SILHOUETTES_VERSION,
-    VOLUME_SITES,
-    VOLUMES_VERSION,
     Shape,
     SilhouetteSite,
     SilhouetteStyle,
-    SyntheticSilhouettesDataModule,
-    SyntheticVolumesDataModule,
-    VolumeSite,
     check_silhouette_parameters,
-    check_volume_parameters,
     generate_synthetic_silhouettes,
-    generate_synthetic_volumes,
     render_silhouette_patient,
-    render_volume_patient,
     silhouette,
     silhouette_site,
     synthetic_silhouettes,
+)
+from lightning_dp.data.synthetic.segmentation.volumes import (
+    VOLUME_SITES,
+    VOLUMES_VERSION,
+    VolumeSite,
+    check_volume_parameters,
+    generate_synthetic_volumes,
+    render_volume_patient,
     synthetic_volumes,
     volume_site,
 )

@@ -5,7 +5,8 @@
   `SyntheticSite.resolve`, which makes one from a name, a dict of its fields (a YAML config's) or ``None``.
 * `SyntheticCache`: the on-disk cache protocol. A generator writes its data folders and ``manifest.csv`` and, last,
   ``synthetic.json`` with its parameters; a data set whose ``synthetic.json`` holds the same parameters is kept, and
-  a folder that holds something else is refused or rewritten. `synthetic_parameters` reads ``synthetic.json``.
+  a folder that holds something else is refused or rewritten. A generator hands `SyntheticCache.write` a function
+  that writes one patient. `synthetic_parameters` reads ``synthetic.json``.
 * `write_patients` / `write_pngs`: patients rendered and written on a few threads, each from its own generator.
 * `GeneratedDataModule`: the datamodule mixin: ``prepare_data()`` and ``setup()`` write the data set under ``root``
   (kept when it is there already), then it is read through its manifest exactly like real data.
@@ -112,6 +113,13 @@ class SyntheticSite:
             f"HINT: e.g. site='hospital_b'."
         )
 
+    def parameters(self) -> dict[str, Any]:
+        """The site's entry in a generator's parameters (``synthetic.json``): none for the reference site.
+
+        A reference data set so keeps the parameters, and the cache, it had before there were sites.
+        """
+        return {} if self.is_reference else {"site": self.as_dict()}
+
     def _check_range(self, name: str, value: Any, low: float, high: float, hint: str) -> float:
         """Raises `PrivacyConfigError` unless ``low <= value <= high`` (a finite number)."""
         return check_in_interval(
@@ -152,7 +160,7 @@ def synthetic_parameters(root: Union[str, os.PathLike[str]]) -> dict[str, Any] |
 
 @dataclass(frozen=True)
 class SyntheticCache:
-    """A generated data set under ``root``: whether it is there already, and how it is (re)written.
+    """A generated data set under ``root``: kept if it is there already, (re)written otherwise (`write`).
 
     The data folders and ``root/manifest.csv`` are written first and ``root/synthetic.json`` with the generator's
     parameters last, so a data set whose ``synthetic.json`` holds the same parameters is complete and is kept. A
@@ -164,23 +172,28 @@ class SyntheticCache:
         params: the generator's parameters (``"generator"``: its name, ``"version"``, then its arguments).
         owner: the generator, as errors name it.
         folders: the data folders under ``root``, deleted and created empty before the data set is written.
+        header: the columns of ``manifest.csv``.
         other_generators: ``"refuse"`` a data set another generator wrote (unless ``overwrite``), or ``"replace"``
             it (`generate_synthetic_pathology` always has).
 
     Example:
         >>> import tempfile
-        >>> cache = SyntheticCache(Path(tempfile.mkdtemp()), {"generator": "demo", "version": 1}, "demo", ("images",))
-        >>> cache.is_current(overwrite=False)
-        False
-        >>> cache.clear(overwrite=False)
-        >>> cache.finish(("path", "patient_id"), [("images/a.png", "a")]).name, cache.is_current(overwrite=False)
-        ('manifest.csv', True)
+        >>> root = Path(tempfile.mkdtemp())
+        >>> params = {"generator": "demo", "version": 1}
+        >>> cache = SyntheticCache(root, params, "demo", folders=("images",), header=("path", "patient_id"))
+        >>> def write_patient(i):
+        ...     return [(f"images/{i}.png", f"P{i}")]
+        >>> cache.write(write_patient, num_patients=2, overwrite=False).read_text().splitlines()
+        ['path,patient_id', 'images/0.png,P0', 'images/1.png,P1']
+        >>> cache.is_current(overwrite=False), synthetic_parameters(root)
+        (True, {'generator': 'demo', 'version': 1})
     """
 
     root: Path
     params: dict[str, Any]
     owner: str
     folders: tuple[str, ...]
+    header: tuple[str, ...]
     other_generators: Literal["refuse", "replace"] = "refuse"
 
     @property
@@ -192,6 +205,26 @@ class SyntheticCache:
     def info(self) -> Path:
         """``root/synthetic.json``: the parameters, written last."""
         return self.root / "synthetic.json"
+
+    def write(
+        self, write_patient: Callable[[int], Iterable[Sequence[Any]]], num_patients: int, overwrite: bool
+    ) -> Path:
+        """The manifest of the data set: kept if `is_current`, else written after `clear` and ended by `finish`.
+
+        Args:
+            write_patient: writes patient ``i``'s files under ``root`` and returns its manifest rows (called for
+                ``i`` in ``0 .. num_patients - 1``, on a few threads: see `write_patients`).
+            num_patients: the number of patients.
+            overwrite: rewrite the data set even if it is current.
+
+        Raises:
+            PrivacyConfigError: as `clear`.
+        """
+        if self.is_current(overwrite):
+            return self.manifest
+        self.clear(overwrite)
+        rows = write_patients(write_patient, num_patients)
+        return self.finish(rows)
 
     def is_current(self, overwrite: bool) -> bool:
         """Whether ``root`` holds this data set, complete (nothing to write unless ``overwrite``)."""
@@ -227,17 +260,17 @@ class SyntheticCache:
                 shutil.rmtree(self.root / sub)
             (self.root / sub).mkdir(parents=True)
 
-    def finish(self, header: Sequence[str], rows: Iterable[Sequence[Any]]) -> Path:
+    def finish(self, rows: Iterable[Sequence[Any]]) -> Path:
         """Writes ``manifest.csv`` (``header``, then ``rows``) and, last, ``synthetic.json``; returns the manifest."""
         with self.manifest.open("w", newline="") as handle:
             writer = csv.writer(handle, lineterminator="\n")
-            writer.writerow(header)
+            writer.writerow(self.header)
             writer.writerows(rows)
         self.info.write_text(json.dumps(self.params, indent=2, sort_keys=True) + "\n")
         return self.manifest
 
 
-def write_patients(write_patient: Callable[[int], list[_Row]], num_patients: int) -> list[_Row]:
+def write_patients(write_patient: Callable[[int], Iterable[_Row]], num_patients: int) -> list[_Row]:
     """The manifest rows of patients ``0 .. num_patients - 1``, in that order, written on a few threads.
 
     NumPy, SciPy and Pillow's PNG encoder release the GIL. Every patient has its own generator

@@ -12,9 +12,11 @@ import importlib
 import pytest
 
 import lightning_dp.data
-import lightning_dp.data.synthetic.classification as classification
-import lightning_dp.data.synthetic.kit as kit
-import lightning_dp.data.synthetic.segmentation as segmentation
+from lightning_dp.data.synthetic import kit
+from lightning_dp.data.synthetic.classification import datamodules as classification_datamodules
+from lightning_dp.data.synthetic.classification import pathology
+from lightning_dp.data.synthetic.segmentation import datamodules as segmentation_datamodules
+from lightning_dp.data.synthetic.segmentation import silhouettes, volumes
 
 OLD_NAMES = {
     "lightning_dp.data.synthetic": [
@@ -56,7 +58,7 @@ OLD_NAMES = {
 
 
 def _new_home(name: str) -> object:
-    for room in (classification, segmentation, kit):
+    for room in (pathology, silhouettes, volumes, classification_datamodules, segmentation_datamodules, kit):
         if hasattr(room, name):
             return getattr(room, name)
     raise AssertionError(f"{name} has no new home")

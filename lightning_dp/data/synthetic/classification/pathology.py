@@ -41,7 +41,7 @@ import numpy as np
 from numpy.typing import NDArray
 from scipy import ndimage
 
-from lightning_dp.data.synthetic.kit import SyntheticCache, SyntheticSite, write_patients, write_pngs
+from lightning_dp.data.synthetic.kit import SyntheticCache, SyntheticSite, write_pngs
 from lightning_dp.errors import check_count, check_in_interval
 
 __all__ = [
@@ -579,6 +579,7 @@ def generate_synthetic_pathology(
         (7, 'path,label,patient_id', True)
     """
     check_synthetic_parameters(num_patients, patches_per_patient, image_size, seed, positive_fraction)
+    style = site_style(site)
     params: dict[str, Any] = {
         "generator": "synthetic_pathology",
         "version": GENERATOR_VERSION,
@@ -587,23 +588,19 @@ def generate_synthetic_pathology(
         "image_size": image_size,
         "seed": seed,
         "positive_fraction": float(positive_fraction),
+        **style.parameters(),
     }
-    style = site_style(site)
-    if not style.is_reference:  # a reference data set keeps the parameters (and the cache) it always had
-        params["site"] = style.as_dict()
-    # Another generator's data set in root is replaced, as it always was here (the segmentation generators refuse).
-    cache = SyntheticCache(Path(root), params, _OWNER, folders=("images",), other_generators="replace")
-    if cache.is_current(overwrite):
-        return cache.manifest
-    cache.clear(overwrite)
+    folder = Path(root)
 
     def write_patient(i: int) -> list[tuple[str, int, str]]:
         patient = f"P{i:04d}"
         images, labels = render_synthetic_patient(
             np.random.default_rng([seed, i]), patches_per_patient, image_size, positive_fraction, style
         )
-        paths = write_pngs(cache.root, "images", patient, list(images))
+        paths = write_pngs(folder, "images", patient, list(images))
         return [(path, int(label), patient) for path, label in zip(paths, labels)]
 
-    rows = write_patients(write_patient, num_patients)
-    return cache.finish(("path", "label", "patient_id"), rows)
+    # Another generator's data set in root is replaced, as it always was here (the segmentation generators refuse).
+    header = ("path", "label", "patient_id")
+    cache = SyntheticCache(folder, params, _OWNER, ("images",), header, other_generators="replace")
+    return cache.write(write_patient, num_patients, overwrite)

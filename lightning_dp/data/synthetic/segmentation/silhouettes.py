@@ -47,7 +47,7 @@ import numpy as np
 from numpy.typing import NDArray
 from scipy import ndimage
 
-from lightning_dp.data.synthetic.kit import SyntheticCache, SyntheticSite, write_patients, write_pngs
+from lightning_dp.data.synthetic.kit import SyntheticCache, SyntheticSite, write_pngs
 from lightning_dp.errors import PrivacyConfigError, check_count, check_in_interval
 
 __all__ = [
@@ -554,6 +554,7 @@ def generate_synthetic_silhouettes(
         (7, 'image,mask,patient_id', 'images/P0000/P0000_00.png,masks/P0000/P0000_00.png,P0000')
     """
     check_silhouette_parameters(num_patients, images_per_patient, image_size, seed, target, target_fraction)
+    camera = silhouette_site(site)
     params: dict[str, Any] = {
         "generator": "synthetic_silhouettes",
         "version": SILHOUETTES_VERSION,
@@ -563,23 +564,18 @@ def generate_synthetic_silhouettes(
         "seed": seed,
         "target": target,
         "target_fraction": float(target_fraction),
+        **camera.parameters(),
     }
-    camera = silhouette_site(site)
-    if not camera.is_reference:  # a reference data set keeps the parameters (and the cache) it always had
-        params["site"] = camera.as_dict()
-    cache = SyntheticCache(Path(root), params, _OWNER, folders=("images", "masks"))
-    if cache.is_current(overwrite):
-        return cache.manifest
-    cache.clear(overwrite)
+    folder = Path(root)
 
     def write_patient(i: int) -> list[tuple[str, str, str]]:
         patient = f"P{i:04d}"
         images, masks = render_silhouette_patient(
             np.random.default_rng([seed, i]), images_per_patient, image_size, target, target_fraction, camera
         )
-        image_paths = write_pngs(cache.root, "images", patient, list(images))
-        mask_paths = write_pngs(cache.root, "masks", patient, list(masks * np.uint8(255)))
+        image_paths = write_pngs(folder, "images", patient, list(images))
+        mask_paths = write_pngs(folder, "masks", patient, list(masks * np.uint8(255)))
         return [(image, mask, patient) for image, mask in zip(image_paths, mask_paths)]
 
-    rows = write_patients(write_patient, num_patients)
-    return cache.finish(("image", "mask", "patient_id"), rows)
+    cache = SyntheticCache(folder, params, _OWNER, ("images", "masks"), ("image", "mask", "patient_id"))
+    return cache.write(write_patient, num_patients, overwrite)

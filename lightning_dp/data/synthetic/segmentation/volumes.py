@@ -30,7 +30,7 @@ import numpy as np
 from numpy.typing import NDArray
 from scipy import ndimage
 
-from lightning_dp.data.synthetic.kit import SyntheticCache, SyntheticSite, write_patients
+from lightning_dp.data.synthetic.kit import SyntheticCache, SyntheticSite
 from lightning_dp.errors import check_count
 
 __all__ = [
@@ -214,19 +214,16 @@ def generate_synthetic_volumes(
         "num_patients": num_patients,
         "volume_size": volume_size,
         "seed": seed,
-        "site": style.as_dict(),
+        "site": style.as_dict(),  # the reference site too: the volumes' parameters have always held their site
     }
-    cache = SyntheticCache(Path(root), params, _OWNER, folders=("images", "masks"))
-    if cache.is_current(overwrite):
-        return cache.manifest
-    cache.clear(overwrite)
+    folder = Path(root)
 
     def write_patient(i: int) -> list[tuple[str, str, str]]:
         patient = f"V{i:04d}"
         volume, mask = render_volume_patient(np.random.default_rng([seed, i]), volume_size, style)
-        np.save(cache.root / "images" / f"{patient}.npy", volume)
-        np.save(cache.root / "masks" / f"{patient}.npy", mask)
+        np.save(folder / "images" / f"{patient}.npy", volume)
+        np.save(folder / "masks" / f"{patient}.npy", mask)
         return [(f"images/{patient}.npy", f"masks/{patient}.npy", patient)]
 
-    rows = write_patients(write_patient, num_patients)
-    return cache.finish(("image", "mask", "patient_id"), rows)
+    cache = SyntheticCache(folder, params, _OWNER, ("images", "masks"), ("image", "mask", "patient_id"))
+    return cache.write(write_patient, num_patients, overwrite)
