@@ -9,8 +9,10 @@ Where things are:
 * ``dataset.py`` / ``datamodule.py``: classification (images and labels) on that base.
 * ``segmentation_manifest.py`` / ``segmentation.py`` / ``segmentation_datamodule.py``: segmentation
   (images or volumes and masks, with a public split) on that base.
-* ``synthetic.py`` / ``silhouettes.py`` / ``volumes.py``: the synthetic data generators (pathology patches,
-  silhouettes, 3-D volumes) and their datamodules.
+* ``synthetic/``: the synthetic data generators and their datamodules: the kit they share (sites, the on-disk
+  cache, the datamodule mixin), ``classification/`` (pathology patches) and ``segmentation/`` (silhouettes, 3-D
+  volumes). ``synthetic.py``'s names are all in the package; ``silhouettes.py`` and ``volumes.py`` are aliases of
+  ``synthetic/segmentation/`` kept for one release.
 * ``errors.py``: `DataError`, `DataNotReadyError`.
 
 Example:
@@ -22,7 +24,7 @@ Example:
     (3, 1)
 """
 
-from lightning_dp.data.datamodule import PatientDataModule, RandomRot90, SyntheticPathologyDataModule, split_patients
+from lightning_dp.data.datamodule import PatientDataModule, RandomRot90, split_patients
 from lightning_dp.data.dataset import PatientImageDataset, PatientSample
 from lightning_dp.data.errors import DataError, DataNotReadyError
 from lightning_dp.data.manifest import ManifestRow, load_image, read_manifest
@@ -33,19 +35,22 @@ from lightning_dp.data.segmentation import (
     SegmentationRow,
     read_segmentation_manifest,
 )
-from lightning_dp.data.segmentation_datamodule import (
-    SegmentationDataModule,
-    SyntheticSilhouettesDataModule,
-)
-from lightning_dp.data.silhouettes import generate_synthetic_silhouettes, synthetic_silhouettes
+from lightning_dp.data.segmentation_datamodule import SegmentationDataModule
 from lightning_dp.data.synthetic import (
     SITES,
+    VOLUME_SITES,
     SiteStyle,
+    SyntheticPathologyDataModule,
+    SyntheticSilhouettesDataModule,
+    SyntheticVolumesDataModule,
+    VolumeSite,
     generate_synthetic_pathology,
+    generate_synthetic_silhouettes,
+    generate_synthetic_volumes,
     render_synthetic_patient,
     site_style,
+    synthetic_silhouettes,
 )
-from lightning_dp.data.volumes import VOLUME_SITES, SyntheticVolumesDataModule, VolumeSite, generate_synthetic_volumes
 
 __all__ = [
     "DataError",

@@ -12,9 +12,8 @@ the training-set loader without augmentation.
 
 from __future__ import annotations
 
-import os
 from collections import Counter
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
@@ -31,8 +30,10 @@ from lightning_dp.data.patients import (
     check_split_arguments,
     split_patients,
 )
-from lightning_dp.data.synthetic import check_synthetic_parameters, generate_synthetic_pathology, site_style
 from lightning_dp.errors import check_count
+
+if TYPE_CHECKING:
+    from lightning_dp.data.synthetic.classification.datamodules import SyntheticPathologyDataModule
 
 __all__ = ["PatientDataModule", "RandomRot90", "SyntheticPathologyDataModule", "split_patients"]
 
@@ -231,85 +232,14 @@ class PatientDataModule(PatientSplitsDataModule):
         return self._loader(self._train_eval, shuffle=False)
 
 
-class SyntheticPathologyDataModule(PatientDataModule):
-    """`PatientDataModule` over a synthetic glomerulus data set (see `generate_synthetic_pathology`).
+def __getattr__(name: str) -> Any:
+    """`SyntheticPathologyDataModule`, which lives in `lightning_dp.data.synthetic.classification` now.
 
-    ``prepare_data()`` writes the data set under ``root`` (skipped when ``root/synthetic.json`` holds
-    the same parameters); ``setup()`` generates it too if it is still missing, then loads it through
-    its manifest exactly like real data. The images are generated at ``image_size`` and not resized.
-
-    Args:
-        root: folder of the data set.
-        num_patients: number of patients.
-        patches_per_patient: patches per patient (P3SGD's data has about 50).
-        image_size: side of the generated patches in pixels (>= 16).
-        seed: generator seed (same seed, same bytes).
-        positive_fraction: expected fraction of glomerulus patches.
-        batch_size: as in `PatientDataModule`.
-        val_fraction: as in `PatientDataModule`.
-        test_fraction: as in `PatientDataModule`.
-        split_seed: as in `PatientDataModule`.
-        num_workers: as in `PatientDataModule`.
-        augment: as in `PatientDataModule`.
-        site: the hospital the patients come from: a name in `lightning_dp.data.SITES` (``"reference"``,
-            ``"hospital_b"``) or a dict of `SiteStyle` fields (stain, magnification, blur, noise, white
-            balance); ``None``: the reference site. Pre-train on one site and fine-tune on another to
-            see a domain shift.
-
-    Example:
-        >>> import tempfile
-        >>> dm = SyntheticPathologyDataModule(root=tempfile.mkdtemp(), num_patients=5, patches_per_patient=2,
-        ...                                   image_size=16, augment=False)
-        >>> dm.prepare_data(); dm.setup()
-        >>> len(dm.train_dataset) + len(dm.val_dataset) + len(dm.test_dataset), tuple(dm.test_dataset[0][0].shape)
-        (10, (3, 16, 16))
+    Kept here for one release (issue 34): importing it at the top would be an import cycle, since it is a
+    `PatientDataModule`.
     """
+    if name == "SyntheticPathologyDataModule":
+        from lightning_dp.data.synthetic.classification.datamodules import SyntheticPathologyDataModule
 
-    def __init__(
-        self,
-        root: str = "data/synthetic_pathology",
-        num_patients: int = 200,
-        patches_per_patient: int = 50,
-        image_size: int = 64,
-        seed: int = 0,
-        positive_fraction: float = 0.5,
-        batch_size: int = 32,
-        val_fraction: float = 0.1,
-        test_fraction: float = 0.2,
-        split_seed: int = 0,
-        num_workers: int = 0,
-        augment: bool = True,
-        site: str | dict[str, Any] | None = None,
-    ) -> None:
-        super().__init__(
-            manifest=os.path.join(root, "manifest.csv"),
-            batch_size=batch_size,
-            val_fraction=val_fraction,
-            test_fraction=test_fraction,
-            split_seed=split_seed,
-            num_workers=num_workers,
-            augment=augment,
-            image_size=None,
-        )
-        self.root = str(root)
-        self.generator_kwargs: dict[str, Any] = {
-            "num_patients": num_patients,
-            "patches_per_patient": patches_per_patient,
-            "image_size": image_size,
-            "seed": seed,
-            "positive_fraction": positive_fraction,
-            "site": site_style(site),
-        }
-        check_synthetic_parameters(num_patients, patches_per_patient, image_size, seed, positive_fraction)
-        self.save_hyperparameters()
-        # Lightning merges the parent's call into these; `manifest` is derived from root, not an argument here.
-        self.hparams.pop("manifest", None)
-
-    def prepare_data(self) -> None:
-        """Generates the data set (runs on one process per node under DDP)."""
-        generate_synthetic_pathology(self.root, **self.generator_kwargs)
-
-    def setup(self, stage: str | None = None) -> None:
-        # Generates only if prepare_data() did not run (or ran with other parameters): a cheap check.
-        self.prepare_data()
-        super().setup(stage)
+        return SyntheticPathologyDataModule
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

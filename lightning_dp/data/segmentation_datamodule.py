@@ -8,8 +8,7 @@ Teachers are trained on disjoint partitions of the training patients (`teacher_p
 
 from __future__ import annotations
 
-import os
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 from torch import Tensor
@@ -33,13 +32,10 @@ from lightning_dp.data.segmentation import (
     _check_options,
     read_segmentation_manifest,
 )
-from lightning_dp.data.silhouettes import (
-    Shape,
-    check_silhouette_parameters,
-    generate_synthetic_silhouettes,
-    silhouette_site,
-)
 from lightning_dp.errors import PrivacyConfigError, check_count
+
+if TYPE_CHECKING:
+    from lightning_dp.data.synthetic.segmentation.datamodules import SyntheticSilhouettesDataModule
 
 __all__ = ["SegmentationDataModule", "SyntheticSilhouettesDataModule"]
 
@@ -87,7 +83,7 @@ class SegmentationDataModule(PatientSplitsDataModule):
 
     Example:
         >>> import tempfile
-        >>> from lightning_dp.data.silhouettes import generate_synthetic_silhouettes
+        >>> from lightning_dp.data.synthetic import generate_synthetic_silhouettes
         >>> manifest = generate_synthetic_silhouettes(tempfile.mkdtemp(), num_patients=10, images_per_patient=2,
         ...                                           image_size=16)
         >>> dm = SegmentationDataModule(str(manifest), batch_size=4, val_fraction=0.2, test_fraction=0.2,
@@ -360,109 +356,14 @@ class SegmentationDataModule(PatientSplitsDataModule):
         return self.public_images_dataloader()
 
 
-class SyntheticSilhouettesDataModule(SegmentationDataModule):
-    """`SegmentationDataModule` over synthetic silhouettes (see `generate_synthetic_silhouettes`).
+def __getattr__(name: str) -> Any:
+    """`SyntheticSilhouettesDataModule`, which lives in `lightning_dp.data.synthetic.segmentation` now.
 
-    ``prepare_data()`` writes the data set under ``root`` (skipped when ``root/synthetic.json`` holds
-    the same parameters); ``setup()`` generates it too if it is still missing, then loads it through
-    its manifest exactly like real data.
-
-    Args:
-        root: folder of the data set.
-        num_patients: number of patients.
-        images_per_patient: images per patient.
-        image_size: side of the generated images in pixels (>= 16).
-        seed: generator seed (same seed, same bytes).
-        target: the silhouette template the masks mark (``"dog"`` as in the thesis).
-        target_fraction: the probability that an image contains the target.
-        batch_size: as in `SegmentationDataModule`.
-        val_fraction: as in `SegmentationDataModule`.
-        test_fraction: as in `SegmentationDataModule`.
-        public_fraction: as in `SegmentationDataModule`.
-        split_seed: as in `SegmentationDataModule`.
-        num_workers: as in `SegmentationDataModule`.
-        augment: as in `SegmentationDataModule`.
-        teacher: as in `SegmentationDataModule` (PATE teachers).
-        num_teachers: as in `SegmentationDataModule` (PATE teachers).
-        teacher_seed: as in `SegmentationDataModule` (PATE teachers).
-        site: the hospital the patients come from: a name in `lightning_dp.data.silhouettes.SILHOUETTE_SITES`
-            (``"reference"``, ``"hospital_b"``) or a dict of `SilhouetteSite` fields (tint, brightness,
-            contrast, blur, noise); ``None``: the reference site.
-
-    Example:
-        >>> import tempfile
-        >>> dm = SyntheticSilhouettesDataModule(root=tempfile.mkdtemp(), num_patients=5, images_per_patient=2,
-        ...                                     image_size=16, augment=False)
-        >>> dm.prepare_data(); dm.setup()
-        >>> len(dm.train_dataset) + len(dm.val_dataset) + len(dm.test_dataset), tuple(dm.test_dataset[0][1].shape)
-        (10, (1, 16, 16))
+    Kept here for one release (issue 34): importing it at the top would be an import cycle, since it is a
+    `SegmentationDataModule`.
     """
+    if name == "SyntheticSilhouettesDataModule":
+        from lightning_dp.data.synthetic.segmentation.datamodules import SyntheticSilhouettesDataModule
 
-    def __init__(
-        self,
-        root: str = "data/synthetic_silhouettes",
-        num_patients: int = 100,
-        images_per_patient: int = 20,
-        image_size: int = 64,
-        seed: int = 0,
-        target: Shape = "dog",
-        target_fraction: float = 0.5,
-        batch_size: int = 16,
-        val_fraction: float = 0.1,
-        test_fraction: float = 0.2,
-        public_fraction: float = 0.0,
-        split_seed: int = 0,
-        num_workers: int = 0,
-        augment: bool = True,
-        teacher: int | None = None,
-        num_teachers: int | None = None,
-        teacher_seed: int = 0,
-        site: str | dict[str, Any] | None = None,
-    ) -> None:
-        super().__init__(
-            manifest=os.path.join(root, "manifest.csv"),
-            batch_size=batch_size,
-            val_fraction=val_fraction,
-            test_fraction=test_fraction,
-            public_fraction=public_fraction,
-            split_seed=split_seed,
-            num_workers=num_workers,
-            augment=augment,
-            teacher=teacher,
-            num_teachers=num_teachers,
-            teacher_seed=teacher_seed,
-        )
-        check_silhouette_parameters(num_patients, images_per_patient, image_size, seed, target, target_fraction)
-        camera = silhouette_site(site)  # an unknown site is refused here, before any I/O
-        self.root = str(root)
-        self.generator_kwargs: dict[str, Any] = {
-            "num_patients": num_patients,
-            "images_per_patient": images_per_patient,
-            "image_size": image_size,
-            "seed": seed,
-            "target": target,
-            "target_fraction": target_fraction,
-            "site": camera,
-        }
-        self.save_hyperparameters()
-        # Lightning merges the parent's call into these; the parent's arguments derived here are not arguments.
-        for name in (
-            "manifest",
-            "public_manifest",
-            "items",
-            "slice_axis",
-            "patch_size",
-            "mask_threshold",
-            "intensity_range",
-            "cache",
-        ):
-            self.hparams.pop(name, None)
-
-    def prepare_data(self) -> None:
-        """Generates the data set (runs on one process per node under DDP)."""
-        generate_synthetic_silhouettes(self.root, **self.generator_kwargs)
-
-    def setup(self, stage: str | None = None) -> None:
-        # Generates only if prepare_data() did not run (or ran with other parameters): a cheap check.
-        self.prepare_data()
-        super().setup(stage)
+        return SyntheticSilhouettesDataModule
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

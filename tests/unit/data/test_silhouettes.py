@@ -16,7 +16,7 @@ from lightning_dp.data import (
     read_segmentation_manifest,
     synthetic_silhouettes,
 )
-from lightning_dp.data.silhouettes import (
+from lightning_dp.data.synthetic import (
     SHAPES,
     SILHOUETTE_SITES,
     SILHOUETTES_VERSION,

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from lightning_dp.data import SyntheticVolumesDataModule, generate_synthetic_volumes
-from lightning_dp.data.volumes import synthetic_volumes
+from lightning_dp.data.synthetic import synthetic_volumes
 from lightning_dp.errors import PrivacyConfigError
 
 

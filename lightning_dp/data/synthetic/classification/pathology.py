@@ -31,22 +31,18 @@ few threads (NumPy, SciPy and Pillow's PNG encoder release the GIL): 200 patient
 
 from __future__ import annotations
 
-import csv
-import json
 import os
-import shutil
 from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Union
+from typing import Any, ClassVar, Union
 
 import numpy as np
 from numpy.typing import NDArray
-from PIL import Image
 from scipy import ndimage
 
-from lightning_dp.errors import PrivacyConfigError, check_count, check_in_interval
+from lightning_dp.data.synthetic.kit import SyntheticCache, SyntheticSite, write_pngs
+from lightning_dp.errors import check_count, check_in_interval
 
 __all__ = [
     "GENERATOR_VERSION",
@@ -56,7 +52,6 @@ __all__ = [
     "check_synthetic_parameters",
     "generate_synthetic_pathology",
     "render_synthetic_patient",
-    "synthetic_parameters",
 ]
 
 GENERATOR_VERSION = 1
@@ -67,12 +62,8 @@ _E_OD = np.array([0.07, 0.99, 0.11])  # eosin
 _OWNER = "generate_synthetic_pathology"
 
 
-def _check_closed(name: str, value: Any, low: float, high: float, hint: str) -> float:
-    return check_in_interval("SiteStyle", name, value, low, high, low_closed=True, high_closed=True, hint=hint)
-
-
 @dataclass(frozen=True)
-class SiteStyle:
+class SiteStyle(SyntheticSite):
     """How one hospital's scanner and lab render every one of its patients (a deterministic domain shift).
 
     The patient-level variation (each patient's own stain, texture, noise) is drawn as before; a site
@@ -96,6 +87,8 @@ class SiteStyle:
         (True, 0.75)
     """
 
+    EXAMPLE: ClassVar[str] = "{'magnification': 0.8, 'eosin_strength': 1.4}"
+
     hematoxylin_hue: float = 0.0
     hematoxylin_strength: float = 1.0
     eosin_strength: float = 1.0
@@ -107,30 +100,11 @@ class SiteStyle:
 
     def __post_init__(self) -> None:
         for name in ("hematoxylin_strength", "eosin_strength", "magnification", "brightness"):
-            _check_closed(name, getattr(self, name), 0.1, 10.0, "1.0 is the reference site.")
-        _check_closed("hematoxylin_hue", self.hematoxylin_hue, -1.0, 1.0, "radians, e.g. 0.3.")
-        _check_closed("blur", self.blur, 0.0, 8.0, "pixels of a 64-px patch, e.g. 0.8.")
-        _check_closed("noise", self.noise, 0.0, 0.5, "a fraction of full scale, e.g. 0.02.")
-        balance = tuple(self.white_balance)
-        if len(balance) != 3:
-            raise PrivacyConfigError(
-                f"`SiteStyle(white_balance={self.white_balance!r})`: white_balance must hold 3 gains (R, G, B), found "
-                f"{len(balance)}. HINT: (1.0, 1.0, 1.0) is the reference."
-            )
-        for gain in balance:
-            _check_closed("white_balance", gain, 0.1, 10.0, "gains near 1.0, e.g. 1.05.")
-        object.__setattr__(self, "white_balance", tuple(float(g) for g in balance))
-
-    @property
-    def is_reference(self) -> bool:
-        """Whether this site renders exactly like the reference (no shift)."""
-        return self == SiteStyle()
-
-    def as_dict(self) -> dict[str, Any]:
-        """The fields as plain JSON-able values (what ``synthetic.json`` stores)."""
-        values = asdict(self)
-        values["white_balance"] = list(self.white_balance)
-        return values
+            self._check_range(name, getattr(self, name), 0.1, 10.0, "1.0 is the reference site.")
+        self._check_range("hematoxylin_hue", self.hematoxylin_hue, -1.0, 1.0, "radians, e.g. 0.3.")
+        self._check_range("blur", self.blur, 0.0, 8.0, "pixels of a 64-px patch, e.g. 0.8.")
+        self._check_range("noise", self.noise, 0.0, 0.5, "a fraction of full scale, e.g. 0.02.")
+        self._check_rgb("white_balance", "gains", 0.1, 10.0, "gains near 1.0, e.g. 1.05.")
 
 
 SITES: dict[str, SiteStyle] = {
@@ -160,29 +134,7 @@ def site_style(site: Union[str, SiteStyle, Mapping[str, Any], None]) -> SiteStyl
         >>> site_style("hospital_b") == SITES["hospital_b"]
         True
     """
-    if site is None:
-        return SiteStyle()
-    if isinstance(site, SiteStyle):
-        return site
-    if isinstance(site, str):
-        if site not in SITES:
-            raise PrivacyConfigError(
-                f"`site={site!r}`: unknown site, the named ones are {sorted(SITES)}. HINT: or pass a dict of "
-                f"SiteStyle fields, e.g. {{'magnification': 0.8, 'eosin_strength': 1.4}}."
-            )
-        return SITES[site]
-    if isinstance(site, Mapping):
-        known = {f.name for f in fields(SiteStyle)}
-        unknown = sorted(set(site) - known)
-        if unknown:
-            raise PrivacyConfigError(
-                f"`site={dict(site)!r}`: unknown field(s) {unknown}. HINT: SiteStyle's fields are {sorted(known)}."
-            )
-        return SiteStyle(**dict(site))
-    raise PrivacyConfigError(
-        f"`site={site!r}`: site must be a name, a dict of SiteStyle fields or None, found {type(site).__name__}. "
-        f"HINT: e.g. site='hospital_b'."
-    )
+    return SiteStyle.resolve(site, SITES)
 
 
 def _rotate_towards(vector: NDArray[np.float64], other: NDArray[np.float64], angle: float) -> NDArray[np.float64]:
@@ -277,6 +229,234 @@ class _Nuclei:
         return np.asarray(nuclei * np.float32(2.0 * np.pi * sigma**2))  # one nucleus peaks at its weight
 
 
+@dataclass(frozen=True)
+class _PatientLook:
+    """What one patient draws before its patches: stain, tissue, nuclei, optics, camera and annotator.
+
+    Lengths are in pixels of the rendered patches (a 64-pixel patch's lengths scaled by ``unit``).
+    """
+
+    h_od: NDArray[np.float64]  # hematoxylin optical density (unit vector)
+    e_od: NDArray[np.float64]  # eosin optical density (unit vector)
+    h_strength: float
+    e_strength: float
+    illumination: NDArray[np.float64]  # per-channel light, white balance and brightness included
+    stroma: float  # eosin density of the background tissue
+    coarse_amp: float  # coarse eosin texture: amplitude and correlation length
+    coarse_sigma: float
+    fibre_amp: float  # fibrous eosin texture: amplitude and correlation lengths (y, x)
+    fibre_sigma: tuple[float, float]
+    bg_nuclei: float  # scattered nuclei per patch
+    nucleus_sigma: float
+    noise_std: float
+    blur: float
+    tuft_density: float  # nuclei per pixel inside a glomerular tuft
+    clarity: float  # how visible the capsule and Bowman's space are
+    p_positive: float  # the probability that a patch shows a glomerulus
+    majority: int
+    bias: float  # patient-level label noise: the fraction of patches labelled by the majority class
+
+
+def _draw_look(
+    rng: np.random.Generator, style: SiteStyle, size: int, unit: float, area: float, positive_fraction: float
+) -> _PatientLook:
+    """The patient's `_PatientLook`, its own draws shifted by the site's ``style``."""
+    h_base = _H_OD if style.hematoxylin_hue == 0.0 else _rotate_towards(_H_OD, _E_OD, style.hematoxylin_hue)
+    h_od = _unit(h_base + rng.normal(0.0, 0.05, 3))
+    e_od = _unit(_E_OD + rng.normal(0.0, 0.05, 3))
+    h_strength = rng.uniform(0.6, 0.95) * style.hematoxylin_strength
+    e_strength = rng.uniform(0.25, 0.5) * style.eosin_strength
+    illumination = np.clip(rng.uniform(0.86, 1.0) * (1.0 + rng.normal(0.0, 0.03, 3)), 0.05, 1.0)
+    illumination = np.clip(illumination * np.asarray(style.white_balance) * style.brightness, 0.05, 1.0)
+    stroma = rng.uniform(0.25, 0.75)
+    coarse_amp = rng.uniform(0.1, 0.45)
+    coarse_sigma = rng.uniform(4.0, 10.0) * unit
+    fibre_amp = rng.uniform(0.0, 0.5)
+    fibre_sigma = (rng.uniform(0.6, 3.5) * unit, rng.uniform(0.6, 3.5) * unit)
+    bg_nuclei = rng.uniform(6.0, 28.0) * area
+    nucleus_sigma = rng.uniform(0.85, 1.35) * unit
+    noise_std = rng.uniform(0.004, 0.05) + style.noise
+    blur = float(np.hypot(rng.uniform(0.0, 1.0) * unit, style.blur * size / 64.0))  # hypot(b, 0) == b exactly
+    tuft_density = rng.uniform(0.045, 0.09) / unit**2
+    clarity = rng.uniform(0.75, 1.0)
+    if 0.0 < positive_fraction < 1.0:
+        concentration = 0.7  # U-shaped Beta: most patients are mostly one class
+        p_positive = rng.beta(concentration * positive_fraction, concentration * (1.0 - positive_fraction))
+    else:
+        p_positive = positive_fraction
+    return _PatientLook(
+        h_od=h_od,
+        e_od=e_od,
+        h_strength=h_strength,
+        e_strength=e_strength,
+        illumination=illumination,
+        stroma=stroma,
+        coarse_amp=coarse_amp,
+        coarse_sigma=coarse_sigma,
+        fibre_amp=fibre_amp,
+        fibre_sigma=fibre_sigma,
+        bg_nuclei=bg_nuclei,
+        nucleus_sigma=nucleus_sigma,
+        noise_std=noise_std,
+        blur=blur,
+        tuft_density=tuft_density,
+        clarity=clarity,
+        p_positive=p_positive,
+        majority=int(p_positive >= 0.5),
+        bias=rng.uniform(0.0, 0.3),
+    )
+
+
+class _Tissue:
+    """The patches of one patient while structures are drawn into them.
+
+    Holds the eosin density of every pixel, the nuclei collected so far and the scattered interstitial nuclei,
+    which a structure with nuclei of its own drops (``keep_bg``) before they are rendered.
+    """
+
+    def __init__(self, rng: np.random.Generator, look: _PatientLook, shape: tuple[int, int, int], unit: float) -> None:
+        n, size = shape[0], shape[1]
+        self.shape, self.size, self.unit = shape, size, unit
+        self.yy, self.xx = (axis.astype(np.float32)[None] for axis in np.mgrid[0:size, 0:size])
+        layers = [(look.coarse_amp, look.coarse_sigma, look.coarse_sigma), (look.fibre_amp, *look.fibre_sigma)]
+        self.eosin = np.float32(look.stroma) * (1.0 + _texture(rng, shape, layers))
+        self.nuclei = _Nuclei(rng)
+        self.bg_patch = np.repeat(np.arange(n), rng.poisson(look.bg_nuclei, n))
+        self.bg_y = rng.uniform(-2, size + 2, len(self.bg_patch))
+        self.bg_x = rng.uniform(-2, size + 2, len(self.bg_patch))
+        self.keep_bg = np.ones(len(self.bg_patch), dtype=bool)
+
+    def ellipse(
+        self, cy: NDArray[np.float64], cx: NDArray[np.float64], ry: NDArray[np.float64], rx: NDArray[np.float64]
+    ) -> NDArray[np.float32]:
+        """Elliptic radius (1 on the boundary) over the patches whose centres and radii are given."""
+        f32 = np.float32
+        dy = (self.yy - cy.astype(f32)[:, None, None]) / ry.astype(f32)[:, None, None]
+        dx = (self.xx - cx.astype(f32)[:, None, None]) / rx.astype(f32)[:, None, None]
+        return np.sqrt(dy * dy + dx * dx)
+
+
+def _add_tubules(
+    rng: np.random.Generator, tissue: _Tissue, shows: NDArray[np.bool_], stroma: float, magnification: float
+) -> None:
+    """Tubules: rings of epithelial nuclei around a pale lumen, pink cytoplasm (fewer in patches with a glomerulus)."""
+    n, size, unit, eosin = len(shows), tissue.size, tissue.unit, tissue.eosin
+    bg_patch, bg_y, bg_x = tissue.bg_patch, tissue.bg_y, tissue.bg_x
+    max_tubules = 5
+    more = 1.0 / magnification**2  # more tissue per patch, more tubules
+    tubules = np.minimum(rng.poisson(np.where(shows, 1.3, 2.8) * more), max_tubules)
+    t_cy = rng.uniform(-0.1, 1.1, (n, max_tubules)) * size
+    t_cx = rng.uniform(-0.1, 1.1, (n, max_tubules)) * size
+    t_ry = rng.uniform(4.5, 9.0, (n, max_tubules)) * unit
+    t_rx = t_ry * rng.uniform(0.7, 1.4, (n, max_tubules))
+    present = np.arange(max_tubules)[None, :] < tubules[:, None]
+    for k in range(max_tubules):
+        idx = np.flatnonzero(present[:, k])
+        if len(idx) == 0:
+            continue
+        rho = tissue.ellipse(t_cy[idx, k], t_cx[idx, k], t_ry[idx, k], t_rx[idx, k])
+        wall = eosin[idx] + np.float32(0.55 * stroma) * np.exp(-(((rho - 0.8) / 0.3) ** 2))
+        eosin[idx] = np.where(rho < 0.45, wall * 0.25, wall)
+        perimeter = 2 * np.pi * 0.85 * np.sqrt((t_ry[idx, k] ** 2 + t_rx[idx, k] ** 2) / 2)
+        ring_patch = np.repeat(idx, rng.poisson(perimeter / (3.2 * unit)))
+        angle = rng.uniform(0.0, 2.0 * np.pi, len(ring_patch))
+        radial = rng.normal(0.82, 0.06, len(ring_patch))
+        tissue.nuclei.add(
+            ring_patch,
+            t_cy[ring_patch, k] + radial * t_ry[ring_patch, k] * np.sin(angle),
+            t_cx[ring_patch, k] + radial * t_rx[ring_patch, k] * np.cos(angle),
+            1.0,
+        )
+        inside = ((bg_y - t_cy[bg_patch, k]) / t_ry[bg_patch, k]) ** 2 + (
+            (bg_x - t_cx[bg_patch, k]) / t_rx[bg_patch, k]
+        ) ** 2 < 1.0
+        tissue.keep_bg &= ~(inside & present[bg_patch, k])
+
+
+def _add_glomeruli(rng: np.random.Generator, tissue: _Tissue, shows: NDArray[np.bool_], look: _PatientLook) -> None:
+    """Glomeruli in the positive patches: capsule ring, pale Bowman's space, lobulated tuft of dense nuclei.
+
+    About one in ten is hard: smaller, with fewer nuclei, and mostly outside the field of view.
+    """
+    n, size, unit, eosin, f32 = len(shows), tissue.size, tissue.unit, tissue.eosin, np.float32
+    stroma, clarity = look.stroma, look.clarity
+    hard = rng.random(n) < 0.1
+    g_r = np.where(hard, rng.uniform(11.0, 15.0, n), rng.uniform(14.0, 21.0, n)) * unit
+    edge = rng.uniform(0.55, 0.95, n)  # hard positives lie mostly outside the field of view
+    side = rng.integers(0, 4, n)
+    off = np.where(side % 2 == 0, -edge * g_r, size - 1 + edge * g_r)
+    g_cy = np.where(hard & (side < 2), off, rng.uniform(0.25, 0.75, n) * size)
+    g_cx = np.where(hard & (side >= 2), off, rng.uniform(0.25, 0.75, n) * size)
+    g_aspect = rng.uniform(0.85, 1.18, n)
+    lobes = rng.integers(3, 7, n)
+    phase = rng.uniform(0.0, 2.0 * np.pi, n)
+    idx = np.flatnonzero(shows)
+    if len(idx):
+        r = g_r[idx]
+        rho = tissue.ellipse(g_cy[idx], g_cx[idx], r / g_aspect[idx], r * g_aspect[idx])
+        theta = np.arctan2(tissue.yy - g_cy[idx, None, None].astype(f32), tissue.xx - g_cx[idx, None, None].astype(f32))
+        tuft_edge = 0.74 * (1.0 + 0.09 * np.sin(lobes[idx, None, None] * theta + phase[idx, None, None]))
+        ring = np.exp(-(((rho - 1.0) * (r[:, None, None] / (1.1 * unit)).astype(f32)) ** 2))
+        inner = eosin[idx]
+        inner = np.where(rho < 1.0, inner * f32(1.0 - 0.8 * clarity), inner)  # Bowman's space
+        inner = np.where(rho < tuft_edge, f32(stroma * 1.15), inner)  # mesangial matrix
+        eosin[idx] = inner + f32(0.9 * stroma * clarity) * ring  # capsule
+    tuft_count = rng.poisson(look.tuft_density * np.pi * (0.72 * g_r) ** 2 * np.where(hard, 0.6, 1.0))
+    tissue.nuclei.add(*tissue.nuclei.in_disc(np.where(shows, tuft_count, 0), g_cy, g_cx, 0.72 * g_r), 0.9)
+    bg_patch = tissue.bg_patch
+    in_glom = ((tissue.bg_y - g_cy[bg_patch]) ** 2 + (tissue.bg_x - g_cx[bg_patch]) ** 2) < (1.05 * g_r[bg_patch]) ** 2
+    tissue.keep_bg &= ~(in_glom & shows[bg_patch])
+
+
+def _add_decoys(rng: np.random.Generator, tissue: _Tissue, shows: NDArray[np.bool_], look: _PatientLook) -> None:
+    """Decoys in some negatives, then the scattered nuclei that no structure dropped.
+
+    A decoy is a loose nuclear cluster without capsule, or an empty vessel-like ring.
+    """
+    n, size, unit = len(shows), tissue.size, tissue.unit
+    decoy = ~shows & (rng.random(n) < 0.35)
+    cluster = decoy & (rng.random(n) < 0.6)
+    vessel = decoy & ~cluster
+    d_r = rng.uniform(7.0, 12.0, n) * unit
+    d_cy = rng.uniform(0.2, 0.8, n) * size
+    d_cx = rng.uniform(0.2, 0.8, n) * size
+    d_count = np.where(cluster, rng.poisson(look.tuft_density * np.pi * d_r**2 * rng.uniform(0.15, 0.3, n)), 0)
+    patch, y, x = tissue.nuclei.in_disc(d_count, d_cy, d_cx, d_r)
+    tissue.nuclei.add(patch, y + rng.normal(0, 2.0 * unit, len(patch)), x + rng.normal(0, 2.0 * unit, len(patch)), 1.0)
+    idx = np.flatnonzero(vessel)
+    if len(idx):
+        rho = tissue.ellipse(d_cy[idx], d_cx[idx], 0.7 * d_r[idx], 0.7 * d_r[idx])
+        wall = tissue.eosin[idx] + np.float32(1.3 * look.stroma) * np.exp(-(((rho - 1.0) / 0.2) ** 2))
+        tissue.eosin[idx] = np.where(rho < 0.8, wall * 0.3, wall)
+    keep = tissue.keep_bg
+    tissue.nuclei.add(tissue.bg_patch[keep], tissue.bg_y[keep], tissue.bg_x[keep], 1.0)
+
+
+def _stain_and_capture(rng: np.random.Generator, tissue: _Tissue, look: _PatientLook) -> NDArray[np.uint8]:
+    """The RGB patches: stains (Beer–Lambert), optics, camera (sensor noise, 8-bit quantisation)."""
+    f32, shape, blur = np.float32, tissue.shape, look.blur
+    # The blur of the optics is folded into the Gaussian profile of the nuclei (Gaussians compose).
+    hema = 1.4 * (1.0 - np.exp(-1.3 * tissue.nuclei.render(shape, np.hypot(look.nucleus_sigma, blur)))) + 0.06
+    eosin = tissue.eosin
+    np.clip(eosin, 0.0, None, out=eosin)
+    if blur > 0.05:
+        eosin = ndimage.gaussian_filter(eosin, sigma=(0.0, blur, blur), truncate=3.0)
+    stains = np.stack([hema, eosin, np.ones_like(hema)], axis=-1)
+    optical = np.stack(
+        [
+            look.h_od * look.h_strength * -np.log(10.0),
+            look.e_od * look.e_strength * -np.log(10.0),
+            np.log(look.illumination),
+        ]
+    )
+    image = np.exp(stains @ optical.astype(f32))
+    # Sensor noise, shared by the three channels (uniform, scaled to standard deviation noise_std).
+    image += (rng.random((*shape, 1), dtype=f32) - f32(0.5)) * f32(look.noise_std * np.sqrt(12.0))
+    image *= f32(255.0)
+    np.clip(image, 0.0, 255.0, out=image)
+    return np.rint(image).astype(np.uint8)
+
+
 def render_synthetic_patient(
     rng: np.random.Generator,
     num_patches: int,
@@ -285,6 +465,10 @@ def render_synthetic_patient(
     site: Union[str, SiteStyle, Mapping[str, Any], None] = None,
 ) -> tuple[NDArray[np.uint8], NDArray[np.int64]]:
     """Renders the patches of one synthetic patient (style drawn from ``rng``).
+
+    The steps, every one drawing from ``rng`` in this order: the patient's look (`_draw_look`), which patches
+    show a glomerulus, the tissue background with its scattered nuclei (`_Tissue`), tubules, glomeruli, decoys,
+    stains and camera (`_stain_and_capture`), and the labels.
 
     Args:
         rng: the patient's random generator; the result is a deterministic function of its state.
@@ -311,152 +495,15 @@ def render_synthetic_patient(
     n, size = num_patches, image_size
     unit = size / 64.0 * style.magnification  # lengths below are in pixels of a 64×64 patch at the reference
     area = (size / 64.0 / style.magnification) ** 2  # tissue per patch (x / 1.0 is exact: the reference is unchanged)
-    shape = (n, size, size)
-    f32 = np.float32
-
-    # ---- the patient's style ---------------------------------------------------------------------------
-    h_base = _H_OD if style.hematoxylin_hue == 0.0 else _rotate_towards(_H_OD, _E_OD, style.hematoxylin_hue)
-    h_od = _unit(h_base + rng.normal(0.0, 0.05, 3))
-    e_od = _unit(_E_OD + rng.normal(0.0, 0.05, 3))
-    h_strength = rng.uniform(0.6, 0.95) * style.hematoxylin_strength
-    e_strength = rng.uniform(0.25, 0.5) * style.eosin_strength
-    illumination = np.clip(rng.uniform(0.86, 1.0) * (1.0 + rng.normal(0.0, 0.03, 3)), 0.05, 1.0)
-    illumination = np.clip(illumination * np.asarray(style.white_balance) * style.brightness, 0.05, 1.0)
-    stroma = rng.uniform(0.25, 0.75)  # eosin density of the background tissue
-    coarse_amp = rng.uniform(0.1, 0.45)
-    coarse_sigma = rng.uniform(4.0, 10.0) * unit
-    fibre_amp = rng.uniform(0.0, 0.5)
-    fibre_sigma = (rng.uniform(0.6, 3.5) * unit, rng.uniform(0.6, 3.5) * unit)
-    bg_nuclei = rng.uniform(6.0, 28.0) * area  # scattered nuclei per patch
-    nucleus_sigma = rng.uniform(0.85, 1.35) * unit
-    noise_std = rng.uniform(0.004, 0.05) + style.noise
-    blur = float(np.hypot(rng.uniform(0.0, 1.0) * unit, style.blur * size / 64.0))  # hypot(b, 0) == b exactly
-    tuft_density = rng.uniform(0.045, 0.09) / unit**2  # nuclei per pixel inside a glomerular tuft
-    clarity = rng.uniform(0.75, 1.0)  # how visible the capsule and Bowman's space are
-    if 0.0 < positive_fraction < 1.0:
-        concentration = 0.7  # U-shaped Beta: most patients are mostly one class
-        p_positive = rng.beta(concentration * positive_fraction, concentration * (1.0 - positive_fraction))
-    else:
-        p_positive = positive_fraction
-    majority = int(p_positive >= 0.5)
-    bias = rng.uniform(0.0, 0.3)  # patient-level label noise: patches labelled by the majority class
-
-    # ---- tissue background -----------------------------------------------------------------------------
-    shows = rng.random(n) < p_positive
-    yy, xx = (axis.astype(f32)[None] for axis in np.mgrid[0:size, 0:size])
-    texture = _texture(rng, shape, [(coarse_amp, coarse_sigma, coarse_sigma), (fibre_amp, *fibre_sigma)])
-    eosin = f32(stroma) * (1.0 + texture)
-    nuclei = _Nuclei(rng)
-    # Scattered interstitial nuclei (dropped later inside structures that have their own).
-    bg_patch = np.repeat(np.arange(n), rng.poisson(bg_nuclei, n))
-    bg_y = rng.uniform(-2, size + 2, len(bg_patch))
-    bg_x = rng.uniform(-2, size + 2, len(bg_patch))
-    keep_bg = np.ones(len(bg_patch), dtype=bool)
-
-    def ellipse(
-        idx: NDArray[np.int64],
-        cy: NDArray[np.float64],
-        cx: NDArray[np.float64],
-        ry: NDArray[np.float64],
-        rx: NDArray[np.float64],
-    ) -> NDArray[np.float32]:
-        """Elliptic radius (1 on the boundary) over the patches ``idx``."""
-        dy = (yy - cy.astype(f32)[:, None, None]) / ry.astype(f32)[:, None, None]
-        dx = (xx - cx.astype(f32)[:, None, None]) / rx.astype(f32)[:, None, None]
-        return np.sqrt(dy * dy + dx * dx)
-
-    # ---- tubules: rings of epithelial nuclei around a pale lumen, pink cytoplasm -------------------------
-    max_tubules = 5
-    more = 1.0 / style.magnification**2  # more tissue per patch, more tubules
-    tubules = np.minimum(rng.poisson(np.where(shows, 1.3, 2.8) * more), max_tubules)
-    t_cy = rng.uniform(-0.1, 1.1, (n, max_tubules)) * size
-    t_cx = rng.uniform(-0.1, 1.1, (n, max_tubules)) * size
-    t_ry = rng.uniform(4.5, 9.0, (n, max_tubules)) * unit
-    t_rx = t_ry * rng.uniform(0.7, 1.4, (n, max_tubules))
-    present = np.arange(max_tubules)[None, :] < tubules[:, None]
-    for k in range(max_tubules):
-        idx = np.flatnonzero(present[:, k])
-        if len(idx) == 0:
-            continue
-        rho = ellipse(idx, t_cy[idx, k], t_cx[idx, k], t_ry[idx, k], t_rx[idx, k])
-        wall = eosin[idx] + f32(0.55 * stroma) * np.exp(-(((rho - 0.8) / 0.3) ** 2))
-        eosin[idx] = np.where(rho < 0.45, wall * 0.25, wall)
-        perimeter = 2 * np.pi * 0.85 * np.sqrt((t_ry[idx, k] ** 2 + t_rx[idx, k] ** 2) / 2)
-        ring_patch = np.repeat(idx, rng.poisson(perimeter / (3.2 * unit)))
-        angle = rng.uniform(0.0, 2.0 * np.pi, len(ring_patch))
-        radial = rng.normal(0.82, 0.06, len(ring_patch))
-        nuclei.add(
-            ring_patch,
-            t_cy[ring_patch, k] + radial * t_ry[ring_patch, k] * np.sin(angle),
-            t_cx[ring_patch, k] + radial * t_rx[ring_patch, k] * np.cos(angle),
-            1.0,
-        )
-        inside = ((bg_y - t_cy[bg_patch, k]) / t_ry[bg_patch, k]) ** 2 + (
-            (bg_x - t_cx[bg_patch, k]) / t_rx[bg_patch, k]
-        ) ** 2 < 1.0
-        keep_bg &= ~(inside & present[bg_patch, k])
-
-    # ---- glomeruli (positives): capsule ring, pale Bowman's space, lobulated tuft of dense nuclei --------
-    hard = rng.random(n) < 0.1
-    g_r = np.where(hard, rng.uniform(11.0, 15.0, n), rng.uniform(14.0, 21.0, n)) * unit
-    edge = rng.uniform(0.55, 0.95, n)  # hard positives lie mostly outside the field of view
-    side = rng.integers(0, 4, n)
-    off = np.where(side % 2 == 0, -edge * g_r, size - 1 + edge * g_r)
-    g_cy = np.where(hard & (side < 2), off, rng.uniform(0.25, 0.75, n) * size)
-    g_cx = np.where(hard & (side >= 2), off, rng.uniform(0.25, 0.75, n) * size)
-    g_aspect = rng.uniform(0.85, 1.18, n)
-    lobes = rng.integers(3, 7, n)
-    phase = rng.uniform(0.0, 2.0 * np.pi, n)
-    idx = np.flatnonzero(shows)
-    if len(idx):
-        r = g_r[idx]
-        rho = ellipse(idx, g_cy[idx], g_cx[idx], r / g_aspect[idx], r * g_aspect[idx])
-        theta = np.arctan2(yy - g_cy[idx, None, None].astype(f32), xx - g_cx[idx, None, None].astype(f32))
-        tuft_edge = 0.74 * (1.0 + 0.09 * np.sin(lobes[idx, None, None] * theta + phase[idx, None, None]))
-        ring = np.exp(-(((rho - 1.0) * (r[:, None, None] / (1.1 * unit)).astype(f32)) ** 2))
-        inner = eosin[idx]
-        inner = np.where(rho < 1.0, inner * f32(1.0 - 0.8 * clarity), inner)  # Bowman's space
-        inner = np.where(rho < tuft_edge, f32(stroma * 1.15), inner)  # mesangial matrix
-        eosin[idx] = inner + f32(0.9 * stroma * clarity) * ring  # capsule
-    tuft_count = rng.poisson(tuft_density * np.pi * (0.72 * g_r) ** 2 * np.where(hard, 0.6, 1.0))
-    nuclei.add(*nuclei.in_disc(np.where(shows, tuft_count, 0), g_cy, g_cx, 0.72 * g_r), 0.9)
-    in_glom = ((bg_y - g_cy[bg_patch]) ** 2 + (bg_x - g_cx[bg_patch]) ** 2) < (1.05 * g_r[bg_patch]) ** 2
-    keep_bg &= ~(in_glom & shows[bg_patch])
-
-    # ---- decoys in some negatives: a loose nuclear cluster without capsule, or an empty vessel ring -----
-    decoy = ~shows & (rng.random(n) < 0.35)
-    cluster = decoy & (rng.random(n) < 0.6)
-    vessel = decoy & ~cluster
-    d_r = rng.uniform(7.0, 12.0, n) * unit
-    d_cy = rng.uniform(0.2, 0.8, n) * size
-    d_cx = rng.uniform(0.2, 0.8, n) * size
-    d_count = np.where(cluster, rng.poisson(tuft_density * np.pi * d_r**2 * rng.uniform(0.15, 0.3, n)), 0)
-    patch, y, x = nuclei.in_disc(d_count, d_cy, d_cx, d_r)
-    nuclei.add(patch, y + rng.normal(0, 2.0 * unit, len(patch)), x + rng.normal(0, 2.0 * unit, len(patch)), 1.0)
-    idx = np.flatnonzero(vessel)
-    if len(idx):
-        rho = ellipse(idx, d_cy[idx], d_cx[idx], 0.7 * d_r[idx], 0.7 * d_r[idx])
-        wall = eosin[idx] + f32(1.3 * stroma) * np.exp(-(((rho - 1.0) / 0.2) ** 2))
-        eosin[idx] = np.where(rho < 0.8, wall * 0.3, wall)
-    nuclei.add(bg_patch[keep_bg], bg_y[keep_bg], bg_x[keep_bg], 1.0)
-
-    # ---- stains (Beer–Lambert), optics, camera -------------------------------------------------------
-    # The blur of the optics is folded into the Gaussian profile of the nuclei (Gaussians compose).
-    hema = 1.4 * (1.0 - np.exp(-1.3 * nuclei.render(shape, np.hypot(nucleus_sigma, blur)))) + 0.06
-    np.clip(eosin, 0.0, None, out=eosin)
-    if blur > 0.05:
-        eosin = ndimage.gaussian_filter(eosin, sigma=(0.0, blur, blur), truncate=3.0)
-    stains = np.stack([hema, eosin, np.ones_like(hema)], axis=-1)
-    optical = np.stack([h_od * h_strength * -np.log(10.0), e_od * e_strength * -np.log(10.0), np.log(illumination)])
-    image = np.exp(stains @ optical.astype(f32))
-    # Sensor noise, shared by the three channels (uniform, scaled to standard deviation noise_std).
-    image += (rng.random((*shape, 1), dtype=f32) - f32(0.5)) * f32(noise_std * np.sqrt(12.0))
-    image *= f32(255.0)
-    np.clip(image, 0.0, 255.0, out=image)
-    images = np.rint(image).astype(np.uint8)
-
-    # ---- labels: what the patch shows, unless the annotator went by the patient ------------------------
-    labels = np.where(rng.random(n) < bias, majority, shows.astype(np.int64)).astype(np.int64)
+    look = _draw_look(rng, style, size, unit, area, positive_fraction)
+    shows = rng.random(n) < look.p_positive
+    tissue = _Tissue(rng, look, (n, size, size), unit)
+    _add_tubules(rng, tissue, shows, look.stroma, style.magnification)
+    _add_glomeruli(rng, tissue, shows, look)
+    _add_decoys(rng, tissue, shows, look)
+    images = _stain_and_capture(rng, tissue, look)
+    # The labels: what the patch shows, unless the annotator went by the patient.
+    labels = np.where(rng.random(n) < look.bias, look.majority, shows.astype(np.int64)).astype(np.int64)
     return images, labels
 
 
@@ -532,9 +579,7 @@ def generate_synthetic_pathology(
         (7, 'path,label,patient_id', True)
     """
     check_synthetic_parameters(num_patients, patches_per_patient, image_size, seed, positive_fraction)
-    folder = Path(root)
-    manifest = folder / "manifest.csv"
-    info = folder / "synthetic.json"
+    style = site_style(site)
     params: dict[str, Any] = {
         "generator": "synthetic_pathology",
         "version": GENERATOR_VERSION,
@@ -543,60 +588,19 @@ def generate_synthetic_pathology(
         "image_size": image_size,
         "seed": seed,
         "positive_fraction": float(positive_fraction),
+        **style.parameters(),
     }
-    style = site_style(site)
-    if not style.is_reference:  # a reference data set keeps the parameters (and the cache) it always had
-        params["site"] = style.as_dict()
-    if not overwrite and synthetic_parameters(folder) == params and manifest.is_file():
-        return manifest
-    if manifest.exists() and not info.exists() and not overwrite:
-        raise PrivacyConfigError(
-            f"`{_OWNER}(root={str(folder)!r})`: root must be empty or hold a data set written by this function, found "
-            f"a manifest.csv without synthetic.json. HINT: choose another root, or pass overwrite=True to replace it."
-        )
-    if info.exists():
-        info.unlink()  # the data set is incomplete until the new synthetic.json is written
-    images_dir = folder / "images"
-    if images_dir.exists():
-        shutil.rmtree(images_dir)
-    images_dir.mkdir(parents=True)
-    width = max(2, len(str(patches_per_patient - 1)))
+    folder = Path(root)
 
     def write_patient(i: int) -> list[tuple[str, int, str]]:
         patient = f"P{i:04d}"
         images, labels = render_synthetic_patient(
             np.random.default_rng([seed, i]), patches_per_patient, image_size, positive_fraction, style
         )
-        patient_dir = images_dir / patient
-        patient_dir.mkdir()
-        rows = []
-        for k in range(patches_per_patient):
-            name = f"{patient}_{k:0{width}d}.png"
-            Image.fromarray(images[k]).save(patient_dir / name, compress_level=1)
-            rows.append((f"images/{patient}/{name}", int(labels[k]), patient))
-        return rows
+        paths = write_pngs(folder, "images", patient, list(images))
+        return [(path, int(label), patient) for path, label in zip(paths, labels)]
 
-    # Every patient has its own generator, so the threads cannot change the output.
-    with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:
-        rows = [row for patient_rows in pool.map(write_patient, range(num_patients)) for row in patient_rows]
-    with manifest.open("w", newline="") as handle:
-        writer = csv.writer(handle, lineterminator="\n")
-        writer.writerow(["path", "label", "patient_id"])
-        writer.writerows(rows)
-    info.write_text(json.dumps(params, indent=2, sort_keys=True) + "\n")
-    return manifest
-
-
-def synthetic_parameters(root: Union[str, os.PathLike[str]]) -> dict[str, Any] | None:
-    """The parameters stored in ``root/synthetic.json``, or ``None`` if there is no (readable) file.
-
-    Example:
-        >>> import tempfile
-        >>> synthetic_parameters(tempfile.mkdtemp()) is None
-        True
-    """
-    try:
-        loaded = json.loads((Path(root) / "synthetic.json").read_text())
-    except (OSError, ValueError):
-        return None
-    return loaded if isinstance(loaded, dict) else None
+    # Another generator's data set in root is replaced, as it always was here (the segmentation generators refuse).
+    header = ("path", "label", "patient_id")
+    cache = SyntheticCache(folder, params, _OWNER, ("images",), header, other_generators="replace")
+    return cache.write(write_patient, num_patients, overwrite)
