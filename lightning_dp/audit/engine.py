@@ -5,24 +5,15 @@ callback lives in `lightning_dp.audit.callback_audit`. Import `CallbackAudit` fr
 is removed in the release after the next one.
 """
 
+from lightning_dp.audit.callback_audit import *  # noqa: F403
 from lightning_dp.audit.callback_audit import (
     NOISE_CHECK_SIGNIFICANCE,
     POWER,
     VERDICT_RULE,
-    CallbackAudit,
-    CallbackAuditResult,
     check_units,
     fit_world,
     gdp_mu_lower,
 )
+from lightning_dp.audit.callback_audit import __all__ as _names
 
-__all__ = [
-    "NOISE_CHECK_SIGNIFICANCE",
-    "POWER",
-    "VERDICT_RULE",
-    "CallbackAudit",
-    "CallbackAuditResult",
-    "check_units",
-    "fit_world",
-    "gdp_mu_lower",
-]
+__all__ = [*_names, "NOISE_CHECK_SIGNIFICANCE", "POWER", "VERDICT_RULE", "check_units", "fit_world", "gdp_mu_lower"]

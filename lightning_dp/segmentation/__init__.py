@@ -6,42 +6,7 @@ lightning_dp.segmentation.PATEStudentDataModule`` in an older config still build
 `lightning_dp.pate`: this alias is removed in the release after the next one.
 """
 
-from lightning_dp.pate import (
-    AutoencoderCompressor,
-    Compressor,
-    PATEAggregator,
-    PATEReport,
-    PATEResult,
-    PATEStudentDataModule,
-    PCACompressor,
-    check_maps,
-    check_partitions,
-    encoded_maps,
-    partition_patients,
-    pate_epsilon,
-    pate_noise_multiplier,
-    teacher_of,
-    thesis_epsilon,
-    thesis_epsilon_of_ledger,
-    thesis_noise_multiplier,
-)
+from lightning_dp.pate import *  # noqa: F403
+from lightning_dp.pate import __all__ as _names
 
-__all__ = [
-    "AutoencoderCompressor",
-    "Compressor",
-    "PATEAggregator",
-    "PATEReport",
-    "PATEResult",
-    "PATEStudentDataModule",
-    "PCACompressor",
-    "check_maps",
-    "check_partitions",
-    "encoded_maps",
-    "partition_patients",
-    "pate_epsilon",
-    "pate_noise_multiplier",
-    "teacher_of",
-    "thesis_epsilon",
-    "thesis_epsilon_of_ledger",
-    "thesis_noise_multiplier",
-]
+__all__ = list(_names)

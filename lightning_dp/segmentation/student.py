@@ -1,5 +1,6 @@
 """Old name of `lightning_dp.pate.student`, kept for one release: import from `lightning_dp.pate`."""
 
-from lightning_dp.pate.student import PATEStudentDataModule
+from lightning_dp.pate.student import *  # noqa: F403
+from lightning_dp.pate.student import __all__ as _names
 
-__all__ = ["PATEStudentDataModule"]
+__all__ = list(_names)

@@ -5,12 +5,7 @@ them, so ``class_path: lightning_dp.selection.AnnealedAcceptance`` in an older c
 same class. Import from `lightning_dp.acceptance`: this alias is removed in the release after the next one.
 """
 
-from lightning_dp.acceptance import (
-    AlwaysAccept,
-    AnnealedAcceptance,
-    EnergySource,
-    StepAcceptance,
-    ThresholdAcceptance,
-)
+from lightning_dp.acceptance import *  # noqa: F403
+from lightning_dp.acceptance import __all__ as _names
 
-__all__ = ["AlwaysAccept", "AnnealedAcceptance", "EnergySource", "StepAcceptance", "ThresholdAcceptance"]
+__all__ = list(_names)

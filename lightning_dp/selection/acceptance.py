@@ -1,19 +1,7 @@
 """Old name of `lightning_dp.acceptance.rules`, kept for one release: import from `lightning_dp.acceptance`."""
 
-from lightning_dp.acceptance.rules import (
-    FORMAT_VERSION,
-    AlwaysAccept,
-    AnnealedAcceptance,
-    EnergySource,
-    StepAcceptance,
-    ThresholdAcceptance,
-)
+from lightning_dp.acceptance.rules import *  # noqa: F403
+from lightning_dp.acceptance.rules import FORMAT_VERSION
+from lightning_dp.acceptance.rules import __all__ as _names
 
-__all__ = [
-    "FORMAT_VERSION",
-    "AlwaysAccept",
-    "AnnealedAcceptance",
-    "EnergySource",
-    "StepAcceptance",
-    "ThresholdAcceptance",
-]
+__all__ = [*_names, "FORMAT_VERSION"]
