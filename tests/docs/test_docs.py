@@ -6,7 +6,7 @@
   temporary directory, as a user would paste it. Blocks that train are run small: ``pytorch_lightning.Trainer`` is
   replaced by a subclass that caps ``max_steps`` at 2 and ``max_epochs`` at 1, the synthetic datamodules by
   subclasses with a few small patients, and the audit scenarios are capped at 2 steps (the pattern of
-  ``tests/integration/test_p3sgd_recipe.py``, which runs the P3SGD page's snippet at a size where it learns).
+  ``tests/integration/p3sgd/test_p3sgd_recipe.py``, which runs the P3SGD page's snippet at a size where it learns).
 * Every ```` ```yaml ```` block parses, and each ``class_path`` in it is built with its ``init_args``.
 * A Python block that cannot run says so on the line above it, ``<!-- no-run: reason -->``; at most
   `MAX_NO_RUN` may. Bash blocks are not run.

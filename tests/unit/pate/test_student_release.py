@@ -92,7 +92,7 @@ def test_rerun_and_resume_reuse_the_release_and_its_ledger(tmp_path: Path) -> No
     assert again.report == first.report and (tmp_path / "report.txt").read_text() == report
 
     # A resume in Lightning's order: setup, then the checkpoint's state, then the training loader (a resume
-    # through a real Trainer is in tests/integration/test_segmentation_pate_resume.py).
+    # through a real Trainer is in tests/integration/pate/test_segmentation_pate_resume.py).
     data = SyntheticSilhouettesDataModule(root=str(tmp_path / "data"), **DATA)
     resumed = PATEStudentDataModule(
         data,

@@ -72,7 +72,7 @@ def test_a_frozen_backbone_in_eval_mode_is_not_reported_as_a_surprise(trainable:
 
 
 def test_the_cli_drops_lightnings_advertising_tip(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    config = Path(__file__).resolve().parents[2] / "configs" / "baseline_synthetic_pathology.yaml"
+    config = Path(__file__).resolve().parents[3] / "configs" / "baseline_synthetic_pathology.yaml"
     args = [
         "fit",
         "--config",

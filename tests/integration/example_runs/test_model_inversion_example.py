@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
 
 
 def test_model_inversion_writes_results_and_grid(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -17,7 +17,7 @@ from lightning_dp.errors import PrivacyStateError
 from lightning_dp.models import SegmentationModule
 from lightning_dp.pate import PATEStudentDataModule, PCACompressor
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit" / "pate"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "unit" / "pate"))
 from test_student_release import DATA, _teachers  # noqa: E402
 
 

@@ -7,7 +7,7 @@ import pytest
 
 from lightning_dp.cli import main
 
-CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+CONFIGS = Path(__file__).resolve().parents[3] / "configs"
 
 
 def test_audit_from_flags_writes_json_and_png(tmp_path, capsys):

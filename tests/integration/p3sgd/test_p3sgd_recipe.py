@@ -38,7 +38,7 @@ from lightning_dp.cli import main
 from lightning_dp.data import SyntheticPathologyDataModule
 from lightning_dp.models import ImageClassifier
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 P3SGD_PAGE = ROOT / "docs" / "algorithms" / "p3sgd.md"
 PUBLIC_CONFIG = ROOT / "configs" / "public_pretrain_synthetic.yaml"
 P3SGD_CONFIG = ROOT / "configs" / "p3sgd_resnet18_synthetic.yaml"

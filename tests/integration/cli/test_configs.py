@@ -24,7 +24,7 @@ pytestmark = [
 # data it writes, in test_own_data.py.
 CONFIGS = sorted(
     c
-    for c in (Path(__file__).resolve().parents[2] / "configs").glob("*.yaml")
+    for c in (Path(__file__).resolve().parents[3] / "configs").glob("*.yaml")
     if "_pate_" not in c.stem and not c.stem.startswith("own_data_")
 )
 SEGMENTATION = [c for c in CONFIGS if "SyntheticSilhouettesDataModule" in c.read_text()]
@@ -101,7 +101,7 @@ def test_config_trains_and_reports(config: Path, tmp_path: Path, monkeypatch: py
 
 
 # DPSGD's start-up checks cost ~16 s of CPU even on the tiny network (~30 s wall on a busy 2-core machine): slow.
-# tests/integration/test_segmentation_training.py runs DPSGD on the same data module and model class fast.
+# tests/integration/segmentation/test_segmentation_training.py runs DPSGD on the same data module and model class fast.
 @pytest.mark.parametrize(
     "config",
     [pytest.param(c, marks=pytest.mark.slow) if "callbacks.DPSGD" in c.read_text() else c for c in SEGMENTATION],

@@ -14,12 +14,12 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit" / "pate"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "unit" / "pate"))
 from test_student_release import _teachers  # noqa: E402
 
 pytestmark = pytest.mark.distributed
 
-SCRIPT = Path(__file__).resolve().parents[1] / "helpers" / "ddp_pate_student.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "helpers" / "ddp_pate_student.py"
 
 
 def test_two_ranks_train_on_one_release(tmp_path: Path) -> None:
@@ -29,7 +29,7 @@ def test_two_ranks_train_on_one_release(tmp_path: Path) -> None:
         capture_output=True,
         text=True,
         timeout=300,
-        cwd=Path(__file__).resolve().parents[2],
+        cwd=Path(__file__).resolve().parents[3],
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = torch.load(tmp_path / "result.pt", weights_only=True)

@@ -11,7 +11,7 @@ import torch
 
 pytestmark = pytest.mark.distributed
 
-SCRIPT = Path(__file__).resolve().parents[1] / "helpers" / "ddp_p3sgd.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "helpers" / "ddp_p3sgd.py"
 
 
 def _run(devices: int, out: Path, local_lr: float, rounds: int, *extra: str) -> dict:
@@ -20,7 +20,7 @@ def _run(devices: int, out: Path, local_lr: float, rounds: int, *extra: str) -> 
         capture_output=True,
         text=True,
         timeout=300,
-        cwd=Path(__file__).resolve().parents[2],
+        cwd=Path(__file__).resolve().parents[3],
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     if extra == ("sync",):

@@ -2,7 +2,7 @@
 
 Findings covered here: 2 (coupled losses on imbalanced data), 3 (batch transforms in collate_fn), 5 (a stock
 U-Net refused at random), 6 (buffers updated from data), 9 (one accountant per callback), 10 (the default δ),
-16 (frozen BatchNorm kept). P3SGD's findings are in ``test_review_findings_p3sgd.py``.
+16 (frozen BatchNorm kept). P3SGD's findings are in ``tests/integration/p3sgd/test_p3sgd_refusals.py``.
 """
 
 from __future__ import annotations

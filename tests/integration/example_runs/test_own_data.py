@@ -20,7 +20,7 @@ import pytest
 
 from lightning_dp.cli import main
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 PAGE = ROOT / "docs" / "getting-started.md"
 CONFIGS = ["own_data_classification", "own_data_segmentation"]
 _FENCE = re.compile(r"^```(?P<lang>\w+)\n(?P<body>.*?)^```$", re.M | re.S)

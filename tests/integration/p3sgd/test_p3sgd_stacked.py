@@ -21,7 +21,7 @@ from lightning_dp.training.batches import loss_of
 from lightning_dp.training.patient_rounds import StackedRound
 from lightning_dp.training.stacked import StackedLocalSGD, stack_batches
 from tests.helpers.patients import TinyClassifier, TinyPatientDataModule
-from tests.integration.test_p3sgd_vectorized import RuleZoo, _Data, _fit, _p3sgd, _state
+from tests.integration.p3sgd.test_p3sgd_vectorized import RuleZoo, _Data, _fit, _p3sgd, _state
 
 SEVERAL = {"local_epochs": 2, "local_batch_size": 3, "local_momentum": 0.9, "local_weight_decay": 1e-3}
 

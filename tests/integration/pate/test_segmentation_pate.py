@@ -13,7 +13,7 @@ import torch
 
 from lightning_dp.cli import main
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 TINY = ["--model.init_args.monai_channels=[4, 8]", "--model.init_args.monai_res_units=0"]
 
 

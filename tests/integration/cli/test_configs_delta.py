@@ -14,7 +14,7 @@ import yaml
 from lightning_dp.callbacks.base import MAX_SAFE_DELTA_TIMES_N, default_delta
 from lightning_dp.cli import main
 
-CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.yaml"))
+CONFIGS = sorted((Path(__file__).resolve().parents[3] / "configs").glob("*.yaml"))
 ENGINES = {"lightning_dp.callbacks.DPSGD": "sample", "lightning_dp.callbacks.P3SGD": "patient"}
 
 

@@ -13,7 +13,7 @@ import pytest
 from lightning_dp.audit.cli import DESCRIPTION as AUDIT_DESCRIPTION
 from lightning_dp.cli import LIGHTNING_COMMANDS, PLAN_DESCRIPTION, main
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 COMMANDS = {**LIGHTNING_COMMANDS, "plan": PLAN_DESCRIPTION, "audit": AUDIT_DESCRIPTION}
 
 
@@ -90,7 +90,7 @@ def test_a_bad_config_value_is_one_error_line_not_a_traceback(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Newcomer finding (issue 23): the library's one-line message sat at line 72 of 81 lines of LightningCLI output.
-    config = Path(__file__).resolve().parents[2] / "configs" / "baseline_synthetic_pathology.yaml"
+    config = Path(__file__).resolve().parents[3] / "configs" / "baseline_synthetic_pathology.yaml"
     args = ["fit", "--config", str(config), "--model.init_args.lr=-1", f"--trainer.default_root_dir={tmp_path}"]
     assert main(args) == 2
     err = capsys.readouterr().err.strip().splitlines()

@@ -29,7 +29,7 @@ from tests.helpers.ddp_dpsgd import PHASES, SEED, run_phase
 
 pytestmark = pytest.mark.distributed
 
-SCRIPT = Path(__file__).resolve().parents[1] / "helpers" / "ddp_dpsgd.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "helpers" / "ddp_dpsgd.py"
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +41,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
             [sys.executable, str(SCRIPT), "2", str(out)],
             stdout=log,
             stderr=subprocess.STDOUT,
-            cwd=Path(__file__).resolve().parents[2],
+            cwd=Path(__file__).resolve().parents[3],
             start_new_session=True,  # its own process group: a failure here also ends the rank it launched
         )
         try:
