@@ -136,7 +136,8 @@ class DPSGD(DPCallback):
         adapt_threads: on CPU, run each step on the cores other processes left free since the previous step
             (never more threads than torch's setting; `lightning_dp.training.threads.ThreadGovernor`): threads beyond
             the free cores wait on each other at every kernel (a P3SGD round measured 9x slower with one core taken).
-            False keeps torch's setting.
+            False keeps torch's setting: the thread count changes float round-off, so runs on a machine whose load
+            varies agree bit for bit only with False.
 
     Example:
         >>> DPSGD(clip_norm=1.0, noise_multiplier=1.1, batch_size=64)
