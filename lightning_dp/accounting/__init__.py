@@ -17,47 +17,32 @@ from lightning_dp.accounting.calibration import (
     calibrate_steps,
     epsilon_for,
 )
-from lightning_dp.accounting.events import (
-    ComposedEvent,
-    ExponentialMechanismEvent,
-    GaussianEvent,
-    PoissonSampledEvent,
-    PrivacyEvent,
-    SelfComposedEvent,
-    ZCDPEvent,
-    event_from_dict,
-)
+from lightning_dp.accounting.events import *  # noqa: F403
+from lightning_dp.accounting.events import __all__ as _events
 from lightning_dp.accounting.ledger import PrivacyLedger, PrivacyUnit
 from lightning_dp.accounting.preflight import NOISE_TO_SIGNAL_LIMIT, NoisePreflight, default_delta
 from lightning_dp.accounting.tcdp import TCDPConditionError, TCDPPlan, plan_tcdp, tcdp_mismatch, tcdp_plan_unchecked
 
 __all__ = [
+    *_events,
     "Accountant",
     "AccountantName",
-    "ComposedEvent",
     "EventFactory",
-    "ExponentialMechanismEvent",
-    "GaussianEvent",
     "MomentsAccountant",
     "NOISE_TO_SIGNAL_LIMIT",
     "NoisePreflight",
     "PRVAccountant",
-    "PoissonSampledEvent",
-    "PrivacyEvent",
     "PrivacyLedger",
     "PrivacyUnit",
     "RDPAccountant",
-    "SelfComposedEvent",
     "TCDPConditionError",
     "TCDPPlan",
-    "ZCDPEvent",
     "calibrate_factor",
     "calibrate_noise_multiplier",
     "calibrate_schedule",
     "calibrate_steps",
     "default_delta",
     "epsilon_for",
-    "event_from_dict",
     "gaussian_epsilon",
     "get_accountant",
     "plan_tcdp",

@@ -14,23 +14,14 @@
 """
 
 from lightning_dp.audit.blackbox import MembershipAudit, MembershipAuditResult
-from lightning_dp.audit.bounds import (
-    ThresholdBound,
-    best_threshold,
-    clopper_pearson,
-    epsilon_gdp,
-    epsilon_one_run,
-    epsilon_threshold,
-    gdp_epsilon,
-    gdp_mu,
-    one_run_ceiling,
-    one_run_p_value,
-)
+from lightning_dp.audit.bounds import *  # noqa: F403
+from lightning_dp.audit.bounds import __all__ as _bounds
 from lightning_dp.audit.callback_audit import CallbackAudit, CallbackAuditResult
 from lightning_dp.audit.sensitivity import SensitivityAudit, SensitivityAuditResult
 from lightning_dp.audit.whitebox import StepAudit, StepAuditResult
 
 __all__ = [
+    *_bounds,
     "CallbackAudit",
     "CallbackAuditResult",
     "MembershipAudit",
@@ -39,14 +30,4 @@ __all__ = [
     "SensitivityAuditResult",
     "StepAudit",
     "StepAuditResult",
-    "ThresholdBound",
-    "best_threshold",
-    "clopper_pearson",
-    "epsilon_gdp",
-    "epsilon_one_run",
-    "epsilon_threshold",
-    "gdp_epsilon",
-    "gdp_mu",
-    "one_run_ceiling",
-    "one_run_p_value",
 ]

@@ -187,6 +187,26 @@ def _check_options(
     return patch
 
 
+@dataclass(frozen=True)
+class _Options:
+    """How a dataset cuts its sources into items, checked (`_options`)."""
+
+    items: Items
+    slice_axis: int
+    patch_size: tuple[int, int, int] | None
+    mask_threshold: float | None
+    intensity_range: tuple[float, float] | None
+
+
+def _options(
+    owner: str, items: Any, slice_axis: Any, patch_size: Any, mask_threshold: Any, intensity_range: Any
+) -> _Options:
+    """The options after `_check_options` (which raises for a bad one), the intensity range as floats."""
+    patch = _check_options(owner, items, slice_axis, patch_size, mask_threshold, intensity_range)
+    low_high = None if intensity_range is None else (float(intensity_range[0]), float(intensity_range[1]))
+    return _Options(items, slice_axis, patch, mask_threshold, low_high)
+
+
 class _PatientItems(PatientGroups):
     """Items (images, slices or patches) of sources, grouped by patient (`PatientGroups`)."""
 
@@ -201,16 +221,14 @@ class _PatientItems(PatientGroups):
         self,
         sources: list[_Source],
         patients: list[str],
+        options: _Options,
         *,
-        items: Items,
-        slice_axis: int,
-        patch_size: tuple[int, int, int] | None,
-        mask_threshold: float | None,
-        intensity_range: tuple[float, float] | None,
         cache: bool,
         with_masks: bool,
     ) -> None:
         """Reads every source once (checking sizes and mask values) and lists its items."""
+        items, slice_axis, patch_size = options.items, options.slice_axis, options.patch_size
+        mask_threshold, intensity_range = options.mask_threshold, options.intensity_range
         store = _Store(sources, items != "images", mask_threshold, intensity_range, cache, with_masks)
         entries: list[tuple[int, tuple[int, ...]]] = []
         entry_patients: list[str] = []
@@ -271,10 +289,17 @@ class _PatientItems(PatientGroups):
 
     def _view(self, keep: list[int]) -> Any:
         """A new object of this type over the items ``keep``, sharing the store."""
-        view = type(self).__new__(type(self))
-        view._store = self._store
-        view.items, view.slice_axis, view.patch_size = self.items, self.slice_axis, self.patch_size
-        view._init([self._items[i] for i in keep], [self._patients[i] for i in keep], [self._positive[i] for i in keep])
+        return type(self)._over(self, keep)
+
+    @classmethod
+    def _over(cls, items: _PatientItems, keep: Sequence[int]) -> Any:
+        """A new object of class ``cls`` over the items ``keep`` of ``items``, sharing its store."""
+        view = cls.__new__(cls)
+        view._store = items._store
+        view.items, view.slice_axis, view.patch_size = items.items, items.slice_axis, items.patch_size
+        view._init(
+            [items._items[i] for i in keep], [items._patients[i] for i in keep], [items._positive[i] for i in keep]
+        )
         return view
 
     def _image(self, index: int) -> Tensor:
@@ -386,20 +411,10 @@ class PatientSegmentationDataset(_PatientItems, Dataset[SegmentationSample]):
         cache: bool = True,
     ) -> None:
         owner = type(self).__name__
-        patch = _check_options(owner, items, slice_axis, patch_size, mask_threshold, intensity_range)
+        options = _options(owner, items, slice_axis, patch_size, mask_threshold, intensity_range)
         sources = _sources_from_rows(rows, owner, need_masks=True)
         self.transform: JointTransform | None = transform
-        self._build(
-            sources,
-            [row.patient_id for row in rows],
-            items=items,
-            slice_axis=slice_axis,
-            patch_size=patch,
-            mask_threshold=mask_threshold,
-            intensity_range=None if intensity_range is None else (float(intensity_range[0]), float(intensity_range[1])),
-            cache=cache,
-            with_masks=True,
-        )
+        self._build(sources, [row.patient_id for row in rows], options, cache=cache, with_masks=True)
 
     @classmethod
     def from_arrays(
@@ -444,7 +459,7 @@ class PatientSegmentationDataset(_PatientItems, Dataset[SegmentationSample]):
             (2, (1, 4, 4))
         """
         owner = f"{cls.__name__}.from_arrays"
-        patch = _check_options(owner, items, slice_axis, patch_size, mask_threshold, intensity_range)
+        options = _options(owner, items, slice_axis, patch_size, mask_threshold, intensity_range)
         count = len(images)
         if len(masks) != count or len(patient_ids) != count or count == 0:
             raise PrivacyConfigError(
@@ -475,17 +490,7 @@ class PatientSegmentationDataset(_PatientItems, Dataset[SegmentationSample]):
             patients.append(patient)
         dataset = cls.__new__(cls)
         dataset.transform = transform
-        dataset._build(
-            sources,
-            patients,
-            items=items,
-            slice_axis=slice_axis,
-            patch_size=patch,
-            mask_threshold=mask_threshold,
-            intensity_range=None if intensity_range is None else (float(intensity_range[0]), float(intensity_range[1])),
-            cache=True,
-            with_masks=True,
-        )
+        dataset._build(sources, patients, options, cache=True, with_masks=True)
         return dataset
 
     def _view(self, keep: list[int]) -> PatientSegmentationDataset:
@@ -568,25 +573,18 @@ class SegmentationImages(_PatientItems, Dataset[Tensor]):
         cache: bool = True,
     ) -> None:
         owner = type(self).__name__
-        patch = _check_options(owner, items, slice_axis, patch_size, None, intensity_range)
+        options = _options(owner, items, slice_axis, patch_size, None, intensity_range)
         self._build(
             _sources_from_rows(rows, owner, need_masks=False),
             [row.patient_id for row in rows],
-            items=items,
-            slice_axis=slice_axis,
-            patch_size=patch,
-            mask_threshold=None,
-            intensity_range=None if intensity_range is None else (float(intensity_range[0]), float(intensity_range[1])),
+            options,
             cache=cache,
             with_masks=False,
         )
 
     @classmethod
     def _from_items(cls, labeled: _PatientItems) -> SegmentationImages:
-        view = cls.__new__(cls)
-        view._store = labeled._store
-        view.items, view.slice_axis, view.patch_size = labeled.items, labeled.slice_axis, labeled.patch_size
-        view._init(list(labeled._items), list(labeled._patients), list(labeled._positive))
+        view: SegmentationImages = cls._over(labeled, range(len(labeled)))
         return view
 
     def __getitem__(self, index: int) -> Tensor:

@@ -8,39 +8,9 @@ student's data (``student.py``: `PATEStudentDataModule`). Its old name, `lightni
 gives the same objects for one release.
 """
 
-from lightning_dp.pate.aggregator import (
-    PATEAggregator,
-    PATEReport,
-    PATEResult,
-    check_partitions,
-    encoded_maps,
-    partition_patients,
-    pate_epsilon,
-    pate_noise_multiplier,
-    teacher_of,
-    thesis_epsilon,
-    thesis_epsilon_of_ledger,
-    thesis_noise_multiplier,
-)
+from lightning_dp.pate.aggregator import *  # noqa: F403
+from lightning_dp.pate.aggregator import __all__ as _aggregator
 from lightning_dp.pate.compression import AutoencoderCompressor, Compressor, PCACompressor, check_maps
 from lightning_dp.pate.student import PATEStudentDataModule
 
-__all__ = [
-    "AutoencoderCompressor",
-    "Compressor",
-    "PATEAggregator",
-    "PATEReport",
-    "PATEResult",
-    "PATEStudentDataModule",
-    "PCACompressor",
-    "check_maps",
-    "check_partitions",
-    "encoded_maps",
-    "partition_patients",
-    "pate_epsilon",
-    "pate_noise_multiplier",
-    "teacher_of",
-    "thesis_epsilon",
-    "thesis_epsilon_of_ledger",
-    "thesis_noise_multiplier",
-]
+__all__ = [*_aggregator, "AutoencoderCompressor", "Compressor", "PATEStudentDataModule", "PCACompressor", "check_maps"]

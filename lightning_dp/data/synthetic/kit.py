@@ -313,22 +313,46 @@ class GeneratedDataModule(PatientSplitsDataModule):
     ``prepare_data()`` writes the data set (kept when ``root/synthetic.json`` holds the same parameters);
     ``setup()`` generates it too if it is still missing, then the datamodule base reads it through
     ``root/manifest.csv`` exactly like real data. A subclass lists this class before its datamodule base, passes
-    ``manifest=manifest_in(root)`` to the base, keeps ``root`` and ``generator_kwargs``, and implements `_generate`;
-    after ``save_hyperparameters()`` it calls `_drop_base_arguments` (Lightning merges the base's call into the
-    hyper-parameters, and the base's arguments that the subclass derives are not arguments).
+    ``manifest=manifest_in(root)`` to the base, checks its generator's arguments, and ends its constructor with
+    `_keep_generator` (which keeps ``root``, the generator and ``generator_kwargs``, saves the hyper-parameters and
+    drops the base's arguments from them: Lightning merges the base's call into the hyper-parameters, and the base's
+    arguments that the subclass derives are not arguments).
     """
 
     root: str
     generator_kwargs: dict[str, Any]
+    _generator: Callable[..., Path]
 
     @staticmethod
     def manifest_in(root: Union[str, os.PathLike[str]]) -> str:
         """The manifest a generator writes under ``root``."""
         return os.path.join(root, "manifest.csv")
 
+    def _keep_generator(
+        self, own: type, base: type, root: Union[str, os.PathLike[str]], generator: Callable[..., Path], **kwargs: Any
+    ) -> None:
+        """Keeps ``root`` and ``generator(root, **kwargs)`` for `_generate`, then saves the hyper-parameters.
+
+        Called last in ``own``'s constructor: the hyper-parameters are those of that call (its frame), less the
+        arguments of ``base`` that ``own`` does not take (`_drop_base_arguments`).
+
+        Args:
+            own: the subclass whose constructor calls this.
+            base: its datamodule base.
+            root: the folder of the data set.
+            generator: the function that writes the data set under ``root`` and returns its manifest.
+            **kwargs: the generator's other arguments (``generator_kwargs``).
+        """
+        self.root = str(root)
+        self._generator = generator
+        self.generator_kwargs = kwargs
+        caller = inspect.currentframe()
+        self.save_hyperparameters(frame=caller.f_back if caller is not None else None)
+        self._drop_base_arguments(own, base)
+
     def _generate(self) -> Path:
         """Writes the data set under ``root`` (kept if it is there already) and returns its manifest."""
-        raise NotImplementedError
+        return self._generator(self.root, **self.generator_kwargs)
 
     def _drop_base_arguments(self, own: type, base: type) -> None:
         """Drops from ``hparams`` the constructor arguments of ``base`` that ``own`` does not take."""

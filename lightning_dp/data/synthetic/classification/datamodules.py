@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 from lightning_dp.data.datamodule import PatientDataModule
@@ -76,18 +75,17 @@ class SyntheticPathologyDataModule(GeneratedDataModule, PatientDataModule):
             augment=augment,
             image_size=None,
         )
-        self.root = str(root)
-        self.generator_kwargs = {
-            "num_patients": num_patients,
-            "patches_per_patient": patches_per_patient,
-            "image_size": image_size,
-            "seed": seed,
-            "positive_fraction": positive_fraction,
-            "site": site_style(site),
-        }
+        style = site_style(site)  # an unknown site is refused first, as before any other check
         check_synthetic_parameters(num_patients, patches_per_patient, image_size, seed, positive_fraction)
-        self.save_hyperparameters()
-        self._drop_base_arguments(SyntheticPathologyDataModule, PatientDataModule)
-
-    def _generate(self) -> Path:
-        return generate_synthetic_pathology(self.root, **self.generator_kwargs)
+        self._keep_generator(
+            SyntheticPathologyDataModule,
+            PatientDataModule,
+            root,
+            generate_synthetic_pathology,
+            num_patients=num_patients,
+            patches_per_patient=patches_per_patient,
+            image_size=image_size,
+            seed=seed,
+            positive_fraction=positive_fraction,
+            site=style,
+        )

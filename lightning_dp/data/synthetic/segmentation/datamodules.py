@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any, Union
 
 from lightning_dp.data.segmentation_datamodule import SegmentationDataModule
@@ -97,21 +96,19 @@ class SyntheticSilhouettesDataModule(GeneratedDataModule, SegmentationDataModule
         )
         check_silhouette_parameters(num_patients, images_per_patient, image_size, seed, target, target_fraction)
         camera = silhouette_site(site)  # an unknown site is refused here, before any I/O
-        self.root = str(root)
-        self.generator_kwargs = {
-            "num_patients": num_patients,
-            "images_per_patient": images_per_patient,
-            "image_size": image_size,
-            "seed": seed,
-            "target": target,
-            "target_fraction": target_fraction,
-            "site": camera,
-        }
-        self.save_hyperparameters()
-        self._drop_base_arguments(SyntheticSilhouettesDataModule, SegmentationDataModule)
-
-    def _generate(self) -> Path:
-        return generate_synthetic_silhouettes(self.root, **self.generator_kwargs)
+        self._keep_generator(
+            SyntheticSilhouettesDataModule,
+            SegmentationDataModule,
+            root,
+            generate_synthetic_silhouettes,
+            num_patients=num_patients,
+            images_per_patient=images_per_patient,
+            image_size=image_size,
+            seed=seed,
+            target=target,
+            target_fraction=target_fraction,
+            site=camera,
+        )
 
 
 class SyntheticVolumesDataModule(GeneratedDataModule, SegmentationDataModule):
@@ -181,15 +178,13 @@ class SyntheticVolumesDataModule(GeneratedDataModule, SegmentationDataModule):
         )
         check_volume_parameters(num_patients, volume_size, seed)
         volume_site(site)  # an unknown site is refused here, before any I/O
-        self.root = str(root)
-        self.generator_kwargs = {
-            "num_patients": num_patients,
-            "volume_size": volume_size,
-            "seed": seed,
-            "site": site,
-        }
-        self.save_hyperparameters()
-        self._drop_base_arguments(SyntheticVolumesDataModule, SegmentationDataModule)
-
-    def _generate(self) -> Path:
-        return generate_synthetic_volumes(self.root, **self.generator_kwargs)
+        self._keep_generator(
+            SyntheticVolumesDataModule,
+            SegmentationDataModule,
+            root,
+            generate_synthetic_volumes,
+            num_patients=num_patients,
+            volume_size=volume_size,
+            seed=seed,
+            site=site,
+        )
