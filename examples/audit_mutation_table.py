@@ -51,6 +51,7 @@ COUPLING: dict[str, Callable[[], SensitivityAudit]] = {
     "DPSGD-cancel": lambda: coupling_audit("cancel"),
     "DPSGD-neighbour": lambda: coupling_audit("neighbour"),
     "P3SGD-augment": lambda: coupling_audit("augment"),
+    "DPSGD-normalizer": lambda: coupling_audit("normalizer"),
 }
 
 

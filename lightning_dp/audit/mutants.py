@@ -281,6 +281,23 @@ def _last_two_share_a_clip_group() -> Any:
     return _replaced(per_sample.PerSampleClipper, "accumulate", make)
 
 
+@contextmanager
+def _normalizer_from_private_count() -> Iterator[None]:
+    def clip(f: Any) -> Any:
+        def mutated(self: Any, *args: Any, **kwargs: Any) -> Any:
+            clipped_sum, stats = f(self, *args, **kwargs)
+            self._mutant_count = max(stats.batch_size, 1)  # the step's private sample size
+            return clipped_sum, stats
+
+        return mutated
+
+    def normalizer(f: Any) -> Any:
+        return lambda self: float(self.__dict__.get("_mutant_count", f(self)))
+
+    with _replaced(DPSGD, "_clip", clip), _replaced(DPSGD, "_normalizer", normalizer):
+        yield
+
+
 #: The mutants the test suite's audit must catch (docs/results/audit.md, 'The mutation table').
 MUTANTS: tuple[Mutant, ...] = (
     Mutant(
@@ -452,6 +469,15 @@ MUTANTS: tuple[Mutant, ...] = (
         "the last two samples of a batch are clipped as one unit (an off-by-one in the group boundaries)",
         ("DPSGD-neighbour",),
         _last_two_share_a_clip_group,
+        check="sensitivity",
+    ),
+    Mutant(
+        "normalizer from the private count",
+        "callbacks/dpsgd.py: DPSGD._normalizer",
+        "the update is divided by the step's sample size, not the public q·N",
+        ("DPSGD-normalizer",),
+        _normalizer_from_private_count,
+        steps=20,
         check="sensitivity",
     ),
     Mutant(

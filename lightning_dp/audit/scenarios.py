@@ -236,7 +236,7 @@ def _random_flip(x: torch.Tensor) -> torch.Tensor:
 
 
 def coupling_audit(
-    kind: Literal["cancel", "neighbour", "augment"], *, runs: int = 2, seed: int = 0
+    kind: Literal["cancel", "neighbour", "augment", "normalizer"], *, runs: int = 2, seed: int = 0
 ) -> SensitivityAudit:
     """A paired-world `SensitivityAudit` whose canary exposes one kind of coupling between units.
 
@@ -249,6 +249,10 @@ def coupling_audit(
       units), the pair's contribution replaces the neighbour's and the canary moves the sum by ≈ 1.45·C.
     * ``"augment"`` (P3SGD): patients of 3 images whose images are negated at random when fetched; the canary is
       the first patient: drawn in processing order, its draws would shift every later patient's flips.
+    * ``"normalizer"`` (DPSGD, Poisson-sampled at q = ½): 12 small samples and a canary far above C, appended last
+      (both worlds sample the same others). Divided by the public q·N the two releases differ by the canary's clipped
+      gradient; divided by the step's private sample size, the same noise is scaled differently in the two worlds
+      and the difference is many C.
     """
     g = torch.Generator().manual_seed(seed)
     if kind == "cancel":
@@ -274,6 +278,16 @@ def coupling_audit(
             model=_zero_linear,
             population=(x, y),
             canary=(canary, torch.zeros(1, dtype=torch.long)),
+            runs=runs,
+            seed=seed,
+        )
+    if kind == "normalizer":
+        x = 0.1 * torch.randn(12, 4, generator=g)
+        return SensitivityAudit(
+            lambda s: DPSGD(sample_rate=0.5, noise_multiplier=0.5, clip_norm=1.0, delta=1e-5, seed=s),
+            model=_zero_linear,
+            population=(x, torch.randint(0, 2, (12,), generator=g)),
+            canary=(torch.tensor([[10.0, 0.0, 0.0, 0.0]]), torch.zeros(1, dtype=torch.long)),
             runs=runs,
             seed=seed,
         )

@@ -21,10 +21,14 @@ difference must be the canary's own clipped contribution, measured the same way 
 seed, the canary alone (S_alone + Z) and the canary at loss weight 0 (Z alone: its gradient is exactly 0):
 ``excess`` = ‖(S_in − S_out) − S_alone‖ / C ≤ ``tolerance``. A coupling that moves the others by less than C in
 norm shows there; and since a unit's randomness is keyed by the unit, the canary draws the same augmentation alone
-as among the others. It needs a full batch
-(q = 1: both worlds then sample every unit) and a canary whose key leaves the others' keys as they are (a sample
+as among the others. It needs both worlds to
+hold the same sample of the other units and a canary whose key leaves the others' keys as they are (a sample
 appended last; a patient with an id of its own, which here sorts first, so that a stream drawn in processing order
-shifts every other patient's draws).
+shifts every other patient's draws). Patients need a full batch (q = 1). Samples may be Poisson-sampled (q < 1): the
+canary, appended last, draws its coin after the others', so both worlds sample the same other samples; a run counts
+only where the canary was sampled (seeds are tried in order until ``runs`` such runs), and each world is rescaled by
+its *public* normalizer q·N. A step that divides by the sample's private size instead (its noise then does not
+cancel) moves the sum by many C.
 
 Example:
     >>> from lightning_dp.callbacks import DPSGD
@@ -99,7 +103,7 @@ class SensitivityAudit:
     """Trains one step twice with the same seed, with and without a canary, and bounds the clipped sums' difference.
 
     Args:
-        callback: builds the callback to audit from a seed, configured with ``sample_rate=1.0``.
+        callback: builds the callback to audit from a seed; a patient-level one with ``sample_rate=1.0``.
         model: builds the model (called under the same torch seed in both worlds: both start equal).
         population: ``(x, y)`` — the other units' images and labels; ``(x, y, patients)`` for a patient-level
             callback.
@@ -114,7 +118,8 @@ class SensitivityAudit:
         trainer_kwargs: more arguments for the Trainer.
 
     Raises:
-        PrivacyConfigError: a callback that samples (q < 1), or tensors that do not match the privacy unit.
+        PrivacyConfigError: a patient-level callback that samples (q < 1), or tensors that do not match the privacy
+            unit.
     """
 
     def __init__(
@@ -135,11 +140,12 @@ class SensitivityAudit:
         owner = "SensitivityAudit"
         probe = callback(seed)
         self.level, self.mechanism = probe.unit, probe.mechanism
-        if float(probe.sample_rate) != 1.0:
+        self.sampled = float(probe.sample_rate) != 1.0
+        if self.sampled and self.level == "patient":
             raise PrivacyConfigError(
-                f"`{owner}`: the callback samples with q = {probe.sample_rate}; the two worlds must hold the same "
-                "sample of the other units. HINT: audit the configuration with sample_rate=1.0 (same engine, clip "
-                "and noise)."
+                f"`{owner}`: the callback samples patients with q = {probe.sample_rate}; the two worlds must hold the "
+                "same sample of the other patients. HINT: audit the configuration with sample_rate=1.0 (same engine, "
+                "clip and noise)."
             )
         check_units(owner, self.level, population, canary)
         if not (math.isfinite(tolerance) and tolerance >= 0):
@@ -171,8 +177,10 @@ class SensitivityAudit:
         x, y, w, ids = (torch.cat([part[k] for part in parts]) for k in range(4))
         return _Units(x, y, w, ids if self.level == "patient" else None, self.augment)
 
-    def _clipped_sum_plus_noise(self, seed: int, world: str) -> tuple[Tensor, float, float]:
-        """S + Z of a world's first step (its release rescaled by its n/lr), the clip norm, and the round-off.
+    def _clipped_sum_plus_noise(self, seed: int, world: str) -> tuple[Tensor, float, float, Tensor | None]:
+        """S + Z of a world's first step (its release rescaled by its n/lr), the clip norm, the round-off, the sample.
+
+        The sample is the indices the step drew (None at q = 1: every unit).
 
         The round-off bounds the error of the rescaled release in units of C: θ₁ is stored in fp32, each coordinate
         within 2⁻²⁴·|θ₁| of the exact θ₀ + update, and the rescaling multiplies that by n/lr.
@@ -187,13 +195,41 @@ class SensitivityAudit:
         scale = float(callback.server_lr) if self.level == "patient" else -self.lr
         clip = float(callback.clip_norm)
         round_off = 2.0**-24 * float(observer.thetas[1].norm()) * n / abs(scale) / clip
-        return (observer.thetas[1] - observer.thetas[0]) * (n / scale), clip, round_off
+        sample = callback.sampler.indices(0) if self.sampled else None
+        return (observer.thetas[1] - observer.thetas[0]) * (n / scale), clip, round_off, sample
+
+    def _comparable(self, worlds: dict[str, tuple[Tensor, float, float, Tensor | None]]) -> bool:
+        """Whether the worlds sampled the same other units and the canary (always at q = 1)."""
+        if not self.sampled:
+            return True
+        canary = len(self.population[1])  # appended last
+        samples: dict[str, Tensor] = {}
+        for w, world in worlds.items():
+            assert world[3] is not None
+            samples[w] = world[3]
+        return all(
+            bool((samples[w] == canary).any()) and torch.equal(samples[w][samples[w] != canary], samples["out"])
+            for w in ("in", "alone", "null")
+        )
 
     def run(self) -> SensitivityAuditResult:
-        """``runs`` runs of four worlds each, one seed per run (their noise cancels in the differences)."""
-        moved, excess = [], []
-        for r in range(self.runs):
-            worlds = {w: self._clipped_sum_plus_noise(self.seed + r, w) for w in ("in", "out", "alone", "null")}
+        """``runs`` runs of four worlds each, one seed per run (their noise cancels in the differences).
+
+        Under sampling, seeds whose step did not sample the canary are skipped (at most 20 tries per run).
+        """
+        moved: list[float] = []
+        excess: list[float] = []
+        seeds = iter(range(self.seed, self.seed + 20 * self.runs))
+        while len(moved) < self.runs:
+            seed = next(seeds, None)
+            if seed is None:
+                raise PrivacyConfigError(
+                    f"`SensitivityAudit`: the canary was sampled in {len(moved)} of {20 * self.runs} seeds; "
+                    f"{self.runs} runs need it. HINT: a larger sample_rate."
+                )
+            worlds = {w: self._clipped_sum_plus_noise(seed, w) for w in ("in", "out", "alone", "null")}
+            if not self._comparable(worlds):
+                continue
             clip, round_off = worlds["in"][1], sum(world[2] for world in worlds.values())
             if round_off > self.tolerance / 2:
                 raise PrivacyConfigError(

@@ -37,6 +37,7 @@ COUPLING = {
     "DPSGD-cancel": lambda steps: coupling_audit("cancel"),
     "DPSGD-neighbour": lambda steps: coupling_audit("neighbour"),
     "P3SGD-augment": lambda steps: coupling_audit("augment"),
+    "DPSGD-normalizer": lambda steps: coupling_audit("normalizer"),
 }
 
 
@@ -219,3 +220,22 @@ def test_the_sensitivity_audit_passes_augmented_samples_and_refuses_a_round_off_
     assert result.passed, margin(result)
     with pytest.raises(PrivacyConfigError, match=r"round-off .* HINT: a larger learning rate"):
         audit(1e-4, 0.01, width=256).run()
+
+
+def test_the_sensitivity_audit_samples_at_q_below_one_only_where_both_worlds_hold_the_same_others():
+    """Samples are Poisson-sampled (the canary, appended last, draws its coin after the others': the worlds sample the
+    same others); a run counts only where the canary was sampled, so a dividing-by-the-sample-size bug shows (the
+    mutant "normalizer from the private count"). Patients at q < 1 are refused: their sample would differ."""
+    from torch import nn
+
+    from lightning_dp.audit.sensitivity import SensitivityAudit
+
+    result = coupling_audit("normalizer", runs=3).run()
+    assert result.passed and result.runs == 3 and min(result.moved) > 0.99, margin(result)  # the canary, clipped to C
+    with pytest.raises(PrivacyConfigError, match=r"samples patients with q = 0.5.*HINT: .*sample_rate=1.0"):
+        SensitivityAudit(
+            lambda s: P3SGD(sample_rate=0.5, clip_norm=1.0, seed=s),
+            model=lambda: nn.Linear(4, 2),
+            population=(torch.randn(6, 4), torch.zeros(6, dtype=torch.long), torch.arange(3).repeat_interleave(2)),
+            canary=(torch.randn(2, 4), torch.zeros(2, dtype=torch.long)),
+        )
