@@ -32,6 +32,7 @@ from lightning_dp.accounting.events import (
     GaussianEvent,
     PoissonSampledEvent,
     PrivacyEvent,
+    RepeatAndSelectEvent,
     SelfComposedEvent,
     ZCDPEvent,
 )
@@ -46,6 +47,7 @@ from lightning_dp.accounting.rdp import (
     rdp_pure_dp,
     rdp_subsampled_gaussian,
 )
+from lightning_dp.accounting.repeat_select import repeat_and_select_rdp
 from lightning_dp.errors import PrivacyConfigError, UnsupportedEventError, check_finite_positive
 
 __all__ = [
@@ -153,6 +155,9 @@ def _rdp_of_others(others: list[tuple[PrivacyEvent, int]], orders: NDArray[np.fl
             total += count * event.rho * orders
         elif isinstance(event, PoissonSampledEvent):  # selections alone on a sample, no Gaussian
             total += count * rdp_poisson_joint(event.sample_rate, None, event.components()[1], orders)
+        elif isinstance(event, RepeatAndSelectEvent):  # a private search: one trial's whole curve, transformed
+            one = ledger_rdp([(event.event, 1)], orders)
+            total += count * repeat_and_select_rdp(orders, one, event.mean, event.shape)
         else:  # pragma: no cover - events are validated on construction
             raise UnsupportedEventError(f"No RDP analysis for {type(event).__name__}.")
     return total

@@ -25,6 +25,7 @@ __all__ = [
     "GaussianEvent",
     "PoissonSampledEvent",
     "PrivacyEvent",
+    "RepeatAndSelectEvent",
     "SelfComposedEvent",
     "ZCDPEvent",
     "event_from_dict",
@@ -217,8 +218,49 @@ class ComposedEvent:
         return {"type": "composed", "events": [e.to_dict() for e in self.events]}
 
 
+@dataclass(frozen=True)
+class RepeatAndSelectEvent:
+    """``event`` run a random number K of times, only the best run (and its score) released: a private search.
+
+    K is drawn, before any run, from the truncated negative binomial with ``shape`` η ≥ 0 (0: logarithmic, 1:
+    geometric) or from a Poisson distribution (``shape=math.inf``), with mean ``mean`` = E[K] ≥ 1 (Papernot &
+    Steinke 2022; `lightning_dp.accounting.repeat_select`). Analysed by RDP only.
+
+    Example:
+        >>> RepeatAndSelectEvent(SelfComposedEvent(GaussianEvent(2.0), 100), mean=10.0, shape=1.0).mean
+        10.0
+    """
+
+    event: PrivacyEvent
+    mean: float
+    shape: float
+
+    def __post_init__(self) -> None:
+        _check_event("RepeatAndSelectEvent", "event", self.event)
+        owner = "RepeatAndSelectEvent"
+        mean, shape = self.mean, self.shape
+        if not (isinstance(mean, (int, float)) and math.isfinite(mean) and mean >= 1):
+            raise PrivacyConfigError(f"`{owner}(mean={mean!r})`: E[K] must be a finite number >= 1. HINT: e.g. 10.")
+        if not (isinstance(shape, (int, float)) and not math.isnan(shape) and shape >= 0):
+            raise PrivacyConfigError(
+                f"`{owner}(shape={shape!r})`: shape must be >= 0 (0 logarithmic, 1 geometric, inf Poisson). HINT: 1.0."
+            )
+        object.__setattr__(self, "mean", float(mean))
+        object.__setattr__(self, "shape", float(shape))
+
+    def to_dict(self) -> dict[str, Any]:
+        shape: float | str = "inf" if math.isinf(self.shape) else self.shape  # JSON and weights_only: no inf
+        return {"type": "repeat_and_select", "event": self.event.to_dict(), "mean": self.mean, "shape": shape}
+
+
 PrivacyEvent = Union[
-    GaussianEvent, PoissonSampledEvent, ExponentialMechanismEvent, ZCDPEvent, SelfComposedEvent, ComposedEvent
+    GaussianEvent,
+    PoissonSampledEvent,
+    ExponentialMechanismEvent,
+    ZCDPEvent,
+    SelfComposedEvent,
+    ComposedEvent,
+    RepeatAndSelectEvent,
 ]
 _EVENT_TYPES = (
     GaussianEvent,
@@ -227,6 +269,7 @@ _EVENT_TYPES = (
     ZCDPEvent,
     SelfComposedEvent,
     ComposedEvent,
+    RepeatAndSelectEvent,
 )
 
 
@@ -265,6 +308,9 @@ def event_from_dict(data: Any) -> PrivacyEvent:
             return SelfComposedEvent(event_from_dict(data["event"]), data["count"])
         if kind == "composed":
             return ComposedEvent(tuple(event_from_dict(e) for e in data["events"]))
+        if kind == "repeat_and_select":
+            shape = math.inf if data["shape"] == "inf" else data["shape"]
+            return RepeatAndSelectEvent(event_from_dict(data["event"]), data["mean"], shape)
     except TypeError as err:
         raise PrivacyConfigError(
             f"`event_from_dict(data={data!r})`: malformed event of type {kind!r}: {err}. HINT: pass event.to_dict()."
