@@ -24,6 +24,8 @@ from typing import Union
 import numpy as np
 from numpy.typing import NDArray
 
+from lightning_dp.accounting.events import ComposedEvent, RepeatAndSelectEvent, SelfComposedEvent
+from lightning_dp.accounting.ledger import PrivacyLedger
 from lightning_dp.errors import PrivacyConfigError
 
 #: Orders or RDP values: a sequence of floats or a 1-D array.
@@ -31,6 +33,9 @@ Curve = Union[Sequence[float], NDArray[np.float64]]
 
 __all__ = [
     "delta_from_rdp",
+    "draw_trials",
+    "search_event",
+    "search_ledger",
     "repeat_and_select_rdp",
     "truncated_negative_binomial_gamma",
     "truncated_negative_binomial_mean",
@@ -144,3 +149,45 @@ def repeat_and_select_rdp(orders: Curve, rdp: Curve, mean: float, shape: float) 
     result = np.empty_like(out)
     result[ascending] = np.minimum.accumulate(out[ascending][::-1])[::-1]
     return result
+
+
+def draw_trials(mean: float, shape: float, generator: np.random.Generator) -> int:
+    """K, the number of trials of a private search, from the distribution the accounting assumes.
+
+    Truncated negative binomial D_{η,γ} (η = ``shape``; γ from ``mean``): a negative binomial number of failures
+    before η successes of probability γ, drawn again while it is 0 (η = 0: the logarithmic distribution with
+    parameter 1 − γ); Poisson(``mean``) for ``shape = inf`` (K = 0 is possible there: the search returns nothing).
+    Draw it once, before the first trial, from a generator no data seeds (`secrets`-seeded): stopping early or
+    redrawing is not covered by the bound.
+
+    Example:
+        >>> g = np.random.default_rng(0)
+        >>> draws = [draw_trials(10.0, 1.0, g) for _ in range(2000)]
+        >>> min(draws) >= 1, 9.0 < sum(draws) / len(draws) < 11.0
+        (True, True)
+    """
+    _check_distribution("draw_trials", mean, shape)
+    if math.isinf(shape):
+        return int(generator.poisson(mean))
+    gamma = truncated_negative_binomial_gamma(shape, mean)
+    if gamma >= 1.0:
+        return 1
+    if shape == 0:
+        return int(generator.logseries(1 - gamma))
+    while True:
+        k = int(generator.negative_binomial(shape, gamma))
+        if k > 0:
+            return k
+
+
+def search_event(trial: PrivacyLedger, mean: float, shape: float) -> RepeatAndSelectEvent:
+    """The event of a search whose every trial is charged as ``trial`` (the planned ledger of one run)."""
+    inner = ComposedEvent(tuple(SelfComposedEvent(event, count) for event, count in trial.entries if count > 0))
+    return RepeatAndSelectEvent(inner, mean, shape)
+
+
+def search_ledger(trial: PrivacyLedger, mean: float, shape: float) -> PrivacyLedger:
+    """A ledger holding the whole search (its ε is the search's), for ``trial``'s unit and δ."""
+    ledger = PrivacyLedger(trial.unit, trial.delta)
+    ledger.record(search_event(trial, mean, shape))
+    return ledger

@@ -121,3 +121,50 @@ def test_the_event_round_trips_through_a_checkpointed_ledger() -> None:
 def test_bad_distributions_are_refused_with_the_fix(mean: float, shape: float, match: str) -> None:
     with pytest.raises(PrivacyConfigError, match=match + ".*HINT"):
         RepeatAndSelectEvent(BASE, mean, shape)
+
+
+def _tnb_pmf(k: int, shape: float, gamma: float) -> float:
+    """P(K = k) of D_{η,γ} (Papernot & Steinke, Definition 1), from its formula."""
+    if shape == 0:
+        return (1 - gamma) ** k / (k * math.log(1 / gamma))
+    coefficient = math.exp(math.lgamma(k + shape) - math.lgamma(shape) - math.lgamma(k + 1))
+    return coefficient * (1 - gamma) ** k * gamma**shape / (1 - gamma**shape)
+
+
+@pytest.mark.parametrize("shape", [0.0, 0.5, 1.0, 2.0, math.inf])
+def test_the_number_of_trials_follows_the_distribution_the_bound_assumes(shape: float) -> None:
+    # 20,000 draws at E[K] = 5: the mean within 4 standard errors, and P(K = k) for k ≤ 4 within 4 binomial
+    # standard errors (each check fails correct code with probability < 1e-4).
+    from lightning_dp.accounting.repeat_select import draw_trials, truncated_negative_binomial_gamma
+
+    n, mean = 20_000, 5.0
+    generator = np.random.default_rng(12)
+    draws = np.array([draw_trials(mean, shape, generator) for _ in range(n)])
+    assert abs(draws.mean() - mean) <= 4 * draws.std() / math.sqrt(n)
+    for k in range(1, 5):
+        if math.isinf(shape):
+            expected = math.exp(-mean) * mean**k / math.factorial(k)
+        else:
+            expected = _tnb_pmf(k, shape, truncated_negative_binomial_gamma(shape, mean))
+        observed = float((draws == k).mean())
+        assert abs(observed - expected) <= 4 * math.sqrt(expected * (1 - expected) / n), (k, observed, expected)
+    if not math.isinf(shape):
+        assert draws.min() >= 1, "a truncated negative binomial never draws 0 trials"
+
+
+def test_a_search_calibrated_to_a_total_epsilon_ends_there() -> None:
+    # The noise of every trial scaled so that the whole search (E[K] = 10, geometric) ends at ε ≤ 4: each trial's
+    # own ε is then well below 4 — what the search costs.
+    from lightning_dp.accounting import calibrate_factor
+    from lightning_dp.accounting.repeat_select import search_ledger
+
+    def trial(factor: float) -> PrivacyLedger:
+        ledger = PrivacyLedger("patient", DELTA)
+        ledger.record(PoissonSampledEvent(Q, GaussianEvent(Z * factor)), STEPS)
+        return ledger
+
+    factor = calibrate_factor(4.0, lambda c: search_ledger(trial(c), 10.0, 1.0), rel_tol=1e-4)
+    search = RDPAccountant().epsilon(search_ledger(trial(factor), 10.0, 1.0))
+    one = RDPAccountant().epsilon(trial(factor))
+    assert 4.0 * (1 - 1e-2) <= search <= 4.0
+    assert one < 0.8 * search
