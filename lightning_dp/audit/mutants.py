@@ -10,6 +10,7 @@ whole release (post-processing) is not one.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -298,6 +299,20 @@ def _normalizer_from_private_count() -> Iterator[None]:
         yield
 
 
+@contextmanager
+def _noise_seeded_from_data() -> Iterator[None]:
+    def make(f: Any) -> Any:
+        def mutated(self: Any, step: int, clipped_sum: Any, normalizer: float, **kwargs: Any) -> Any:
+            digest = hashlib.sha256(clipped_sum.detach().cpu().numpy().tobytes()).digest()
+            self.generator.manual_seed(int.from_bytes(digest[:8], "little") >> 1)  # the noise: a function of the data
+            return f(self, step, clipped_sum, normalizer, **kwargs)
+
+        return mutated
+
+    with _replaced(release.Release, "release", make), _replaced(release.SelectedRelease, "release", make):
+        yield
+
+
 #: The mutants the test suite's audit must catch (docs/results/audit.md, 'The mutation table').
 MUTANTS: tuple[Mutant, ...] = (
     Mutant(
@@ -477,6 +492,15 @@ MUTANTS: tuple[Mutant, ...] = (
         "the update is divided by the step's sample size, not the public q·N",
         ("DPSGD-normalizer",),
         _normalizer_from_private_count,
+        steps=20,
+        check="sensitivity",
+    ),
+    Mutant(
+        "noise seeded from the data",
+        "sanitization/release.py: Release.release",
+        "the noise generator is re-seeded from the clipped sum at every step",
+        ("DPSGD-neighbour", "P3SGD-augment"),
+        _noise_seeded_from_data,
         steps=20,
         check="sensitivity",
     ),
