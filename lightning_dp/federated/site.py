@@ -1,0 +1,103 @@
+"""A hospital's side of a federated P3SGD round: its own Poisson coins, its patients' round, the sum it replies."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from lightning_dp.errors import PrivacyConfigError, check_sample_rate
+from lightning_dp.sampling.patients import PoissonPatientSampler, secure_seed
+from lightning_dp.sampling.randomness import unit_seed
+from lightning_dp.training.patient_rounds import LoopRound, PatientRound, RoundParts, choose_round
+
+__all__ = ["Site"]
+
+
+class Site:
+    """One hospital: runs the patient round on its own patients from the server's θ_t and replies with the clipped sum.
+
+    Args:
+        name: the site's public name (it names the site in the server's messages).
+        parts: the round's parts over this site's patients (`RoundParts`: the model, its `ModelState`, its
+            ``training_step``, the site's `PatientData`, the local SGD and C).
+        sample_rate: q, the probability that each of the site's patients joins a round (the same at every site).
+        seed: the seed of the site's patient sampler and of its patients' random streams; ``None`` (default) draws
+            one from the OS CSPRNG. It never leaves the site.
+        vectorize: ``"auto"`` runs the round batched or stacked where that is exactly the loop (`choose_round`).
+        images_per_pass: the most images in one batched pass or stacked local step.
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> from lightning_dp.sanitization import ModelState
+        >>> from lightning_dp.training.patient_rounds import LocalSGD, PatientData, RoundParts
+        >>> net = nn.Linear(2, 2)
+        >>> net.training_step = lambda batch, i: nn.functional.cross_entropy(net(batch[0]), batch[1])
+        >>> data = PatientData([(torch.ones(2), torch.tensor(0))] * 4, [[0, 1], [2, 3]], ["a", "b"])
+        >>> site = Site("hospital-a", RoundParts(net, ModelState(net), net.training_step, data, LocalSGD(), 1.0),
+        ...             sample_rate=1.0, seed=0)
+        >>> reply = site.reply(ModelState(net).vector(), round_number=0)
+        >>> reply.shape, bool(reply.norm() <= 2.0 + 1e-6)
+        (torch.Size([6]), True)
+    """
+
+    def __init__(
+        self,
+        name: str,
+        parts: RoundParts,
+        sample_rate: float,
+        seed: int | None = None,
+        vectorize: Literal["auto", False] = False,
+        images_per_pass: int = 256,
+    ) -> None:
+        owner = f"Site({name!r})"
+        if not parts.data.groups:
+            raise PrivacyConfigError(f"`{owner}`: the site has no patients. HINT: check its manifest.")
+        self.name = name
+        self.parts = parts
+        self.sample_rate = check_sample_rate(owner, sample_rate)
+        secret = secure_seed() if seed is None else int(seed)
+        self.sampler = PoissonPatientSampler(len(parts.data.groups), self.sample_rate, seed=secret)
+        self._units_seed = unit_seed(secret, "site-streams", name)
+        choice = choose_round(parts, vectorize, images_per_pass)
+        self.round: PatientRound = choice.round
+
+    @property
+    def num_patients(self) -> int:
+        """N_s, the site's number of patients (public: the server's q·N sums them)."""
+        return len(self.parts.data.groups)
+
+    def reply(self, theta: Tensor, round_number: int) -> Tensor:
+        """Σ over this round's included patients of clip_C(Δ_i), each Δ_i trained from ``theta`` on its own images.
+
+        Args:
+            theta: θ_t from the server (the model's released tensors, as `ModelState.vector` lays them out).
+            round_number: the round (it keys the patients' random streams, with the site's secret seed).
+
+        Returns:
+            The clipped sum: a float32 vector the size of ``theta``. Nothing else leaves the site.
+        """
+        state = self.parts.state
+        state.refresh()
+        if theta.shape != state.vector().shape:
+            raise PrivacyConfigError(
+                f"`Site({self.name!r})`: θ from the server has {theta.numel()} values; this site's model has "
+                f"{state.vector().numel()}. HINT: every site must build the same model as the server."
+            )
+        state.load(theta.to(dtype=torch.float32))
+        start = (state.vector(), state.snapshot_other_buffers())
+        patients = self.sampler.sample().tolist()
+        secret = unit_seed(self._units_seed, "round", round_number)
+        clipped_sum = torch.zeros_like(start[0])
+        with torch.enable_grad():
+            stats = self.round.add_clipped(patients, clipped_sum, secret, start)
+            if stats is None:  # the vectorized round could not run this round: the loop re-does it, nothing is said
+                LoopRound(self.parts).add_clipped(patients, clipped_sum, secret, start)
+        state.load(*start)
+        return clipped_sum
+
+    def close(self) -> None:
+        """Frees the round's hooks."""
+        self.round.close()
