@@ -227,7 +227,10 @@ class SensitivityAudit:
                     f"`SensitivityAudit`: the canary was sampled in {len(moved)} of {20 * self.runs} seeds; "
                     f"{self.runs} runs need it. HINT: a larger sample_rate."
                 )
-            worlds = {w: self._clipped_sum_plus_noise(seed, w) for w in ("in", "out", "alone", "null")}
+            inside = self._clipped_sum_plus_noise(seed, "in")
+            if inside[3] is not None and not bool((inside[3] == len(self.population[1])).any()):
+                continue  # the canary (appended last) was not sampled: the other three worlds would not count
+            worlds = {"in": inside, **{w: self._clipped_sum_plus_noise(seed, w) for w in ("out", "alone", "null")}}
             if not self._comparable(worlds):
                 continue
             clip, round_off = worlds["in"][1], sum(world[2] for world in worlds.values())

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -10,7 +9,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_dp.accounting import PrivacyLedger
+from lightning_dp.accounting import PrivacyLedger, RDPAccountant
 from lightning_dp.errors import PrivacyStateError, check_count, check_finite_positive, check_sample_rate
 from lightning_dp.sanitization import GaussianRelease, ModelState
 from lightning_dp.schedules import NoiseSchedule
@@ -124,10 +123,7 @@ class FederatedServer:
 
     def epsilon(self) -> float:
         """ε of the run so far at the ledger's δ (RDP accountant), patient level."""
-        from lightning_dp.accounting import RDPAccountant
-
-        value = RDPAccountant().epsilon(self.ledger)
-        return value if math.isfinite(value) else math.inf
+        return RDPAccountant().epsilon(self.ledger)
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:

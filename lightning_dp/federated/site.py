@@ -81,10 +81,11 @@ class Site:
         """
         state = self.parts.state
         state.refresh()
-        if theta.shape != state.vector().shape:
+        expected = state.vector().numel()
+        if theta.shape != (expected,):
             raise PrivacyConfigError(
                 f"`Site({self.name!r})`: θ from the server has {theta.numel()} values; this site's model has "
-                f"{state.vector().numel()}. HINT: every site must build the same model as the server."
+                f"{expected}. HINT: every site must build the same model as the server."
             )
         state.load(theta.to(dtype=torch.float32))
         start = (state.vector(), state.snapshot_other_buffers())
