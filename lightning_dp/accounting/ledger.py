@@ -16,7 +16,7 @@ from lightning_dp.errors import PrivacyConfigError, PrivacyStateError, PrivacyWa
 
 __all__ = ["PrivacyLedger", "PrivacyUnit"]
 
-PrivacyUnit = Literal["patient", "sample"]
+PrivacyUnit = Literal["patient", "sample", "site"]
 #: 2: mechanisms that read one Poisson sample are one `PoissonSampledEvent` (the exponential mechanism has no
 #: sample_rate of its own). Format 1 ledgers are converted on load (`_upgrade_v1_event`).
 FORMAT_VERSION = 2
@@ -148,8 +148,9 @@ class PrivacyLedger:
 def _check_unit(unit: Any) -> PrivacyUnit:
     if unit not in get_args(PrivacyUnit):
         raise PrivacyConfigError(
-            f"`PrivacyLedger(unit={unit!r})`: unit must be 'patient' or 'sample', found {unit!r}. HINT: 'patient' "
-            "protects every image of a patient at once; 'sample' protects one image."
+            f"`PrivacyLedger(unit={unit!r})`: unit must be 'patient', 'sample' or 'site', found {unit!r}. HINT: "
+            "'patient' protects every image of a patient at once; 'sample' protects one image; 'site' a whole hospital "
+            "(federated runs)."
         )
     return unit
 

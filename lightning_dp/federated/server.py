@@ -9,11 +9,19 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_dp.accounting import PrivacyLedger, RDPAccountant
-from lightning_dp.errors import PrivacyStateError, check_count, check_finite_positive, check_sample_rate
+from lightning_dp.acceptance import AlwaysAccept
+from lightning_dp.accounting import GaussianEvent, PoissonSampledEvent, PrivacyEvent, PrivacyLedger, RDPAccountant
+from lightning_dp.errors import (
+    PrivacyBudgetExceededError,
+    PrivacyConfigError,
+    PrivacyStateError,
+    check_count,
+    check_finite_positive,
+    check_sample_rate,
+)
 from lightning_dp.sanitization import GaussianRelease, ModelState
-from lightning_dp.schedules import NoiseSchedule
-from lightning_dp.training.privacy import default_delta
+from lightning_dp.schedules import ConstantNoise, NoiseSchedule
+from lightning_dp.training.privacy import calibrate_schedule, default_delta
 from lightning_dp.training.step import ModelStateTarget, PrivateStep, StepResult
 
 __all__ = ["FederatedServer", "RoundOutcome"]
@@ -50,10 +58,18 @@ class FederatedServer:
         num_patients: N, the total number of training patients over all sites (declared public, as in P3SGD).
         sample_rate: q, each patient's probability of joining a round (every site uses it).
         clip_norm: C, the bound on one patient's update (every site clips to it).
-        noise: z, the noise multiplier (a number or a `NoiseSchedule`).
+        noise: z, the noise multiplier (a number or a `NoiseSchedule`); with ``target_epsilon`` the base that the
+            calibration scales (default 1.0).
         delta: δ of the ledger; default min(1e-5, 1/(10N)).
         server_lr: θ_{t+1} = θ_t + server_lr·Δ̃.
         seed: the noise generator's seed; ``None`` (default) draws one from the OS CSPRNG.
+        target_epsilon: calibrate the noise so that ``rounds`` rounds end at this patient-level ε (RDP accountant).
+        rounds: the planned number of rounds (needed with ``target_epsilon``).
+        max_epsilon: a hard budget: `round` refuses the round whose charge would take ε above it
+            (`allows_next_round` says so beforehand). Default: ``target_epsilon``, if given.
+        site_clip: hospital-level DP beside patient-level: each accepted site sum is clipped to this norm before the
+            sum, and `hospital_epsilon` reports ε with a whole site as the unit (every site every round: no
+            amplification). ``None`` (default): no site clip, no hospital-level ε (it would be unbounded).
 
     Example:
         >>> from torch import nn
@@ -70,23 +86,60 @@ class FederatedServer:
         num_patients: int,
         sample_rate: float,
         clip_norm: float,
-        noise: float | NoiseSchedule,
+        noise: float | NoiseSchedule = 1.0,
         delta: float | None = None,
         server_lr: float = 1.0,
         seed: int | None = None,
+        target_epsilon: float | None = None,
+        rounds: int | None = None,
+        max_epsilon: float | None = None,
+        site_clip: float | None = None,
     ) -> None:
         owner = "FederatedServer"
         self.num_patients = check_count(owner, "num_patients", num_patients, "the patients of all sites.", minimum=1)
         self.sample_rate = check_sample_rate(owner, sample_rate)
         self.clip_norm = check_finite_positive(owner, "clip_norm", clip_norm, "e.g. 1.0.")
         self.server_lr = check_finite_positive(owner, "server_lr", server_lr, "1.0 applies the update as is.")
+        self.site_clip = (
+            None if site_clip is None else check_finite_positive(owner, "site_clip", site_clip, "e.g. 10·C.")
+        )
+        self.rounds = None if rounds is None else check_count(owner, "rounds", rounds, "e.g. 50.", minimum=1)
+        self.target_epsilon = (
+            None
+            if target_epsilon is None
+            else check_finite_positive(owner, "target_epsilon", target_epsilon, "e.g. 4.")
+        )
+        if max_epsilon is None:
+            max_epsilon = self.target_epsilon
+        self.max_epsilon = None if max_epsilon is None else check_finite_positive(owner, "max_epsilon", max_epsilon, "")
         self.state = ModelState(module)
         self.ledger = PrivacyLedger("patient", default_delta(self.num_patients) if delta is None else float(delta))
-        self.release = GaussianRelease(
-            self.ledger, clip_norm=self.clip_norm, sample_rate=self.sample_rate, schedule=noise, seed=seed
-        )
+        schedule = ConstantNoise(float(noise)) if not isinstance(noise, NoiseSchedule) else noise
+        if self.target_epsilon is not None:
+            if self.rounds is None:
+                raise PrivacyConfigError(
+                    f"`{owner}`: target_epsilon={self.target_epsilon:g} needs the planned number of rounds to "
+                    "calibrate the noise. HINT: pass rounds=…, the number of rounds the consortium will run."
+                )
+            schedule = calibrate_schedule(
+                schedule,
+                self.rounds,
+                self.ledger.delta,
+                self.target_epsilon,
+                "patient",
+                AlwaysAccept(),
+                "rdp",
+                self._new_release,
+            )
+        self.release = self._new_release(self.ledger, seed=seed, schedule=schedule)
         self.private_step = PrivateStep(self.release)
         self.steps = 0
+        self.stop_reason: str | None = None
+
+    def _new_release(self, ledger: PrivacyLedger, seed: int | None, schedule: NoiseSchedule) -> GaussianRelease:
+        return GaussianRelease(
+            ledger, clip_norm=self.clip_norm, sample_rate=self.sample_rate, schedule=schedule, seed=seed
+        )
 
     @property
     def normalizer(self) -> float:
@@ -98,12 +151,33 @@ class FederatedServer:
         self.state.refresh()
         return self.state.vector()
 
+    def allows_next_round(self) -> bool:
+        """False (with ``stop_reason`` set) if the next round's charge would take ε above ``max_epsilon``."""
+        if self.max_epsilon is None:
+            return True
+        trial = self.ledger.copy()
+        trial.record(self.private_step.event(self.steps))
+        eps_next = RDPAccountant().epsilon(trial)
+        if eps_next <= self.max_epsilon:
+            return True
+        self.stop_reason = (
+            f"FederatedServer: stopped before round {self.steps + 1}: it would raise ε [rdp, unit=patient, "
+            f"δ={self.ledger.delta:.3g}] from {self.epsilon():.4f} to {eps_next:.4f}, above the budget "
+            f"{self.max_epsilon:g}."
+        )
+        return False
+
     def round(self, replies: Mapping[str, Tensor | None]) -> RoundOutcome:
         """One round: sums the valid replies, releases once (noise and charge in one call), applies θ_{t+1}.
 
         A refused reply (``reply_problem``) contributes nothing, as a site that did not reply; the round is charged as
-        usual (a patient's influence can only shrink).
+        usual (a patient's influence can only shrink). With ``site_clip``, each accepted sum is clipped to it first.
+
+        Raises:
+            PrivacyBudgetExceededError: the round would take ε above ``max_epsilon`` (nothing is released or charged).
         """
+        if not self.allows_next_round():
+            raise PrivacyBudgetExceededError(f"{self.stop_reason} HINT: ask allows_next_round() before a round.")
         state = self.state
         state.refresh()
         theta, other = state.vector(), state.snapshot_other_buffers()
@@ -115,7 +189,10 @@ class FederatedServer:
                 refused[name] = problem
                 continue
             assert reply is not None
-            total += reply.to(theta.device)
+            reply = reply.to(theta.device)
+            if self.site_clip is not None:
+                reply = reply * torch.clamp(self.site_clip / (reply.norm() + 1e-12), max=1.0)
+            total += reply
         target = ModelStateTarget(state, theta, other, self.server_lr)
         result = self.private_step(self.steps, total, self.normalizer, target)
         self.steps += 1
@@ -124,6 +201,60 @@ class FederatedServer:
     def epsilon(self) -> float:
         """ε of the run so far at the ledger's δ (RDP accountant), patient level."""
         return RDPAccountant().epsilon(self.ledger)
+
+    def hospital_ledger(self) -> PrivacyLedger:
+        """The same rounds seen with a whole site as the unit: each a Gaussian of multiplier z·C/C_site, unsampled.
+
+        Derived from the patient ledger's events (the noise each round actually had), not charged separately: there is
+        one charge point. The site sum is clipped to C_site, so one site moves the noised sum by at most C_site; every
+        site is asked every round, so there is no amplification.
+        """
+        if self.site_clip is None:
+            raise PrivacyConfigError(
+                "`FederatedServer`: hospital-level ε needs a bound on one site's reply. HINT: pass site_clip=… "
+                "(the server clips each site's sum to it)."
+            )
+        ledger = PrivacyLedger("site", self.ledger.delta)
+        for event, count in self.ledger.entries:
+            ledger.record(self._as_site_event(event), count)
+        return ledger
+
+    def _as_site_event(self, event: PrivacyEvent) -> PrivacyEvent:
+        assert self.site_clip is not None
+        if not isinstance(event, PoissonSampledEvent) or not isinstance(event.event, GaussianEvent):
+            raise PrivacyConfigError(f"`FederatedServer`: no hospital-level reading of {event!r}.")
+        return GaussianEvent(event.event.noise_multiplier * self.clip_norm / self.site_clip)
+
+    def hospital_epsilon(self) -> float:
+        """ε with a whole site as the unit (needs ``site_clip``); neither this nor the patient ε implies the other."""
+        return RDPAccountant().epsilon(self.hospital_ledger())
+
+    def report(self) -> dict[str, Any]:
+        """The run's privacy at a glance: patient-level ε (and hospital-level with ``site_clip``), the noise, q·N."""
+        out: dict[str, Any] = {
+            "unit": "patient",
+            "epsilon": self.epsilon() if self.steps else 0.0,
+            "delta": self.ledger.delta,
+            "accountant": "rdp",
+            "rounds": self.steps,
+            "sample_rate": self.sample_rate,
+            "num_patients": self.num_patients,
+            "normalizer": self.normalizer,
+            "clip_norm": self.clip_norm,
+            "noise_multiplier": self.release.noise_multiplier(max(self.steps - 1, 0)),
+            "noise_std": self.release.noise_multiplier(max(self.steps - 1, 0)) * self.clip_norm,
+            "target_epsilon": self.target_epsilon,
+            "max_epsilon": self.max_epsilon,
+            "stop_reason": self.stop_reason,
+        }
+        if self.site_clip is not None:
+            out["hospital_level"] = {
+                "unit": "site",
+                "site_clip": self.site_clip,
+                "epsilon": self.hospital_epsilon() if self.steps else 0.0,
+                "what": "a whole hospital as the unit, every site every round (no amplification)",
+            }
+        return out
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:

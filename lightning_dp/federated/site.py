@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 from typing import Literal
 
 import torch
@@ -58,9 +60,8 @@ class Site:
         self.name = name
         self.parts = parts
         self.sample_rate = check_sample_rate(owner, sample_rate)
-        secret = secure_seed() if seed is None else int(seed)
-        self.sampler = PoissonPatientSampler(len(parts.data.groups), self.sample_rate, seed=secret)
-        self._units_seed = unit_seed(secret, "site-streams", name)
+        self._secret = secure_seed() if seed is None else int(seed)
+        self._units_seed = unit_seed(self._secret, "site-streams", name)
         choice = choose_round(parts, vectorize, images_per_pass)
         self.round: PatientRound = choice.round
 
@@ -68,6 +69,24 @@ class Site:
     def num_patients(self) -> int:
         """N_s, the site's number of patients (public: the server's q·N sums them)."""
         return len(self.parts.data.groups)
+
+    def patients_of_round(self, round_number: int) -> list[int]:
+        """The round's patients: an independent Bernoulli(q) coin per patient, from the site's secret and the round.
+
+        The coins are a function of (secret, round), not of a generator's position, so a site whose process restarts
+        between rounds (Flower starts a fresh ``ClientApp`` process per message) draws fresh, independent coins for
+        every round and the same coins if a round is re-sent. They never leave the site.
+        """
+        seed = unit_seed(self._secret, "patient-coins", round_number)
+        return PoissonPatientSampler(self.num_patients, self.sample_rate, seed=seed).sample().tolist()
+
+    def id_digests(self, key: bytes) -> list[str]:
+        """HMAC-SHA-256 of each patient id under the consortium's ``key``: finds shared ids, shows none.
+
+        Sites that share a key the server does not hold can let the server compare digests; without the key the
+        server cannot test a guessed id against them.
+        """
+        return sorted(hmac.new(key, str(pid).encode(), hashlib.sha256).hexdigest() for pid in self.parts.data.keys)
 
     def reply(self, theta: Tensor, round_number: int) -> Tensor:
         """Σ over this round's included patients of clip_C(Δ_i), each Δ_i trained from ``theta`` on its own images.
@@ -89,7 +108,7 @@ class Site:
             )
         state.load(theta.to(dtype=torch.float32))
         start = (state.vector(), state.snapshot_other_buffers())
-        patients = self.sampler.sample().tolist()
+        patients = self.patients_of_round(round_number)
         secret = unit_seed(self._units_seed, "round", round_number)
         clipped_sum = torch.zeros_like(start[0])
         with torch.enable_grad():

@@ -1,0 +1,417 @@
+"""Federated P3SGD on Flower: a ``ClientApp`` per hospital, a ``ServerApp`` for the consortium, one patient ledger.
+
+The messages carry only what the mechanism allows to leave a site:
+
+* ``query`` (once, at start): the site's public name and patient count, and, where the consortium shares an id key,
+  HMAC digests of its patient ids (to refuse ids two sites share, without the server seeing or testing the ids).
+* ``train`` (each round): θ_t and the round number in; the clipped sum out (``reply``); no counts, losses or metrics.
+
+The server side is `run_rounds`, a plain function over a Flower ``Grid``: the ``ServerApp`` of `server_app` calls it
+on the deployment runtime's grid (``flwr run`` against ``flower-superlink`` and one ``flower-supernode`` per
+hospital), `LocalGrid` runs the same messages through the same ``ClientApp`` in one process (tests, benchmarks).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Error, Message, RecordDict
+from flwr.clientapp import ClientApp
+from flwr.serverapp import Grid, ServerApp
+from flwr.supercore.task_identity import TaskIdentity
+
+from lightning_dp.errors import PrivacyConfigError
+from lightning_dp.federated.server import FederatedServer, RoundOutcome
+from lightning_dp.federated.site import Site
+
+__all__ = [
+    "FederatedStartError",
+    "LocalGrid",
+    "RoundLog",
+    "run_rounds",
+    "server_app",
+    "site_app",
+]
+
+HELLO = "query"
+TRAIN = "train"
+
+
+class FederatedStartError(PrivacyConfigError):
+    """The consortium cannot start: a site is missing, failed at start, or the sites disagree with the server."""
+
+
+# ---------------------------------------------------------------------------------------------------- the site side
+def site_app(
+    make_site: Callable[[Context], Site], id_key: Callable[[Context], bytes | None] | None = None
+) -> ClientApp:
+    """A Flower ``ClientApp`` for one hospital: it builds its `Site` with ``make_site(context)`` and answers rounds.
+
+    Args:
+        make_site: builds the site from Flower's ``Context`` (``context.node_config`` names the hospital's data on
+            that machine; ``context.run_config`` holds the consortium's public settings). Built once per process
+            and run (Flower starts a fresh process per message by default; the site's coins depend only on its
+            secret and the round, `Site.patients_of_round`).
+        id_key: the consortium's id key for the start-up collision check (`Site.id_digests`), or ``None``.
+
+    Returns:
+        The ``ClientApp``; its ``train`` handler replies with the clipped sum alone.
+    """
+    app = ClientApp()
+    built: dict[tuple[int, int], Site] = {}
+
+    def site_of(context: Context) -> Site:
+        key = (int(context.run_id), int(context.node_id))
+        if key not in built:
+            built[key] = make_site(context)
+        return built[key]
+
+    @app.query()
+    def hello(message: Message, context: Context) -> Message:
+        site = site_of(context)
+        facts = ConfigRecord({"name": site.name, "num_patients": site.num_patients})
+        key = None if id_key is None else id_key(context)
+        if key is not None:
+            facts["id_digests"] = site.id_digests(key)
+        return Message(RecordDict({"site": facts}), reply_to=message)
+
+    @app.train()
+    def train(message: Message, context: Context) -> Message:
+        site = site_of(context)
+        theta = torch.from_numpy(_field(message, "theta", "theta").numpy().copy())
+        round_number = int(_field(message, "round", "number"))
+        clipped_sum = site.reply(theta, round_number)
+        content = RecordDict(
+            {
+                "clipped_sum": ArrayRecord({"clipped_sum": Array(clipped_sum.detach().cpu().numpy())}),
+                "site": ConfigRecord({"name": site.name}),
+            }
+        )
+        return Message(content, reply_to=message)
+
+    return app
+
+
+# -------------------------------------------------------------------------------------------------- the server side
+@dataclass
+class RoundLog:
+    """What the server did in a round (public: no site's count or loss): ε after it, refusals and dropouts."""
+
+    round: int
+    epsilon: float
+    noise_std: float
+    sites_replied: int
+    refused: dict[str, str] = field(default_factory=dict)
+    seconds: float = 0.0
+
+
+def _wait_for_sites(grid: Grid, sites: int, timeout: float) -> list[int]:
+    deadline = time.monotonic() + timeout
+    nodes = sorted(grid.get_node_ids())
+    while len(nodes) < sites and time.monotonic() < deadline:
+        time.sleep(0.2)
+        nodes = sorted(grid.get_node_ids())
+    if len(nodes) < sites:
+        raise FederatedStartError(
+            f"only {len(nodes)} of the {sites} expected sites connected within {timeout:g} s. HINT: start one "
+            "flower-supernode per hospital against this SuperLink, or lower the expected number of sites."
+        )
+    return nodes
+
+
+def _hello(grid: Grid, nodes: list[int], server: FederatedServer, timeout: float) -> dict[int, str]:
+    """Asks every site for its public facts and refuses a consortium the server cannot run (see `run_rounds`)."""
+    messages = [Message(RecordDict(), dst_node_id=node, message_type=HELLO) for node in nodes]
+    replies = {reply.metadata.src_node_id: reply for reply in grid.send_and_receive(messages, timeout=timeout)}
+    names: dict[int, str] = {}
+    counts: dict[str, int] = {}
+    digests: dict[str, list[str]] = {}
+    for node in nodes:
+        reply = replies.get(node)
+        if reply is None:
+            raise FederatedStartError(f"site on node {node} did not answer within {timeout:g} s. HINT: check its log.")
+        if reply.has_error():
+            raise FederatedStartError(
+                f"site on node {node} failed at start: {reply.error.reason}. HINT: fix that site's data or settings."
+            )
+        facts: Any = reply.content["site"]
+        name = str(facts["name"])
+        if name in counts:
+            raise FederatedStartError(f"two sites are named {name!r}. HINT: give each hospital its own name.")
+        names[node], counts[name] = name, int(facts["num_patients"])
+        if "id_digests" in facts:
+            digests[name] = list(facts["id_digests"])
+    total = sum(counts.values())
+    if total != server.num_patients:
+        raise FederatedStartError(
+            f"the sites hold {total} patients ({', '.join(f'{k}: {v}' for k, v in counts.items())}), but the server "
+            f"declares N = {server.num_patients}; the normalizer q·N and the ledger need the true N. HINT: set the "
+            "server's num_patients to the sum."
+        )
+    if digests:
+        if len(digests) != len(counts):
+            raise FederatedStartError(
+                "some sites sent patient-id digests and some did not. HINT: give every site the consortium's id key."
+            )
+        seen: set[str] = set()
+        shared = 0
+        for values in digests.values():
+            shared += len(seen.intersection(values))
+            seen.update(values)
+        if shared:
+            raise FederatedStartError(
+                f"{shared} patient id(s) appear at more than one site (the ids are not shown); one patient's images "
+                "would be two units and the patient-level ε would not hold. HINT: link the records so that each "
+                "patient belongs to exactly one site, or rename ids that are different patients."
+            )
+    return names
+
+
+def _field(message: Message, record: str, key: str) -> Any:
+    """``message.content[record][key]`` (Flower's records are typed as a union of every value kind)."""
+    content: Any = message.content
+    return content[record][key]
+
+
+def _array(reply: Message) -> torch.Tensor | None:
+    """The reply's clipped sum as a tensor, or None if the reply carries none."""
+    try:
+        array = _field(reply, "clipped_sum", "clipped_sum").numpy()
+    except (KeyError, TypeError, ValueError, AttributeError):
+        return None
+    return torch.from_numpy(np.array(array, copy=True))
+
+
+def _save(server: FederatedServer, path: Path) -> None:
+    """Writes the server's state atomically: a crash leaves the previous checkpoint whole."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    scratch = path.with_name(path.name + ".tmp")
+    torch.save(server.state_dict(), scratch)
+    os.replace(scratch, path)
+
+
+def run_rounds(
+    grid: Grid,
+    server: FederatedServer,
+    rounds: int,
+    *,
+    sites: int,
+    round_timeout: float = 600.0,
+    start_timeout: float = 60.0,
+    checkpoint: str | Path | None = None,
+    on_round: Callable[[RoundLog], None] | None = None,
+) -> list[RoundLog]:
+    """The server's loop: start-up checks, then up to ``rounds`` rounds (resuming from ``checkpoint`` if it exists).
+
+    Start-up refuses, with one line naming the site (never a patient id): fewer than ``sites`` sites connected; a site
+    that fails to build (no patients, bad data); two sites with one name; patient counts that do not add up to the
+    server's N; patient ids shared between sites (when the sites send id digests).
+
+    Each round sends θ_t to every site, waits at most ``round_timeout`` s, and releases once (`FederatedServer.round`):
+    a site that errs, times out or sends a malformed sum contributes nothing and the round is charged as usual. The
+    loop stops before a round the budget would not allow. After every round the server's state (θ, ledger, noise
+    generator) is written atomically to ``checkpoint``; a restarted server continues the ledger exactly.
+
+    Returns:
+        One `RoundLog` per round run in this call.
+    """
+    if checkpoint is not None and Path(checkpoint).exists():
+        server.load_state_dict(torch.load(checkpoint, weights_only=False))
+    nodes = _wait_for_sites(grid, sites, start_timeout)
+    names = _hello(grid, nodes, server, start_timeout)
+    logs: list[RoundLog] = []
+    while server.steps < rounds and server.allows_next_round():
+        started = time.monotonic()
+        number = server.steps
+        theta = server.theta().detach().cpu().numpy()
+        content: dict[str, Any] = {
+            "theta": ArrayRecord({"theta": Array(theta)}),
+            "round": ConfigRecord({"number": number}),
+        }
+        messages = [
+            Message(RecordDict(content), dst_node_id=node, message_type=TRAIN, group_id=str(number)) for node in names
+        ]
+        by_node = {
+            reply.metadata.src_node_id: reply for reply in grid.send_and_receive(messages, timeout=round_timeout)
+        }
+        replies: dict[str, torch.Tensor | None] = {}
+        problems: dict[str, str] = {}
+        for node, name in names.items():
+            reply = by_node.get(node)
+            if reply is None:
+                problems[name] = f"no reply within {round_timeout:g} s"
+            elif reply.has_error():
+                problems[name] = f"failed: {reply.error.reason}"
+            else:
+                replies[name] = _array(reply)
+        outcome: RoundOutcome = server.round(replies)
+        if checkpoint is not None:
+            _save(server, Path(checkpoint))
+        log = RoundLog(
+            round=number + 1,
+            epsilon=server.epsilon(),
+            noise_std=outcome.result.released.noise_std,
+            sites_replied=len(replies) - len(outcome.refused),
+            refused={**problems, **outcome.refused},
+            seconds=time.monotonic() - started,
+        )
+        logs.append(log)
+        if on_round is not None:
+            on_round(log)
+    return logs
+
+
+def server_app(
+    make_server: Callable[[Context], FederatedServer],
+    *,
+    report: Callable[[Context], str | Path | None] | None = None,
+) -> ServerApp:
+    """A Flower ``ServerApp`` that runs `run_rounds` with settings from the run config.
+
+    Run-config keys (``[tool.flwr.app.config]`` in the app's pyproject, or ``flwr run … --run-config``):
+    ``rounds`` (int), ``sites`` (expected number of hospitals), ``round-timeout`` and ``start-timeout`` (seconds),
+    ``checkpoint`` (a path; resume from it if it exists; empty: none), ``log-dir`` (TensorBoard; empty: none).
+
+    Args:
+        make_server: builds the `FederatedServer` (model, N, q, C, noise or target ε) from the ``Context``.
+        report: where to write the privacy report (JSON) at the end; ``None``: run config ``report``, if set.
+    """
+    app = ServerApp()
+
+    @app.main()
+    def main(grid: Grid, context: Context) -> None:
+        config = context.run_config
+        server = make_server(context)
+        writer = _tensorboard(str(config.get("log-dir", "")))
+
+        def on_round(log: RoundLog) -> None:
+            print(
+                f"round {log.round}: ε = {log.epsilon:.4f} (patient, δ = {server.ledger.delta:.2g}), "
+                f"{log.sites_replied} sites replied" + "".join(f"; {name}: {why}" for name, why in log.refused.items()),
+                flush=True,
+            )
+            if writer is not None:
+                writer.add_scalar("privacy/epsilon", log.epsilon, log.round)
+                writer.add_scalar("privacy/noise_std", log.noise_std, log.round)
+                writer.add_scalar("federated/sites_replied", log.sites_replied, log.round)
+                if server.site_clip is not None:
+                    writer.add_scalar("privacy/hospital_epsilon", server.hospital_epsilon(), log.round)
+
+        run_rounds(
+            grid,
+            server,
+            int(config["rounds"]),
+            sites=int(config["sites"]),
+            round_timeout=float(config.get("round-timeout", 600.0)),
+            start_timeout=float(config.get("start-timeout", 60.0)),
+            checkpoint=str(config.get("checkpoint", "")) or None,
+            on_round=on_round,
+        )
+        if writer is not None:
+            writer.close()
+        target = report(context) if report is not None else (str(config.get("report", "")) or None)
+        if target is not None:
+            Path(target).parent.mkdir(parents=True, exist_ok=True)
+            Path(target).write_text(json.dumps(server.report(), indent=2))
+
+    return app
+
+
+def _tensorboard(log_dir: str) -> Any:
+    if not log_dir:
+        return None
+    from torch.utils.tensorboard import SummaryWriter
+
+    return SummaryWriter(log_dir)
+
+
+# ---------------------------------------------------------------------------------------------- one process, no Ray
+class LocalGrid(Grid):
+    """A Flower ``Grid`` that hands each message to a site's ``ClientApp`` in this process (no network, no Ray).
+
+    The same messages as the deployment runtime, through the same ``ClientApp``: for tests, benchmarks and the
+    single-machine comparison. ``node_configs`` gives each site's node config (its data); ``drop`` a function
+    ``(node_id, message) -> bool`` that makes a site miss a message (a dropout or a timeout).
+
+    Example:
+        >>> grid = LocalGrid(ClientApp(), [{"site": "a"}, {"site": "b"}])
+        >>> len(list(grid.get_node_ids()))
+        2
+    """
+
+    def __init__(
+        self,
+        client_app: ClientApp,
+        node_configs: Iterable[Mapping[str, Any]],
+        run_config: Mapping[str, Any] | None = None,
+        drop: Callable[[int, Message], bool] | None = None,
+    ) -> None:
+        self.client_app = client_app
+        self.run_config = dict(run_config or {})
+        self.contexts = {
+            node: Context(
+                run_id=1, node_id=node, node_config=dict(config), state=RecordDict(), run_config=self.run_config
+            )
+            for node, config in enumerate(node_configs, start=1)
+        }
+        self.drop = drop
+        # Flower stamps each message with the sending task's identity; a ServerApp process has one, this process may
+        # not (a test, a benchmark): it then sends as run 1's server (node 0, task 0).
+        for name in ("run_id", "node_id", "task_id"):
+            if getattr(TaskIdentity, f"_{name}") is None:
+                setattr(TaskIdentity, name, 1 if name == "run_id" else 0)
+        self._outbox: dict[str, Message] = {}
+        self._count = 0
+
+    def set_run(self, run: Any) -> None:
+        """Nothing to set: one run per grid."""
+
+    @property
+    def run(self) -> Any:
+        """No Flower run object in one process."""
+        return None
+
+    def create_message(
+        self, content: RecordDict, message_type: str, dst_node_id: int, group_id: str, ttl: float | None = None
+    ) -> Message:
+        """A message as the deployment grid builds one."""
+        return Message(content, dst_node_id=dst_node_id, message_type=message_type, group_id=group_id, ttl=ttl)
+
+    def get_node_ids(self) -> Iterable[int]:
+        """The sites' node ids (1, 2, …)."""
+        return list(self.contexts)
+
+    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
+        """Runs each message through its site's ``ClientApp`` now; an exception becomes an error reply."""
+        ids = []
+        for message in messages:
+            self._count += 1
+            message_id = f"local-{self._count}"
+            message.metadata.__dict__["_message_id"] = message_id
+            node = message.metadata.dst_node_id
+            if self.drop is not None and self.drop(node, message):
+                ids.append(message_id)
+                continue
+            try:
+                reply = self.client_app(message, self.contexts[node])
+            except Exception as err:  # noqa: BLE001 - a failing site is a dropout with a reason, as on Flower
+                reply = Message(Error(code=0, reason=f"{type(err).__name__}: {err}"), reply_to=message)
+            self._outbox[message_id] = reply
+            ids.append(message_id)
+        return ids
+
+    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
+        """The replies to ``message_ids`` that exist (a dropped message has none)."""
+        return [self._outbox.pop(i) for i in message_ids if i in self._outbox]
+
+    def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
+        """Pushes, then pulls: the sites answered synchronously."""
+        return self.pull_messages(self.push_messages(messages))
