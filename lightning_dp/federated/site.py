@@ -4,15 +4,25 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-from typing import Literal
+import warnings
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
+from torch.utils.data import default_collate
 
 from lightning_dp.errors import PrivacyConfigError, check_sample_rate
 from lightning_dp.sampling.patients import PoissonPatientSampler, secure_seed
 from lightning_dp.sampling.randomness import unit_seed
-from lightning_dp.training.patient_rounds import LoopRound, PatientRound, RoundParts, choose_round
+from lightning_dp.sanitization import ModelState
+from lightning_dp.training.patient_rounds import (
+    LocalSGD,
+    LoopRound,
+    PatientData,
+    PatientRound,
+    RoundParts,
+    choose_round,
+)
 
 __all__ = ["Site"]
 
@@ -65,6 +75,55 @@ class Site:
         choice = choose_round(parts, vectorize, images_per_pass)
         self.round: PatientRound = choice.round
 
+    @classmethod
+    def from_lightning(
+        cls,
+        name: str,
+        module: Any,
+        datamodule: Any,
+        sample_rate: float,
+        clip_norm: float,
+        local: LocalSGD | None = None,
+        seed: int | None = None,
+        vectorize: Literal["auto", False] = False,
+    ) -> Site:
+        """A site from the user's LightningModule and the hospital's patient DataModule, as `P3SGD` reads them.
+
+        The DataModule's training set must say which images are whose (``patient_to_indices``: patient id → image
+        indices, as the library's patient datasets do); its training loader's ``collate_fn`` makes the batches. The
+        module's own ``training_step`` is the local loss.
+
+        Example:
+            >>> import tempfile
+            >>> from lightning_dp.data import SyntheticPathologyDataModule
+            >>> from lightning_dp.models import ImageClassifier
+            >>> dm = SyntheticPathologyDataModule(root=tempfile.mkdtemp(), num_patients=6, patches_per_patient=3,
+            ...                                   image_size=16, augment=False, val_fraction=0.0, test_fraction=0.34)
+            >>> site = Site.from_lightning("hospital-a", ImageClassifier(arch="small_cnn", norm="group"), dm,
+            ...                            sample_rate=0.5, clip_norm=1.0, seed=0)
+            >>> site.num_patients, site.reply(site.parts.state.vector(), round_number=0).dtype
+            (4, torch.float32)
+        """
+        datamodule.setup("fit")
+        loader = datamodule.train_dataloader()
+        dataset = loader.dataset
+        if not hasattr(dataset, "patient_to_indices"):
+            raise PrivacyConfigError(
+                f"`Site({name!r})`: the training set ({type(dataset).__name__}) does not say which images are whose "
+                "(no `patient_to_indices`), so no patient can be the unit. HINT: use a patient dataset "
+                "(lightning_dp.data), or add a dict patient id → image indices as `patient_to_indices`."
+            )
+        groups_of = dataset.patient_to_indices
+        try:
+            keys = sorted(groups_of)
+        except TypeError:
+            keys = list(groups_of)
+        groups = [[int(i) for i in groups_of[key]] for key in keys]
+        collate = loader.collate_fn or default_collate
+        data = PatientData(dataset, groups, keys, collate)
+        parts = RoundParts(module, ModelState(module), module.training_step, data, local or LocalSGD(), clip_norm)
+        return cls(name, parts, sample_rate, seed=seed, vectorize=vectorize)
+
     @property
     def num_patients(self) -> int:
         """N_s, the site's number of patients (public: the server's q·N sums them)."""
@@ -111,7 +170,10 @@ class Site:
         patients = self.patients_of_round(round_number)
         secret = unit_seed(self._units_seed, "round", round_number)
         clipped_sum = torch.zeros_like(start[0])
-        with torch.enable_grad():
+        with torch.enable_grad(), warnings.catch_warnings():
+            # A LightningModule's `self.log` in training_step has no Trainer here: what it would log is private
+            # and stays unlogged (Lightning warns about it at every call).
+            warnings.filterwarnings("ignore", message=r"You are trying to `self.log\(\)`")
             stats = self.round.add_clipped(patients, clipped_sum, secret, start)
             if stats is None:  # the vectorized round could not run this round: the loop re-does it, nothing is said
                 LoopRound(self.parts).add_clipped(patients, clipped_sum, secret, start)
