@@ -1,0 +1,25 @@
+"""The hospital's side (one ``flower-supernode`` per hospital): its patients never leave; the clipped sum does."""
+
+from __future__ import annotations
+
+from flwr.app import Context
+
+from hospitals_app.task import build_datamodule, build_model
+from lightning_dp.federated import Site
+from lightning_dp.federated.flower import site_app
+from lightning_dp.training.patient_rounds import LocalSGD
+
+
+def make_site(context: Context) -> Site:
+    config = context.run_config
+    return Site.from_lightning(
+        str(context.node_config["site"]),
+        build_model(config),
+        build_datamodule(context),
+        sample_rate=float(config["sample-rate"]),  # type: ignore[arg-type]
+        clip_norm=float(config["clip-norm"]),  # type: ignore[arg-type]
+        local=LocalSGD(lr=float(config["local-lr"]), batch_size=int(config["local-batch-size"])),  # type: ignore[arg-type]
+    )
+
+
+app = site_app(make_site)
