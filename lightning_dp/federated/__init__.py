@@ -1,7 +1,7 @@
 """P3SGD across hospitals: the patient round at each site, the noise and one patient-level ledger at the server.
 
-Work in progress (issue 35): the transport-free core. Flower's ``ClientApp`` / ``ServerApp`` wrap these two objects;
-they are not here yet.
+The transport-free core is here; `lightning_dp.federated.flower` carries it on Flower (a ``ClientApp`` per hospital,
+a ``ServerApp``, the server loop), and needs the ``federated`` extra (``pip install lightning-dp[federated]``).
 
 * `Site` (``site.py``): a hospital's side of a round. It loads θ_t, includes each of *its own* patients independently
   with probability q (so the union over sites is a Poisson sample at rate q of all N patients), runs each included
@@ -18,7 +18,7 @@ The guarantee is for add/remove all images of one patient at one site; a patient
 are not linked counts as two patients.
 """
 
-from lightning_dp.federated.server import FederatedServer, RoundOutcome
+from lightning_dp.federated.server import FederatedServer, RoundOutcome, SharedNoiseRelease, share_std
 from lightning_dp.federated.site import Site
 
-__all__ = ["FederatedServer", "RoundOutcome", "Site"]
+__all__ = ["FederatedServer", "RoundOutcome", "SharedNoiseRelease", "Site", "share_std"]

@@ -33,6 +33,7 @@ from lightning_dp.federated.server import FederatedServer, RoundOutcome
 from lightning_dp.federated.site import Site
 
 __all__ = [
+    "FederatedRoundError",
     "FederatedStartError",
     "LocalGrid",
     "RoundLog",
@@ -47,6 +48,10 @@ TRAIN = "train"
 
 class FederatedStartError(PrivacyConfigError):
     """The consortium cannot start: a site is missing, failed at start, or the sites disagree with the server."""
+
+
+class FederatedRoundError(RuntimeError):
+    """Rounds cannot go on: with the noise at the sites, no share arrived ``max_empty_rounds`` times in a row."""
 
 
 # ---------------------------------------------------------------------------------------------------- the site side
@@ -208,6 +213,7 @@ def run_rounds(
     start_timeout: float = 60.0,
     checkpoint: str | Path | None = None,
     on_round: Callable[[RoundLog], None] | None = None,
+    max_empty_rounds: int = 3,
 ) -> list[RoundLog]:
     """The server's loop: start-up checks, then up to ``rounds`` rounds (resuming from ``checkpoint`` if it exists).
 
@@ -228,6 +234,7 @@ def run_rounds(
     nodes = _wait_for_sites(grid, sites, start_timeout)
     names = _hello(grid, nodes, server, start_timeout)
     logs: list[RoundLog] = []
+    empty = 0
     while server.steps < rounds and server.allows_next_round():
         started = time.monotonic()
         number = server.steps
@@ -253,6 +260,16 @@ def run_rounds(
             else:
                 replies[name] = _array(reply)
         outcome: RoundOutcome = server.round(replies)
+        if outcome.result is None:  # noise at the sites and no share arrived: nothing released or charged
+            empty += 1
+            if empty >= max_empty_rounds:
+                raise FederatedRoundError(
+                    f"no site's share arrived in {empty} attempts at round {number + 1}; nothing was released or "
+                    f"charged ({'; '.join(f'{k}: {v}' for k, v in {**problems, **outcome.refused}.items())}). "
+                    "HINT: check the sites' logs, then restart the server: it resumes from its checkpoint."
+                )
+            continue
+        empty = 0
         if checkpoint is not None:
             _save(server, Path(checkpoint))
         log = RoundLog(

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
@@ -19,20 +20,50 @@ from lightning_dp.errors import (
     check_finite_positive,
     check_sample_rate,
 )
-from lightning_dp.sanitization import GaussianRelease, ModelState
+from lightning_dp.sanitization import GaussianRelease, ModelState, Release
 from lightning_dp.schedules import ConstantNoise, NoiseSchedule
 from lightning_dp.training.privacy import calibrate_schedule, default_delta
 from lightning_dp.training.step import ModelStateTarget, PrivateStep, StepResult
 
-__all__ = ["FederatedServer", "RoundOutcome"]
+__all__ = ["FederatedServer", "RoundOutcome", "SharedNoiseRelease", "share_std"]
 
 
 @dataclass
 class RoundOutcome:
-    """What a round did: the release (noise, charge), and the sites whose replies were refused, with why."""
+    """What a round did: the release (noise, charge), and the sites whose replies were refused, with why.
 
-    result: StepResult
+    ``result`` is None when nothing was released: with the noise at the sites, a round in which no share arrived
+    (θ is unchanged, nothing is charged, and the round is run again).
+    """
+
+    result: StepResult | None
     refused: dict[str, str] = field(default_factory=dict)
+
+
+class SharedNoiseRelease(Release):
+    """The noise of a round added at the sites: each of the m sites added N(0, z²C²/m) to its sum; m' arrived.
+
+    The sum of the m' shares that arrived is N(0, (m'/m)·z²C²): the round is charged the multiplier z·√(m'/m) that is
+    present, never z. Before the replies are in (`present` is None), `event` is the worst case, one share: the budget
+    check stays a hard stop whatever arrives.
+    """
+
+    def __init__(self, *args: Any, shares: int, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.shares = shares
+        self.present: int | None = None
+
+    def noise_multiplier(self, step: int) -> float:
+        present = 1 if self.present is None else self.present
+        return self.schedule.checked(step) * math.sqrt(present / self.shares)
+
+    def _gaussian(self, like: Tensor, std: float) -> Tensor:
+        return torch.zeros_like(like)  # the shares are in the sum already
+
+
+def share_std(noise_multiplier: float, clip_norm: float, sites: int) -> float:
+    """The std of one site's noise share, z·C/√m: m shares sum to the central mechanism's N(0, z²C²)."""
+    return noise_multiplier * clip_norm / math.sqrt(sites)
 
 
 def reply_problem(reply: Any, size: int) -> str | None:
@@ -67,6 +98,12 @@ class FederatedServer:
         rounds: the planned number of rounds (needed with ``target_epsilon``).
         max_epsilon: a hard budget: `round` refuses the round whose charge would take ε above it
             (`allows_next_round` says so beforehand). Default: ``target_epsilon``, if given.
+        noise_at: ``"server"`` (default: a trusted server adds N(0, z²C²) once) or ``"sites"``: each of the ``sites``
+            sites adds its share N(0, z²C²/m) (`share_std`; `Site`'s ``noise_std``) and the server adds none; a round
+            is charged z·√(m'/m) for the m' shares that arrived. Against the server this holds only if the sum is
+            formed by secure aggregation; without it the server sees each site's sum with its share alone, and
+            `report` gives that ε too (``epsilon_without_secure_aggregation``).
+        sites: m, the number of sites (needed with ``noise_at="sites"``).
         site_clip: hospital-level DP beside patient-level: each accepted site sum is clipped to this norm before the
             sum, and `hospital_epsilon` reports ε with a whole site as the unit (every site every round: no
             amplification). ``None`` (default): no site clip, no hospital-level ε (it would be unbounded).
@@ -94,6 +131,8 @@ class FederatedServer:
         rounds: int | None = None,
         max_epsilon: float | None = None,
         site_clip: float | None = None,
+        noise_at: Literal["server", "sites"] = "server",
+        sites: int | None = None,
     ) -> None:
         owner = "FederatedServer"
         self.num_patients = check_count(owner, "num_patients", num_patients, "the patients of all sites.", minimum=1)
@@ -112,6 +151,23 @@ class FederatedServer:
         if max_epsilon is None:
             max_epsilon = self.target_epsilon
         self.max_epsilon = None if max_epsilon is None else check_finite_positive(owner, "max_epsilon", max_epsilon, "")
+        if noise_at not in ("server", "sites"):
+            raise PrivacyConfigError(f"`{owner}`: noise_at must be 'server' or 'sites', found {noise_at!r}.")
+        self.noise_at = noise_at
+        self.sites = (
+            None if sites is None else check_count(owner, "sites", sites, "the hospitals in the run.", minimum=1)
+        )
+        if noise_at == "sites":
+            if self.sites is None:
+                raise PrivacyConfigError(
+                    f"`{owner}`: noise_at='sites' needs the number of sites m (each adds a share z·C/√m). "
+                    "HINT: pass sites=…"
+                )
+            if self.site_clip is not None:
+                raise PrivacyConfigError(
+                    f"`{owner}`: site_clip clips a site's sum at the server, after its noise share was added; "
+                    "hospital-level ε would not hold. HINT: use noise_at='server' for hospital-level ε."
+                )
         self.state = ModelState(module)
         self.ledger = PrivacyLedger("patient", default_delta(self.num_patients) if delta is None else float(delta))
         schedule = ConstantNoise(float(noise)) if not isinstance(noise, NoiseSchedule) else noise
@@ -132,14 +188,25 @@ class FederatedServer:
                 self._new_release,
             )
         self.release = self._new_release(self.ledger, seed=seed, schedule=schedule)
+        if isinstance(self.release, SharedNoiseRelease):
+            self.release.present = None  # before a round's replies: the worst case, one share
         self.private_step = PrivateStep(self.release)
         self.steps = 0
         self.stop_reason: str | None = None
 
-    def _new_release(self, ledger: PrivacyLedger, seed: int | None, schedule: NoiseSchedule) -> GaussianRelease:
-        return GaussianRelease(
-            ledger, clip_norm=self.clip_norm, sample_rate=self.sample_rate, schedule=schedule, seed=seed
-        )
+    def _new_release(self, ledger: PrivacyLedger, seed: int | None, schedule: NoiseSchedule) -> Release:
+        settings = {"clip_norm": self.clip_norm, "sample_rate": self.sample_rate, "schedule": schedule, "seed": seed}
+        if self.noise_at == "sites":
+            assert self.sites is not None
+            release = SharedNoiseRelease(ledger, shares=self.sites, **settings)
+            release.present = self.sites  # calibrate for the run in which every share arrives
+            return release
+        return GaussianRelease(ledger, **settings)  # type: ignore[arg-type]
+
+    def share_std(self, round_number: int) -> float:
+        """With ``noise_at="sites"``: the std of each site's share in that round, z_t·C/√m (public)."""
+        assert self.sites is not None
+        return share_std(self.release.schedule.checked(round_number), self.clip_norm, self.sites)
 
     @property
     def normalizer(self) -> float:
@@ -193,8 +260,18 @@ class FederatedServer:
             if self.site_clip is not None:
                 reply = reply * torch.clamp(self.site_clip / (reply.norm() + 1e-12), max=1.0)
             total += reply
+        release = self.release
+        if isinstance(release, SharedNoiseRelease):
+            present = len(replies) - len(refused)
+            if present == 0:  # no share, no data: θ stays, nothing is charged, the round is run again
+                return RoundOutcome(None, refused)
+            release.present = present
         target = ModelStateTarget(state, theta, other, self.server_lr)
-        result = self.private_step(self.steps, total, self.normalizer, target)
+        try:
+            result = self.private_step(self.steps, total, self.normalizer, target)
+        finally:
+            if isinstance(release, SharedNoiseRelease):
+                release.present = None
         self.steps += 1
         return RoundOutcome(result, refused)
 
@@ -225,9 +302,29 @@ class FederatedServer:
             raise PrivacyConfigError(f"`FederatedServer`: no hospital-level reading of {event!r}.")
         return GaussianEvent(event.event.noise_multiplier * self.clip_norm / self.site_clip)
 
+    def epsilon_without_secure_aggregation(self) -> float:
+        """ε against a server that sees each site's sum (noise at the sites, no secure aggregation).
+
+        Each site's sum carries its share alone: a Gaussian of multiplier z·C/√m per round for that site's patients,
+        sampled at q.
+        """
+        assert self.sites is not None
+        ledger = PrivacyLedger("patient", self.ledger.delta)
+        for step in range(self.steps):
+            ledger.record(PoissonSampledEvent(self.sample_rate, GaussianEvent(self.share_std(step) / self.clip_norm)))
+        return RDPAccountant().epsilon(ledger)
+
     def hospital_epsilon(self) -> float:
         """ε with a whole site as the unit (needs ``site_clip``); neither this nor the patient ε implies the other."""
         return RDPAccountant().epsilon(self.hospital_ledger())
+
+    def _last_multiplier(self) -> float:
+        """The multiplier the last round was charged (the planned one before any round)."""
+        if not self.ledger.entries:
+            return self.release.schedule.checked(0)
+        event = self.ledger.entries[-1][0]
+        assert isinstance(event, PoissonSampledEvent) and isinstance(event.event, GaussianEvent)
+        return event.event.noise_multiplier
 
     def report(self) -> dict[str, Any]:
         """The run's privacy at a glance: patient-level ε (and hospital-level with ``site_clip``), the noise, q·N."""
@@ -241,12 +338,15 @@ class FederatedServer:
             "num_patients": self.num_patients,
             "normalizer": self.normalizer,
             "clip_norm": self.clip_norm,
-            "noise_multiplier": self.release.noise_multiplier(max(self.steps - 1, 0)),
-            "noise_std": self.release.noise_multiplier(max(self.steps - 1, 0)) * self.clip_norm,
+            "noise_multiplier": self._last_multiplier(),
+            "noise_std": self._last_multiplier() * self.clip_norm,
             "target_epsilon": self.target_epsilon,
             "max_epsilon": self.max_epsilon,
             "stop_reason": self.stop_reason,
         }
+        out["noise_at"] = self.noise_at
+        if self.noise_at == "sites":
+            out["epsilon_without_secure_aggregation"] = self.epsilon_without_secure_aggregation() if self.steps else 0.0
         if self.site_clip is not None:
             out["hospital_level"] = {
                 "unit": "site",

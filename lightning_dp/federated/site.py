@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import math
 import warnings
 from typing import Any, Literal
 
@@ -15,6 +16,7 @@ from lightning_dp.errors import PrivacyConfigError, check_sample_rate
 from lightning_dp.sampling.patients import PoissonPatientSampler, secure_seed
 from lightning_dp.sampling.randomness import unit_seed
 from lightning_dp.sanitization import ModelState
+from lightning_dp.sanitization.release import standard_normal
 from lightning_dp.training.patient_rounds import (
     LocalSGD,
     LoopRound,
@@ -39,6 +41,10 @@ class Site:
             one from the OS CSPRNG. It never leaves the site.
         vectorize: ``"auto"`` runs the round batched or stacked where that is exactly the loop (`choose_round`).
         images_per_pass: the most images in one batched pass or stacked local step.
+        noise_std: with the noise at the sites (`FederatedServer(noise_at="sites")`), the std of this site's share,
+            z·C/√m (`lightning_dp.federated.share_std`, from the consortium's public settings, never from the
+            server's messages); drawn from the OS CSPRNG afresh for every reply. 0 (default): the server adds the
+            noise.
 
     Example:
         >>> import torch
@@ -63,6 +69,7 @@ class Site:
         seed: int | None = None,
         vectorize: Literal["auto", False] = False,
         images_per_pass: int = 256,
+        noise_std: float = 0.0,
     ) -> None:
         owner = f"Site({name!r})"
         if not parts.data.groups:
@@ -70,6 +77,9 @@ class Site:
         self.name = name
         self.parts = parts
         self.sample_rate = check_sample_rate(owner, sample_rate)
+        self.noise_std = float(noise_std)
+        if not (self.noise_std >= 0.0 and math.isfinite(self.noise_std)):
+            raise PrivacyConfigError(f"`{owner}`: noise_std must be a finite number >= 0, found {noise_std!r}.")
         self._secret = secure_seed() if seed is None else int(seed)
         self._units_seed = unit_seed(self._secret, "site-streams", name)
         choice = choose_round(parts, vectorize, images_per_pass)
@@ -86,6 +96,7 @@ class Site:
         local: LocalSGD | None = None,
         seed: int | None = None,
         vectorize: Literal["auto", False] = False,
+        noise_std: float = 0.0,
     ) -> Site:
         """A site from the user's LightningModule and the hospital's patient DataModule, as `P3SGD` reads them.
 
@@ -122,7 +133,7 @@ class Site:
         collate = loader.collate_fn or default_collate
         data = PatientData(dataset, groups, keys, collate)
         parts = RoundParts(module, ModelState(module), module.training_step, data, local or LocalSGD(), clip_norm)
-        return cls(name, parts, sample_rate, seed=seed, vectorize=vectorize)
+        return cls(name, parts, sample_rate, seed=seed, vectorize=vectorize, noise_std=noise_std)
 
     @property
     def num_patients(self) -> int:
@@ -155,7 +166,8 @@ class Site:
             round_number: the round (it keys the patients' random streams, with the site's secret seed).
 
         Returns:
-            The clipped sum: a float32 vector the size of ``theta``. Nothing else leaves the site.
+            The clipped sum (plus the site's noise share, with ``noise_std``): a float32 vector the size of ``theta``.
+            Nothing else leaves the site.
         """
         state = self.parts.state
         state.refresh()
@@ -178,6 +190,9 @@ class Site:
             if stats is None:  # the vectorized round could not run this round: the loop re-does it, nothing is said
                 LoopRound(self.parts).add_clipped(patients, clipped_sum, secret, start)
         state.load(*start)
+        if self.noise_std > 0:
+            share = standard_normal(clipped_sum.numel(), torch.Generator().manual_seed(secure_seed()))
+            clipped_sum.add_(share.view_as(clipped_sum).to(clipped_sum), alpha=self.noise_std)
         return clipped_sum
 
     def close(self) -> None:

@@ -14,9 +14,9 @@ import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, RecordDict
 
 from lightning_dp.accounting import PrivacyLedger, RDPAccountant
-from lightning_dp.errors import PrivacyBudgetExceededError
-from lightning_dp.federated import FederatedServer, Site
-from lightning_dp.federated.flower import FederatedStartError, LocalGrid, run_rounds, site_app
+from lightning_dp.errors import PrivacyBudgetExceededError, PrivacyConfigError
+from lightning_dp.federated import FederatedServer, Site, share_std
+from lightning_dp.federated.flower import FederatedRoundError, FederatedStartError, LocalGrid, run_rounds, site_app
 from lightning_dp.sanitization import GaussianRelease
 from tests.unit.federated.test_federated_round import CLIP, _Net, _parts, _patients
 
@@ -181,3 +181,77 @@ def test_patient_ids_two_sites_share_are_refused_without_showing_them() -> None:
     server = _server()
     run_rounds(_grid(id_key=True), server, rounds=1, sites=3)  # distinct ids: it runs
     assert server.ledger.steps == 1
+
+
+# ---------------------------------------------------------------------------------------------- noise at the sites
+def _sites_with_shares(z: float, count: int = 3) -> LocalGrid:
+    std = share_std(z, CLIP, count)
+
+    def make(context: Context) -> Site:
+        site = _make_site(context)
+        site.noise_std = std
+        return site
+
+    return LocalGrid(site_app(make), [{"site": name} for name in list(SIZES)[:count]])
+
+
+def test_shares_from_every_site_are_charged_as_the_central_noise_and_sum_to_it() -> None:
+    server = _server(noise_at="sites", sites=3)
+    run_rounds(_sites_with_shares(1.1), server, rounds=2, sites=3)
+    central = _server()
+    run_rounds(_grid(), central, rounds=2, sites=3)
+    assert server.ledger.state_dict() == central.ledger.state_dict()
+    # The share itself: two replies to the same round differ only by two independent shares, N(0, 2·(zC/√3)²).
+    grid = _sites_with_shares(1.1)
+    one = _make_site(grid.contexts[1])
+    one.noise_std = share_std(1.1, CLIP, 3)
+    theta = server.theta()
+    diffs = torch.cat([one.reply(theta, 0) - one.reply(theta, 0) for _ in range(20)])  # 1,480 values
+    measured = float(diffs.std()) / 2**0.5
+    # 1,480 normal values: the std estimate's relative sd is ~1.8 %; 8 % is over 4 sd.
+    assert measured == pytest.approx(1.1 * CLIP / 3**0.5, rel=0.08)
+
+
+def test_a_missing_share_is_charged_the_noise_that_is_present() -> None:
+    def drop(node: int, message: Message) -> bool:
+        return node == 3 and message.metadata.message_type == "train"
+
+    server = _server(noise_at="sites", sites=3)
+    grid = _sites_with_shares(1.1)
+    grid.drop = drop
+    logs = run_rounds(grid, server, rounds=2, sites=3)
+    event = server.ledger.entries[-1][0]
+    assert event.event.noise_multiplier == pytest.approx(1.1 * (2 / 3) ** 0.5, rel=1e-12)  # type: ignore[attr-defined]
+    assert logs[-1].noise_std == pytest.approx(1.1 * (2 / 3) ** 0.5 * CLIP / 6, rel=1e-12)
+    central = _server()
+    run_rounds(_grid(), central, rounds=2, sites=3)
+    assert server.epsilon() > central.epsilon()
+    assert server.epsilon_without_secure_aggregation() > server.epsilon()
+
+
+def test_a_round_without_any_share_releases_and_charges_nothing_then_stops() -> None:
+    server = _server(noise_at="sites", sites=3)
+    before = server.theta()
+    assert server.round({"a": None}).result is None
+    assert server.ledger.steps == 0 and torch.equal(server.theta(), before)
+    grid = _sites_with_shares(1.1)
+    grid.drop = lambda node, message: message.metadata.message_type == "train"
+    with pytest.raises(FederatedRoundError, match="no site's share arrived in 3 attempts"):
+        run_rounds(grid, server, rounds=2, sites=3)
+    assert server.ledger.steps == 0
+
+
+def test_the_budget_with_shares_assumes_the_fewest_shares() -> None:
+    # One share present: z/√3. The budget must stop before a round that could cost that much, not z.
+    server = _server(noise_at="sites", sites=3, noise=3.0, max_epsilon=2.0)
+    worst = _server(noise=3.0 / 3**0.5, max_epsilon=2.0)
+    run_rounds(_sites_with_shares(3.0), server, rounds=200, sites=3)
+    run_rounds(_grid(), worst, rounds=200, sites=3)
+    assert server.ledger.steps == worst.ledger.steps and server.epsilon() <= 2.0
+
+
+def test_shares_and_a_site_clip_are_refused_together() -> None:
+    with pytest.raises(PrivacyConfigError, match="hospital-level ε would not hold"):
+        _server(noise_at="sites", sites=3, site_clip=1.0)
+    with pytest.raises(PrivacyConfigError, match="needs the number of sites"):
+        _server(noise_at="sites")
