@@ -18,7 +18,13 @@ The guarantee is for add/remove all images of one patient at one site; a patient
 are not linked counts as two patients.
 """
 
-from lightning_dp.federated.server import FederatedServer, RoundOutcome, SharedNoiseRelease, share_std
+from lightning_dp.federated.server import (
+    FederatedServer,
+    RoundOutcome,
+    SharedNoiseRelease,
+    calibrated_multiplier,
+    share_std,
+)
 from lightning_dp.federated.site import Site
 
-__all__ = ["FederatedServer", "RoundOutcome", "SharedNoiseRelease", "Site", "share_std"]
+__all__ = ["FederatedServer", "RoundOutcome", "SharedNoiseRelease", "Site", "calibrated_multiplier", "share_std"]

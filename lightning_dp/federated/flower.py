@@ -4,7 +4,8 @@ The messages carry only what the mechanism allows to leave a site:
 
 * ``query`` (once, at start): the site's public name and patient count, and, where the consortium shares an id key,
   HMAC digests of its patient ids (to refuse ids two sites share, without the server seeing or testing the ids).
-* ``train`` (each round): θ_t and the round number in; the clipped sum out (``reply``); no counts, losses or metrics.
+* ``train`` (each round): θ_t and the round number in; the clipped sum out (``reply``), with the site's name and the
+  std of the noise share it added (public settings); no counts, losses or metrics.
 
 The server side is `run_rounds`, a plain function over a Flower ``Grid``: the ``ServerApp`` of `server_app` calls it
 on the deployment runtime's grid (``flwr run`` against ``flower-superlink`` and one ``flower-supernode`` per
@@ -51,7 +52,7 @@ class FederatedStartError(PrivacyConfigError):
 
 
 class FederatedRoundError(RuntimeError):
-    """Rounds cannot go on: with the noise at the sites, no share arrived ``max_empty_rounds`` times in a row."""
+    """Rounds cannot go on: with the noise at the sites, too few shares arrived ``max_empty_rounds`` times in a row."""
 
 
 # ---------------------------------------------------------------------------------------------------- the site side
@@ -97,7 +98,7 @@ def site_app(
         content = RecordDict(
             {
                 "clipped_sum": ArrayRecord({"clipped_sum": Array(clipped_sum.detach().cpu().numpy())}),
-                "site": ConfigRecord({"name": site.name}),
+                "site": ConfigRecord({"name": site.name, "noise_std": site.noise_std}),
             }
         )
         return Message(content, reply_to=message)
@@ -186,6 +187,14 @@ def _field(message: Message, record: str, key: str) -> Any:
     return content[record][key]
 
 
+def _declared_share(reply: Message) -> float | None:
+    """The std of the noise share the site says it added (a public setting), or None."""
+    try:
+        return float(_field(reply, "site", "noise_std"))
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
 def _array(reply: Message) -> torch.Tensor | None:
     """The reply's clipped sum as a tensor, or None if the reply carries none."""
     try:
@@ -250,6 +259,7 @@ def run_rounds(
             reply.metadata.src_node_id: reply for reply in grid.send_and_receive(messages, timeout=round_timeout)
         }
         replies: dict[str, torch.Tensor | None] = {}
+        shares: dict[str, float] = {}
         problems: dict[str, str] = {}
         for node, name in names.items():
             reply = by_node.get(node)
@@ -259,12 +269,15 @@ def run_rounds(
                 problems[name] = f"failed: {reply.error.reason}"
             else:
                 replies[name] = _array(reply)
-        outcome: RoundOutcome = server.round(replies)
-        if outcome.result is None:  # noise at the sites and no share arrived: nothing released or charged
+                declared = _declared_share(reply)
+                if declared is not None:
+                    shares[name] = declared
+        outcome: RoundOutcome = server.round(replies, shares)
+        if outcome.result is None:  # noise at the sites, fewer than min_shares arrived: nothing released or charged
             empty += 1
             if empty >= max_empty_rounds:
                 raise FederatedRoundError(
-                    f"no site's share arrived in {empty} attempts at round {number + 1}; nothing was released or "
+                    f"too few noise shares arrived in {empty} attempts at round {number + 1}; nothing was released or "
                     f"charged ({'; '.join(f'{k}: {v}' for k, v in {**problems, **outcome.refused}.items())}). "
                     "HINT: check the sites' logs, then restart the server: it resumes from its checkpoint."
                 )

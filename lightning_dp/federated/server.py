@@ -25,7 +25,7 @@ from lightning_dp.schedules import ConstantNoise, NoiseSchedule
 from lightning_dp.training.privacy import calibrate_schedule, default_delta
 from lightning_dp.training.step import ModelStateTarget, PrivateStep, StepResult
 
-__all__ = ["FederatedServer", "RoundOutcome", "SharedNoiseRelease", "share_std"]
+__all__ = ["FederatedServer", "RoundOutcome", "SharedNoiseRelease", "calibrated_multiplier", "share_std"]
 
 
 @dataclass
@@ -44,21 +44,41 @@ class SharedNoiseRelease(Release):
     """The noise of a round added at the sites: each of the m sites added N(0, z²C²/m) to its sum; m' arrived.
 
     The sum of the m' shares that arrived is N(0, (m'/m)·z²C²): the round is charged the multiplier z·√(m'/m) that is
-    present, never z. Before the replies are in (`present` is None), `event` is the worst case, one share: the budget
-    check stays a hard stop whatever arrives.
+    present, never z. ``present`` counts the shares that arrived in units of the planned share (Σ σ_s² / (z²C²/m), m'
+    when every site added the planned share). Before the replies are in (``present`` is None), `event` is the worst
+    case, ``min_shares`` shares (fewer are never released): the budget check stays a hard stop whatever arrives.
     """
 
-    def __init__(self, *args: Any, shares: int, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, shares: int, min_shares: int = 1, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.shares = shares
-        self.present: int | None = None
+        self.min_shares = min_shares
+        self.present: float | None = None
 
     def noise_multiplier(self, step: int) -> float:
-        present = 1 if self.present is None else self.present
+        present = self.min_shares if self.present is None else self.present
         return self.schedule.checked(step) * math.sqrt(present / self.shares)
 
     def _gaussian(self, like: Tensor, std: float) -> Tensor:
         return torch.zeros_like(like)  # the shares are in the sum already
+
+
+def calibrated_multiplier(
+    num_patients: int, sample_rate: float, rounds: int, target_epsilon: float, delta: float | None = None
+) -> float:
+    """z such that ``rounds`` rounds at q end at ``target_epsilon`` (patient level, RDP, δ default min(1e-5, 1/(10N))).
+
+    What `FederatedServer(target_epsilon=…, rounds=…)` calibrates to; sites that add the noise shares compute it from
+    the same public settings (they do not take z from the server).
+
+    Example:
+        >>> round(calibrated_multiplier(num_patients=1000, sample_rate=0.05, rounds=100, target_epsilon=1.0), 2)
+        2.32
+    """
+    server = FederatedServer(
+        nn.Identity(), num_patients, sample_rate, 1.0, target_epsilon=target_epsilon, rounds=rounds, delta=delta
+    )
+    return server.release.schedule.checked(0)
 
 
 def share_std(noise_multiplier: float, clip_norm: float, sites: int) -> float:
@@ -104,6 +124,10 @@ class FederatedServer:
             formed by secure aggregation; without it the server sees each site's sum with its share alone, and
             `report` gives that ε too (``epsilon_without_secure_aggregation``).
         sites: m, the number of sites (needed with ``noise_at="sites"``).
+        min_shares: with ``noise_at="sites"``, the fewest valid shares a round is released with (default m: all).
+            A round with fewer is neither released nor charged, and is run again; the budget check assumes this
+            many. It is the reconstruction threshold the secure aggregation must have: the server then never sees a
+            sum with fewer shares.
         site_clip: hospital-level DP beside patient-level: each accepted site sum is clipped to this norm before the
             sum, and `hospital_epsilon` reports ε with a whole site as the unit (every site every round: no
             amplification). ``None`` (default): no site clip, no hospital-level ε (it would be unbounded).
@@ -133,6 +157,7 @@ class FederatedServer:
         site_clip: float | None = None,
         noise_at: Literal["server", "sites"] = "server",
         sites: int | None = None,
+        min_shares: int | None = None,
     ) -> None:
         owner = "FederatedServer"
         self.num_patients = check_count(owner, "num_patients", num_patients, "the patients of all sites.", minimum=1)
@@ -154,6 +179,7 @@ class FederatedServer:
         if noise_at not in ("server", "sites"):
             raise PrivacyConfigError(f"`{owner}`: noise_at must be 'server' or 'sites', found {noise_at!r}.")
         self.noise_at = noise_at
+        self.min_shares = 0
         self.sites = (
             None if sites is None else check_count(owner, "sites", sites, "the hospitals in the run.", minimum=1)
         )
@@ -163,6 +189,12 @@ class FederatedServer:
                     f"`{owner}`: noise_at='sites' needs the number of sites m (each adds a share z·C/√m). "
                     "HINT: pass sites=…"
                 )
+            self.min_shares = self.sites if min_shares is None else int(min_shares)
+            if not 1 <= self.min_shares <= self.sites:
+                raise PrivacyConfigError(
+                    f"`{owner}`: min_shares must be in [1, sites={self.sites}], found {min_shares!r}. HINT: the "
+                    "secure aggregation's reconstruction threshold, e.g. 2 of 3."
+                )
             if self.site_clip is not None:
                 raise PrivacyConfigError(
                     f"`{owner}`: site_clip clips a site's sum at the server, after its noise share was added; "
@@ -171,6 +203,8 @@ class FederatedServer:
         self.state = ModelState(module)
         self.ledger = PrivacyLedger("patient", default_delta(self.num_patients) if delta is None else float(delta))
         schedule = ConstantNoise(float(noise)) if not isinstance(noise, NoiseSchedule) else noise
+        if self.target_epsilon is not None and schedule.is_constant:
+            schedule = ConstantNoise(1.0)  # the base is the calibration's start: `calibrated_multiplier` gives this z
         if self.target_epsilon is not None:
             if self.rounds is None:
                 raise PrivacyConfigError(
@@ -189,17 +223,18 @@ class FederatedServer:
             )
         self.release = self._new_release(self.ledger, seed=seed, schedule=schedule)
         if isinstance(self.release, SharedNoiseRelease):
-            self.release.present = None  # before a round's replies: the worst case, one share
+            self.release.present = None  # before a round's replies: the worst case, min_shares shares
         self.private_step = PrivateStep(self.release)
         self.steps = 0
+        self.rounds_seen = 0  # noise at the sites: rounds in which the server received any site's sum
         self.stop_reason: str | None = None
 
     def _new_release(self, ledger: PrivacyLedger, seed: int | None, schedule: NoiseSchedule) -> Release:
         settings = {"clip_norm": self.clip_norm, "sample_rate": self.sample_rate, "schedule": schedule, "seed": seed}
         if self.noise_at == "sites":
             assert self.sites is not None
-            release = SharedNoiseRelease(ledger, shares=self.sites, **settings)
-            release.present = self.sites  # calibrate for the run in which every share arrives
+            release = SharedNoiseRelease(ledger, shares=self.sites, min_shares=self.min_shares, **settings)
+            release.present = float(self.sites)  # calibrate for the run in which every share arrives
             return release
         return GaussianRelease(ledger, **settings)  # type: ignore[arg-type]
 
@@ -234,11 +269,15 @@ class FederatedServer:
         )
         return False
 
-    def round(self, replies: Mapping[str, Tensor | None]) -> RoundOutcome:
+    def round(self, replies: Mapping[str, Tensor | None], shares: Mapping[str, float] | None = None) -> RoundOutcome:
         """One round: sums the valid replies, releases once (noise and charge in one call), applies θ_{t+1}.
 
         A refused reply (``reply_problem``) contributes nothing, as a site that did not reply; the round is charged as
         usual (a patient's influence can only shrink). With ``site_clip``, each accepted sum is clipped to it first.
+
+        With ``noise_at="sites"``, ``shares`` gives the std of the noise share each site says it added (`Site`'s
+        ``noise_std``): a reply without one, or with less than the planned share z_t·C/√m, is refused; the round is
+        charged the noise of the shares that arrived.
 
         Raises:
             PrivacyBudgetExceededError: the round would take ε above ``max_epsilon`` (nothing is released or charged).
@@ -250,8 +289,12 @@ class FederatedServer:
         theta, other = state.vector(), state.snapshot_other_buffers()
         total = torch.zeros_like(theta)
         refused: dict[str, str] = {}
+        present = 0.0
         for name, reply in replies.items():
             problem = reply_problem(reply, theta.numel())
+            if problem is None and self.noise_at == "sites":
+                problem, units = self._share_problem(None if shares is None else shares.get(name))
+                present += 0.0 if problem is not None else units
             if problem is not None:
                 refused[name] = problem
                 continue
@@ -262,8 +305,9 @@ class FederatedServer:
             total += reply
         release = self.release
         if isinstance(release, SharedNoiseRelease):
-            present = len(replies) - len(refused)
-            if present == 0:  # no share, no data: θ stays, nothing is charged, the round is run again
+            if replies:
+                self.rounds_seen += 1  # without secure aggregation the server saw these sums, released or not
+            if present < self.min_shares * (1 - 1e-9):  # too few shares: θ stays, nothing is charged, run it again
                 return RoundOutcome(None, refused)
             release.present = present
         target = ModelStateTarget(state, theta, other, self.server_lr)
@@ -274,6 +318,15 @@ class FederatedServer:
                 release.present = None
         self.steps += 1
         return RoundOutcome(result, refused)
+
+    def _share_problem(self, declared: float | None) -> tuple[str | None, float]:
+        """Why a site's declared share cannot be counted (None if it can), and its size in planned shares."""
+        planned = self.share_std(self.steps)
+        if declared is None:
+            return "no declared noise share (noise_at='sites')", 0.0
+        if not math.isfinite(declared) or declared < planned * (1 - 1e-9):
+            return f"noise share std {declared:.6g} below the planned z·C/√m = {planned:.6g}", 0.0
+        return None, (declared / planned) ** 2
 
     def epsilon(self) -> float:
         """ε of the run so far at the ledger's δ (RDP accountant), patient level."""
@@ -310,7 +363,7 @@ class FederatedServer:
         """
         assert self.sites is not None
         ledger = PrivacyLedger("patient", self.ledger.delta)
-        for step in range(self.steps):
+        for step in range(max(self.rounds_seen, self.steps)):
             ledger.record(PoissonSampledEvent(self.sample_rate, GaussianEvent(self.share_std(step) / self.clip_norm)))
         return RDPAccountant().epsilon(ledger)
 
@@ -361,6 +414,7 @@ class FederatedServer:
         """θ, the ledger, the noise generator and the round counter (keep it private: it holds the noise seed)."""
         return {
             "steps": self.steps,
+            "rounds_seen": self.rounds_seen,
             "theta": self.theta().clone(),
             "ledger": self.ledger.state_dict(),
             "release": self.release.state_dict(),
@@ -386,3 +440,4 @@ class FederatedServer:
         self.state.refresh()
         self.state.load(saved["theta"])
         self.steps = int(saved["steps"])
+        self.rounds_seen = int(saved.get("rounds_seen", 0))

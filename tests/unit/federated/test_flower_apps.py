@@ -15,7 +15,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, RecordD
 
 from lightning_dp.accounting import PrivacyLedger, RDPAccountant
 from lightning_dp.errors import PrivacyBudgetExceededError, PrivacyConfigError
-from lightning_dp.federated import FederatedServer, Site, share_std
+from lightning_dp.federated import FederatedServer, Site, calibrated_multiplier, share_std
 from lightning_dp.federated.flower import FederatedRoundError, FederatedStartError, LocalGrid, run_rounds, site_app
 from lightning_dp.sanitization import GaussianRelease
 from tests.unit.federated.test_federated_round import CLIP, _Net, _parts, _patients
@@ -70,7 +70,7 @@ def test_the_messages_carry_theta_in_and_only_the_clipped_sum_out() -> None:
     content = RecordDict({"theta": ArrayRecord({"theta": Array(theta.numpy())}), "round": ConfigRecord({"number": 0})})
     reply = grid.client_app(Message(content, dst_node_id=1, message_type="train"), grid.contexts[1])
     assert set(reply.content.keys()) == {"clipped_sum", "site"}
-    assert dict(reply.content["site"]) == {"name": "a"}
+    assert dict(reply.content["site"]) == {"name": "a", "noise_std": 0.0}
     got = torch.from_numpy(reply.content["clipped_sum"]["clipped_sum"].numpy().copy())
     assert torch.equal(got, _make_site(grid.contexts[1]).reply(theta, 0)) and float(got.norm()) > 0
 
@@ -216,7 +216,7 @@ def test_a_missing_share_is_charged_the_noise_that_is_present() -> None:
     def drop(node: int, message: Message) -> bool:
         return node == 3 and message.metadata.message_type == "train"
 
-    server = _server(noise_at="sites", sites=3)
+    server = _server(noise_at="sites", sites=3, min_shares=2)
     grid = _sites_with_shares(1.1)
     grid.drop = drop
     logs = run_rounds(grid, server, rounds=2, sites=3)
@@ -236,14 +236,24 @@ def test_a_round_without_any_share_releases_and_charges_nothing_then_stops() -> 
     assert server.ledger.steps == 0 and torch.equal(server.theta(), before)
     grid = _sites_with_shares(1.1)
     grid.drop = lambda node, message: message.metadata.message_type == "train"
-    with pytest.raises(FederatedRoundError, match="no site's share arrived in 3 attempts"):
+    with pytest.raises(FederatedRoundError, match="too few noise shares arrived in 3 attempts"):
         run_rounds(grid, server, rounds=2, sites=3)
     assert server.ledger.steps == 0
 
 
+def test_fewer_shares_than_the_threshold_release_and_charge_nothing() -> None:
+    server = _server(noise_at="sites", sites=3, min_shares=3)
+    grid = _sites_with_shares(1.1)
+    grid.drop = lambda node, message: node == 3 and message.metadata.message_type == "train"
+    with pytest.raises(FederatedRoundError, match="in 3 attempts"):
+        run_rounds(grid, server, rounds=1, sites=3)
+    assert server.ledger.steps == 0 and server.rounds_seen == 3
+    assert server.epsilon_without_secure_aggregation() > 0  # the server did see those sums
+
+
 def test_the_budget_with_shares_assumes_the_fewest_shares() -> None:
-    # One share present: z/√3. The budget must stop before a round that could cost that much, not z.
-    server = _server(noise_at="sites", sites=3, noise=3.0, max_epsilon=2.0)
+    # One share may be all there is (min_shares=1): z/√3. The budget stops before a round that could cost that much.
+    server = _server(noise_at="sites", sites=3, min_shares=1, noise=3.0, max_epsilon=2.0)
     worst = _server(noise=3.0 / 3**0.5, max_epsilon=2.0)
     run_rounds(_sites_with_shares(3.0), server, rounds=200, sites=3)
     run_rounds(_grid(), worst, rounds=200, sites=3)
@@ -255,3 +265,11 @@ def test_shares_and_a_site_clip_are_refused_together() -> None:
         _server(noise_at="sites", sites=3, site_clip=1.0)
     with pytest.raises(PrivacyConfigError, match="needs the number of sites"):
         _server(noise_at="sites")
+
+
+def test_sites_compute_the_servers_calibrated_multiplier_from_the_public_settings() -> None:
+    server = _server(target_epsilon=2.0, rounds=6, noise_at="sites", sites=3)
+    z = calibrated_multiplier(num_patients=12, sample_rate=0.5, rounds=6, target_epsilon=2.0)
+    assert server.share_std(0) == share_std(z, CLIP, 3) == pytest.approx(z * CLIP / 3**0.5, rel=1e-12)
+    run_rounds(_sites_with_shares(z), server, rounds=6, sites=3)
+    assert server.epsilon() == pytest.approx(2.0, rel=0.01) and server.epsilon() <= 2.0
