@@ -24,10 +24,16 @@ from lightning_dp.accounting import (
     epsilon_for,
     tcdp_plan_unchecked,
 )
-from lightning_dp.errors import PrivacyConfigError, check_count, check_finite_positive, check_in_interval
+from lightning_dp.errors import (
+    PrivacyConfigError,
+    PrivacyStateError,
+    check_count,
+    check_finite_positive,
+    check_in_interval,
+)
 from lightning_dp.schedules import ConstantNoise, ExponentialDecay, NoiseSchedule
 
-__all__ = ["AUDIT_DESCRIPTION", "LIGHTNING_COMMANDS", "PLAN_DESCRIPTION", "main", "plan_main"]
+__all__ = ["AUDIT_DESCRIPTION", "LIGHTNING_COMMANDS", "PLAN_DESCRIPTION", "TUNE_DESCRIPTION", "main", "plan_main"]
 
 #: The LightningCLI subcommands, with the one-line descriptions ``lightning-dp --help`` shows.
 LIGHTNING_COMMANDS = {
@@ -39,6 +45,9 @@ LIGHTNING_COMMANDS = {
 PLAN_DESCRIPTION = "Privacy planning: ε for a configuration, or the noise / steps that fit a target ε."
 #: Here rather than in ``lightning_dp.audit.cli`` (which imports torch): ``lightning-dp --help`` lists it.
 AUDIT_DESCRIPTION = "Empirical privacy audit: an ε lower bound from a canary, beside the accountant's ε."
+TUNE_DESCRIPTION = (
+    "Private hyperparameter search: K random trials of a config, the best kept, the whole search charged."
+)
 
 
 class _OneLineParser(argparse.ArgumentParser):
@@ -423,9 +432,69 @@ def plan_main(argv: Sequence[str]) -> int:
     return 0
 
 
+class _TuneParser(argparse.ArgumentParser):
+    """Bad arguments: one line on stderr, exit status 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"lightning-dp tune: error: {message} (see lightning-dp tune --help)\n")
+
+
+def _tune_parser() -> argparse.ArgumentParser:
+    p = _TuneParser(prog="lightning-dp tune", description=TUNE_DESCRIPTION + " See docs/tuning.md.")
+    p.add_argument("--config", type=Path, required=True, help="the training config (what lightning-dp fit takes).")
+    p.add_argument(
+        "--search",
+        type=Path,
+        required=True,
+        help="the search file: total_epsilon, trials (mean, distribution), score (metric, mode, validation: public) "
+        "and space (config keys: lists, {log_uniform: [low, high]}, {uniform: [low, high]}).",
+    )
+    p.add_argument(
+        "--output",
+        type=Path,
+        help="the search's folder (default runs/tune/CONFIG): a folder holding the same search resumes it.",
+    )
+    p.add_argument("--total-epsilon", type=float, help="the whole search's ε; overrides the search file's.")
+    p.add_argument(
+        "--seed",
+        type=int,
+        help="draw K and the trials from this seed (tests and docs only; default: the OS's randomness).",
+    )
+    p.add_argument(
+        "--keep-trials",
+        action="store_true",
+        help="keep every trial's folder (their models and logs are NOT covered by the search's ε).",
+    )
+    return p
+
+
+def tune_main(argv: Sequence[str]) -> int:
+    """Runs ``lightning-dp tune``; returns the exit status."""
+    args = _tune_parser().parse_args(list(argv))
+    from lightning_dp.tuning import tune
+    from lightning_dp.tuning.search import report_text
+
+    output = args.output or Path("runs") / "tune" / args.config.stem
+    try:
+        result = tune(
+            args.config,
+            args.search,
+            output,
+            total_epsilon=args.total_epsilon,
+            seed=args.seed,
+            keep_trials=args.keep_trials,
+        )
+    except (PrivacyConfigError, PrivacyStateError) as err:
+        print(f"lightning-dp tune: error: {err}", file=sys.stderr)
+        return 2
+    sys.stdout.write(report_text(result))
+    print(f"  folder                {output}")
+    return 0
+
+
 def _overview() -> str:
     """The text of ``lightning-dp --help``: every command with its one-line description."""
-    commands = {**LIGHTNING_COMMANDS, "plan": PLAN_DESCRIPTION, "audit": AUDIT_DESCRIPTION}
+    commands = {**LIGHTNING_COMMANDS, "plan": PLAN_DESCRIPTION, "audit": AUDIT_DESCRIPTION, "tune": TUNE_DESCRIPTION}
     width = max(len(name) for name in commands)
     lines = [
         f"usage: lightning-dp {{{','.join(commands)}}} ...",
@@ -459,6 +528,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         from lightning_dp.audit.cli import audit_main
 
         return audit_main(argv[1:])
+    if command == "tune":
+        return tune_main(argv[1:])
     if command is None or command in ("-h", "--help"):
         text = _overview()
         if command is None:
@@ -467,7 +538,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stdout.write(text)
         return 0
     if command not in LIGHTNING_COMMANDS and not command.startswith("-"):
-        valid = [*LIGHTNING_COMMANDS, "plan", "audit"]
+        valid = [*LIGHTNING_COMMANDS, "plan", "audit", "tune"]
         close = difflib.get_close_matches(command, valid, n=1)
         guess = f" Did you mean '{close[0]}'?" if close else ""
         print(

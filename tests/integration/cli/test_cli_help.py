@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 
 from lightning_dp.audit.cli import DESCRIPTION as AUDIT_DESCRIPTION
-from lightning_dp.cli import LIGHTNING_COMMANDS, PLAN_DESCRIPTION, main
+from lightning_dp.cli import LIGHTNING_COMMANDS, PLAN_DESCRIPTION, TUNE_DESCRIPTION, main
 
 ROOT = Path(__file__).resolve().parents[3]
-COMMANDS = {**LIGHTNING_COMMANDS, "plan": PLAN_DESCRIPTION, "audit": AUDIT_DESCRIPTION}
+COMMANDS = {**LIGHTNING_COMMANDS, "plan": PLAN_DESCRIPTION, "audit": AUDIT_DESCRIPTION, "tune": TUNE_DESCRIPTION}
 
 
 def _run(command: list[str], warnings_as_errors: bool = True) -> subprocess.CompletedProcess[str]:
@@ -25,7 +25,7 @@ def _run(command: list[str], warnings_as_errors: bool = True) -> subprocess.Comp
 
 
 def _assert_overview(text: str) -> None:
-    assert text.startswith("usage: lightning-dp {fit,validate,test,predict,plan,audit} ...")
+    assert text.startswith("usage: lightning-dp {fit,validate,test,predict,plan,audit,tune} ...")
     lines = text.splitlines()
     for name, description in COMMANDS.items():
         rows = [line for line in lines if line.split()[:1] == [name]]
@@ -61,7 +61,7 @@ def test_unknown_command_is_one_line_naming_the_valid_ones(
     lines = captured.err.strip().splitlines()
     assert len(lines) == 1, captured.err
     assert f"unknown command '{command}'" in lines[0]
-    assert "choose from fit, validate, test, predict, plan, audit" in lines[0]
+    assert "choose from fit, validate, test, predict, plan, audit, tune" in lines[0]
     assert (guess in lines[0]) if guess else ("Did you mean" not in lines[0])
 
 
@@ -74,7 +74,9 @@ def test_fit_help_is_lightning_cli_without_warnings() -> None:
     assert "warn" not in proc.stderr.lower(), proc.stderr
 
 
-@pytest.mark.parametrize(("command", "description"), [("plan", PLAN_DESCRIPTION), ("audit", AUDIT_DESCRIPTION)])
+@pytest.mark.parametrize(
+    ("command", "description"), [("plan", PLAN_DESCRIPTION), ("audit", AUDIT_DESCRIPTION), ("tune", TUNE_DESCRIPTION)]
+)
 def test_plan_and_audit_help_are_their_own_parsers(
     capsys: pytest.CaptureFixture[str], command: str, description: str
 ) -> None:

@@ -1,0 +1,588 @@
+"""A private hyperparameter search: K random trials of a training config, the best kept, the whole search charged.
+
+The steps (docs/tuning.md; ALGORITHMS.md §8):
+
+1. Read the config and the search file (total ε, the distribution of K, the score, the space); refuse what the bound
+   does not cover (a private score outside any charge, a space over the noise or the data).
+2. Draw K from the truncated negative binomial or the Poisson distribution, and every trial's hyperparameters, once,
+   from the OS's randomness (or ``seed``), before any trial.
+3. Calibrate: the base curve B, each trial's noise under B (`lightning_dp.tuning.privacy`); record the search's one
+   ``RepeatAndSelectEvent`` in its ledger; write the state file. Only then does a trial run.
+4. Run each trial (a full ``lightning-dp fit`` of its config, with its callbacks), score it on the public validation
+   data, keep the best; write the state after each trial (atomically: a temporary file renamed over the old one).
+
+Every trial counts: one that crashes, one stopped by its budget and one interrupted (killed mid-trial: found
+"running" when the search resumes) are trials of the K drawn, never run again. A resumed search reads K, the trials'
+hyperparameters and the ledger from the state file: nothing is drawn or charged again.
+
+What the search releases under its ε is the best trial (its model, config and scores), K and the trials'
+hyperparameters and ε (drawn and computed without data). The other trials' models and logs are not covered: their
+folders are deleted as soon as a better trial replaces them (``keep_trials=True`` keeps them, for debugging only).
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import math
+import os
+import secrets
+import shutil
+import tempfile
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, is_dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+
+from lightning_dp.accounting import PrivacyLedger, RDPAccountant, default_delta
+from lightning_dp.accounting.repeat_select import draw_trials, search_ledger, truncated_negative_binomial_gamma
+from lightning_dp.errors import PrivacyConfigError, PrivacyStateError
+from lightning_dp.schedules import ConstantNoise, NoiseSchedule
+from lightning_dp.tuning.privacy import (
+    TrialPlan,
+    base_factor,
+    check_covered,
+    covering_factor,
+    trial_ledger,
+)
+from lightning_dp.tuning.space import Dimension, apply_params, parse_space, sample_params
+
+__all__ = ["DISTRIBUTIONS", "SearchSpec", "TrialOutcome", "TrialRunner", "read_search", "report", "report_text", "tune"]
+
+FORMAT_VERSION = 1
+OWNER = "lightning-dp tune"
+#: The distributions of K: name → shape η of the truncated negative binomial (inf: Poisson; None: given as shape).
+DISTRIBUTIONS: dict[str, float | None] = {
+    "geometric": 1.0,
+    "logarithmic": 0.0,
+    "negative_binomial": None,
+    "poisson": math.inf,
+}
+#: Defaults (docs/tuning.md, "What it costs"): E[K] = 10 geometric trials.
+DEFAULT_MEAN, DEFAULT_DISTRIBUTION = 10.0, "geometric"
+TrialStatus = Literal["pending", "running", "done", "crashed", "stopped_by_budget", "interrupted"]
+
+
+def _refuse(what: str, hint: str) -> PrivacyConfigError:
+    return PrivacyConfigError(f"`{OWNER}`: {what} HINT: {hint}")
+
+
+@dataclass(frozen=True)
+class SearchSpec:
+    """A search file, validated: the total ε, the distribution of K, the score and the space.
+
+    Args:
+        total_epsilon: ε of the whole search (the repeat-and-select bound) at the config's δ.
+        mean: E[K].
+        shape: η of the truncated negative binomial (0 logarithmic, 1 geometric), or inf for Poisson.
+        distribution: the distribution's name.
+        metric: the logged validation metric that scores a trial (e.g. ``val/acc``).
+        mode: ``max`` or ``min``: which score is best.
+        space: the hyperparameters and their values or ranges.
+    """
+
+    total_epsilon: float
+    mean: float
+    shape: float
+    distribution: str
+    metric: str
+    mode: Literal["max", "min"]
+    space: dict[str, Dimension]
+
+
+def _number(value: Any) -> Any:
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            return value
+    return value
+
+
+def _trials(raw: Any) -> tuple[float, float, str]:
+    raw = {} if raw is None else raw
+    if not isinstance(raw, Mapping):
+        raise _refuse(f"'trials' must be a mapping, found {raw!r}.", "trials: {mean: 10, distribution: geometric}.")
+    unknown = set(raw) - {"mean", "distribution", "shape"}
+    if unknown:
+        raise _refuse(
+            f"'trials' has unknown keys {sorted(unknown)}.", "mean, distribution and (negative_binomial) shape."
+        )
+    name = str(raw.get("distribution", DEFAULT_DISTRIBUTION))
+    if name not in DISTRIBUTIONS:
+        raise _refuse(f"trials.distribution={name!r} is not one of {list(DISTRIBUTIONS)}.", "geometric (the default).")
+    mean = _number(raw.get("mean", DEFAULT_MEAN))
+    if not (isinstance(mean, (int, float)) and not isinstance(mean, bool) and math.isfinite(mean) and mean >= 1):
+        raise _refuse(f"trials.mean={mean!r}: E[K] must be a finite number >= 1.", "e.g. 10.")
+    shape = DISTRIBUTIONS[name]
+    if shape is None:
+        shape = _number(raw.get("shape"))
+        if not (isinstance(shape, (int, float)) and math.isfinite(shape) and shape > 0):
+            raise _refuse(
+                f"trials.shape={shape!r}: the negative binomial's shape η must be a finite number > 0.",
+                "e.g. 0.5 (0 is distribution: logarithmic, 1 geometric).",
+            )
+    elif "shape" in raw:
+        raise _refuse(f"trials.shape is set by distribution: {name}.", "drop shape, or use negative_binomial.")
+    return float(mean), float(shape), name
+
+
+def _score(raw: Any) -> tuple[str, Literal["max", "min"]]:
+    hint = "score: {metric: val/acc, mode: max, validation: public}."
+    if not isinstance(raw, Mapping) or "metric" not in raw:
+        raise _refuse(f"the search file needs a 'score' with its metric, found {raw!r}.", hint)
+    validation = raw.get("validation")
+    if validation == "private_released":
+        raise _refuse(
+            "a privately released score (clipped, noised, charged by each trial) is not built yet.",
+            "score on public validation patients (validation: public), or tune on public patients: docs/tuning.md.",
+        )
+    if validation != "public":
+        raise _refuse(
+            f"score.validation={validation!r}: a score computed on private patients outside any charge leaks them "
+            "(each trial's choice looks at them).",
+            "declare validation: public if the config's validation patients are public data (not the private "
+            "training patients), or tune on public patients and charge nothing (docs/tuning.md).",
+        )
+    mode = raw.get("mode", "max")
+    if mode not in ("max", "min"):
+        raise _refuse(f"score.mode={mode!r} must be max or min.", "max for accuracy or Dice, min for a loss.")
+    unknown = set(raw) - {"metric", "mode", "validation"}
+    if unknown:
+        raise _refuse(f"'score' has unknown keys {sorted(unknown)}.", hint)
+    return str(raw["metric"]), mode
+
+
+def read_search(raw: Any, config: Mapping[str, Any], total_epsilon: float | None = None) -> SearchSpec:
+    """The search file's content ``raw`` (a mapping) validated against the training ``config``.
+
+    Raises:
+        PrivacyConfigError: a missing or bad total_epsilon, trials, score or space (one line, with the fix).
+    """
+    if not isinstance(raw, Mapping):
+        raise _refuse(f"the search file must be a mapping, found {type(raw).__name__}.", "see configs/*_space.yaml.")
+    unknown = set(raw) - {"total_epsilon", "trials", "score", "space"}
+    if unknown:
+        raise _refuse(f"the search file has unknown keys {sorted(unknown)}.", "total_epsilon, trials, score, space.")
+    epsilon = _number(raw.get("total_epsilon")) if total_epsilon is None else total_epsilon
+    if not (isinstance(epsilon, (int, float)) and not isinstance(epsilon, bool) and 0 < epsilon < math.inf):
+        raise _refuse(
+            f"total_epsilon={epsilon!r}: the whole search's ε must be a finite number > 0.",
+            "total_epsilon: 4.0 in the search file (or --total-epsilon 4); each trial's ε is derived from it.",
+        )
+    mean, shape, name = _trials(raw.get("trials"))
+    metric, mode = _score(raw.get("score"))
+    space = parse_space(raw.get("space"), config, OWNER)
+    return SearchSpec(float(epsilon), mean, shape, name, metric, mode, space)
+
+
+# ---------------------------------------------------------------------------------------------- the config's privacy
+def _dp_callback(config: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """(DPSGD or P3SGD, its init_args) of ``config`` (``init_args`` added if missing)."""
+    callbacks = ((config.get("trainer") or {}).get("callbacks") or []) if isinstance(config, Mapping) else []
+    found = [
+        c for c in callbacks if isinstance(c, Mapping) and str(c.get("class_path", "")).endswith((".DPSGD", ".P3SGD"))
+    ]
+    if len(found) != 1:
+        raise _refuse(
+            f"the config has {len(found)} DPSGD/P3SGD callbacks under trainer.callbacks; a trial trains with one.",
+            "tune a config that lightning-dp fit trains privately.",
+        )
+    callback = found[0]
+    if not isinstance(callback.get("init_args"), dict):
+        callback["init_args"] = {}  # type: ignore[index]
+    return str(callback["class_path"]).rpartition(".")[2], callback["init_args"]
+
+
+def _schedule_spec(schedule: NoiseSchedule, number: bool) -> Any:
+    """``schedule`` as a config value (a number for constant noise if ``number``: DPSGD's noise_multiplier)."""
+    if number and isinstance(schedule, ConstantNoise):
+        return schedule.multiplier
+    if not is_dataclass(schedule):
+        raise _refuse(
+            f"the noise schedule {schedule!r} cannot be written to a config.", "ExponentialDecay or StepDecay."
+        )
+    return {"class_path": f"lightning_dp.schedules.{type(schedule).__name__}", "init_args": asdict(schedule)}
+
+
+@dataclass(frozen=True)
+class _Privacy:
+    plan: TrialPlan
+    unit: Literal["patient", "sample"]
+    delta: float
+    mechanism: str
+    #: The config's noise before the factor (DPSGD: its multiplier; P3SGD: its noise schedule, times its scale).
+    noise: NoiseSchedule
+
+
+def _privacy(config: Mapping[str, Any], folder: Path, units: Callable[[Any], int]) -> _Privacy:
+    """What decides a trial's privacy, read as ``lightning-dp plan --config`` reads it (`_plan_config.read_config`)."""
+    import yaml  # type: ignore[import-untyped]
+
+    from lightning_dp._plan_config import read_config
+
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "plan.yaml"
+    path.write_text(yaml.safe_dump(dict(config), sort_keys=False))
+    dp = read_config(path)
+    path.unlink()
+    if dp.needs_release:
+        raise _refuse(
+            f"{dp.mechanism} with several noise scales or an acceptance rule: tune calibrates Gaussian steps only.",
+            "tune a config with one noise scale and no acceptance rule.",
+        )
+    if dp.max_steps is None:
+        raise _refuse(
+            "the config (or a trial) has no trainer.max_steps, the run's length the calibration needs.",
+            "set trainer.max_steps.",
+        )
+    rate = dp.sample_rate if dp.sample_rate is not None else (dp.batch_size or 0) / units(dp)
+    delta = dp.delta if dp.delta is not None else default_delta(units(dp))
+    noise = dp.noise or ConstantNoise(1.0)
+    schedule = noise.scaled(dp.noise_scales[0])
+    return _Privacy(TrialPlan(float(rate), dp.max_steps, schedule), dp.unit, float(delta), dp.mechanism, noise)  # type: ignore[arg-type]
+
+
+def _with_noise(config: Mapping[str, Any], privacy: _Privacy, factor: float, folder: Path) -> dict[str, Any]:
+    """The trial's config: its noise set to ``factor`` times the config's, no target_epsilon, logs in ``folder``."""
+    out = copy.deepcopy(dict(config))
+    _, args = _dp_callback(out)
+    args.pop("target_epsilon", None)
+    key = "noise_multiplier" if privacy.mechanism == "DPSGD" else "noise_schedule"
+    args[key] = _schedule_spec(privacy.noise.scaled(factor), number=privacy.mechanism == "DPSGD")
+    out.setdefault("trainer", {})["default_root_dir"] = str(folder)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------- the state file
+def _digest(value: Any) -> str:
+    return hashlib.sha256(json.dumps(value, sort_keys=True, default=repr).encode()).hexdigest()
+
+
+def _search_digest(spec: SearchSpec) -> str:
+    return _digest([spec.total_epsilon, spec.mean, spec.shape, spec.metric, spec.mode, repr(spec.space)])
+
+
+def _write_atomically(path: Path, state: Mapping[str, Any]) -> None:
+    """Writes ``state`` as JSON to a temporary file in the same folder, flushes it to disk, renames it over ``path``."""
+    handle, name = tempfile.mkstemp(dir=path.parent, prefix=".state-", suffix=".json")
+    try:
+        with os.fdopen(handle, "w") as file:
+            json.dump(state, file, indent=1)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(name, path)
+    except BaseException:
+        Path(name).unlink(missing_ok=True)
+        raise
+
+
+@dataclass(frozen=True)
+class TrialOutcome:
+    """What one trial returned: its status, its public scores, its callback's ledger and its checkpoint.
+
+    Args:
+        status: ``done`` or ``stopped_by_budget`` (a crash is an exception, caught by the search).
+        scores: the validation metrics (on the declared public validation data).
+        ledger: the trial's callback's ledger (what the trial charged).
+        checkpoint: the trial's checkpoint, or None.
+    """
+
+    status: Literal["done", "stopped_by_budget"]
+    scores: dict[str, float]
+    ledger: PrivacyLedger
+    checkpoint: Path | None
+
+
+#: Runs one trial: (its config file, its folder) → its outcome. Default: `lightning_dp.tuning.trial.run_trial`.
+TrialRunner = Callable[[Path, Path], TrialOutcome]
+
+
+def _fresh_state(
+    config: Mapping[str, Any],
+    spec: SearchSpec,
+    folder: Path,
+    generator: np.random.Generator,
+    units: Callable[[Any], int],
+) -> dict[str, Any]:
+    base = _privacy(config, folder / "trials", units)
+    c0 = base_factor(base.plan, base.unit, base.delta, spec.total_epsilon, spec.mean, spec.shape)
+    base_ledger = trial_ledger(base.plan, c0, base.unit, base.delta)
+    count = draw_trials(spec.mean, spec.shape, generator)
+    trials = []
+    for index in range(count):
+        params = sample_params(spec.space, generator)
+        trial_folder = folder / "trials" / f"{index:03d}"
+        trial_config = apply_params(config, params)
+        privacy = _privacy(trial_config, trial_folder, units)
+        # The base run itself keeps c₀ (its curve is the base curve); another q or length gets the noise under it.
+        same = privacy.plan == base.plan
+        factor = c0 if same else covering_factor(privacy.plan, base_ledger, base.unit, base.delta)
+        planned = trial_ledger(privacy.plan, factor, base.unit, base.delta)
+        check_covered(planned, base_ledger, index)
+        written = _with_noise(trial_config, privacy, factor, trial_folder)
+        _write_yaml(trial_folder / "config.yaml", written)
+        trials.append(
+            {
+                "index": index,
+                "params": params,
+                "sample_rate": privacy.plan.sample_rate,
+                "steps": privacy.plan.steps,
+                "noise_factor": factor,
+                "noise_multiplier_first": privacy.plan.schedule.scaled(factor).at(0),
+                "planned_epsilon": RDPAccountant().epsilon(planned),
+                "status": "pending",
+                "epsilon": None,
+                "steps_run": None,
+                "error": None,
+            }
+        )
+    ledger = search_ledger(base_ledger, spec.mean, spec.shape)  # the one charge of the whole search, before any trial
+    gamma = None if math.isinf(spec.shape) else truncated_negative_binomial_gamma(spec.shape, spec.mean)
+    return {
+        "format_version": FORMAT_VERSION,
+        "config_digest": _digest(config),
+        "search_digest": _search_digest(spec),
+        "unit": base.unit,
+        "delta": base.delta,
+        "total_epsilon_target": spec.total_epsilon,
+        "distribution": {"name": spec.distribution, "mean": spec.mean, "shape": _finite(spec.shape), "gamma": gamma},
+        "trials_drawn": count,
+        "base": {
+            "sample_rate": base.plan.sample_rate,
+            "steps": base.plan.steps,
+            "noise_factor": c0,
+            "noise_multiplier_first": base.plan.schedule.scaled(c0).at(0),
+            "ledger": base_ledger.state_dict(),
+        },
+        "search_ledger": ledger.state_dict(),
+        "score": {"metric": spec.metric, "mode": spec.mode, "validation": "public"},
+        "trials": trials,
+        "best": None,
+    }
+
+
+def _finite(value: float) -> float | str:
+    return "inf" if math.isinf(value) else value
+
+
+def _write_yaml(path: Path, value: Mapping[str, Any]) -> None:
+    import yaml
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(dict(value), sort_keys=False))
+
+
+def _ledger(state: Mapping[str, Any]) -> PrivacyLedger:
+    ledger = PrivacyLedger(state["unit"], state["delta"])
+    ledger.load_state_dict(dict(state))
+    return ledger
+
+
+def _better(score: float, best: float | None, mode: str) -> bool:
+    if not math.isfinite(score):
+        return False
+    return best is None or (score > best if mode == "max" else score < best)
+
+
+def _run_one(state: dict[str, Any], trial: dict[str, Any], folder: Path, runner: TrialRunner) -> list[Path]:
+    """Runs ``trial`` and updates ``state``; returns the folders no longer needed (removed once the state is saved)."""
+    trial_folder = folder / "trials" / f"{trial['index']:03d}"
+    base = _ledger(state["base"]["ledger"])
+    try:
+        outcome = runner(trial_folder / "config.yaml", trial_folder)
+    except Exception as err:  # noqa: BLE001 - a crashing trial is a trial: counted, its output discarded
+        message = str(err).splitlines()[0] if str(err) else ""
+        trial["status"], trial["error"] = "crashed", f"{type(err).__name__}: {message}"
+        return [trial_folder]
+    check_covered(outcome.ledger, base, trial["index"])
+    trial["status"] = outcome.status
+    trial["steps_run"] = outcome.ledger.steps
+    trial["epsilon"] = RDPAccountant().epsilon(outcome.ledger)
+    metric, mode = state["score"]["metric"], state["score"]["mode"]
+    if metric not in outcome.scores:
+        trial["error"] = f"no {metric!r} among the validation metrics {sorted(outcome.scores)}"
+    best = state["best"]
+    score = outcome.scores.get(metric, math.nan)
+    if _better(score, None if best is None else best["score"], mode):
+        previous = None if best is None else best["index"]
+        state["best"] = {
+            "index": trial["index"],
+            "score": score,
+            "scores": outcome.scores,
+            "checkpoint": None if outcome.checkpoint is None else str(outcome.checkpoint.relative_to(folder)),
+        }
+        return [] if previous is None else [folder / "trials" / f"{previous:03d}"]
+    return [trial_folder]
+
+
+def _publish_best(state: Mapping[str, Any], folder: Path) -> None:
+    best = state["best"]
+    target = folder / "best"
+    shutil.rmtree(target, ignore_errors=True)
+    if best is None:
+        return
+    source = folder / "trials" / f"{best['index']:03d}"
+    target.mkdir(parents=True)
+    shutil.copy2(source / "config.yaml", target / "config.yaml")
+    if best["checkpoint"] is not None:
+        shutil.copy2(folder / best["checkpoint"], target / "model.ckpt")
+    (target / "scores.json").write_text(json.dumps(best["scores"], indent=1))
+
+
+def report(state: Mapping[str, Any]) -> dict[str, Any]:
+    """The search's privacy report: the total ε beside each trial's ε, K, the distribution, what was public."""
+    total = RDPAccountant().epsilon(_ledger(state["search_ledger"]))
+    base = _ledger(state["base"]["ledger"])
+    best = state["best"]
+    return {
+        "epsilon": total,
+        "delta": state["delta"],
+        "unit": state["unit"],
+        "accountant": "rdp (repeat-and-select: Papernot & Steinke 2022, as dp-accounting's RepeatAndSelectDpEvent)",
+        "total_epsilon_target": state["total_epsilon_target"],
+        "epsilon_per_trial": RDPAccountant().epsilon(base),
+        "distribution": state["distribution"],
+        "trials_drawn": state["trials_drawn"],
+        "trials_run": sum(t["status"] != "pending" for t in state["trials"]),
+        "public": f"the validation data scoring each trial ({state['score']['metric']}, declared public by the user)",
+        "base": {k: state["base"][k] for k in ("sample_rate", "steps", "noise_multiplier_first", "noise_factor")},
+        "trials": [
+            {k: t[k] for k in ("index", "params", "sample_rate", "steps", "noise_multiplier_first", "planned_epsilon")}
+            for t in state["trials"]
+        ],
+        "best": None
+        if best is None
+        else {"index": best["index"], "params": state["trials"][best["index"]]["params"], "scores": best["scores"]},
+        "not_covered": "each trial's status, error, actual ε and logs (search_state.json, trials/): they describe "
+        "every trial, not only the best; keep them private",
+        "trial_status": [
+            {k: t[k] for k in ("index", "status", "steps_run", "epsilon", "error")} for t in state["trials"]
+        ],
+    }
+
+
+def report_text(r: Mapping[str, Any]) -> str:
+    """The report as the text ``lightning-dp tune`` prints (and writes as privacy_report.txt)."""
+    d = r["distribution"]
+    lines = [
+        "lightning-dp tune: privacy report of the search",
+        f"  ε (whole search)      {r['epsilon']:.4f} at δ = {r['delta']:g} per {r['unit']} "
+        f"(target {r['total_epsilon_target']:g})",
+        f"  ε of each trial       ≤ {r['epsilon_per_trial']:.4f} (one run's; the search costs more: it picks the best)",
+        f"  K (trials drawn)      {r['trials_drawn']} from {d['name']} with E[K] = {d['mean']:g} (shape {d['shape']})",
+        f"  trials run            {r['trials_run']} (every one counts: crashed, stopped or interrupted included)",
+        f"  public                {r['public']}",
+    ]
+    for t in r["trials"]:
+        lines.append(
+            f"  trial {t['index']:3d}             ε ≤ {t['planned_epsilon']:.4f}  q = {t['sample_rate']:g}, "
+            f"{t['steps']} steps, z₀ = {t['noise_multiplier_first']:.4g}  {t['params']}"
+        )
+    best = r["best"]
+    lines.append(
+        "  best                  none (no trial scored)"
+        if best is None
+        else f"  best                  trial {best['index']}: {best['scores']} (best/)"
+    )
+    return "\n".join(lines) + "\n"
+
+
+def tune(
+    config: str | Path,
+    search: str | Path | Mapping[str, Any],
+    output: str | Path,
+    *,
+    total_epsilon: float | None = None,
+    seed: int | None = None,
+    keep_trials: bool = False,
+    run_trial: TrialRunner | None = None,
+) -> dict[str, Any]:
+    """Runs (or resumes) a private search over the training ``config``; returns its privacy report.
+
+    Args:
+        config: the training config (what ``lightning-dp fit --config`` takes).
+        search: the search file (or its content): total_epsilon, trials, score, space (docs/tuning.md).
+        output: the search's folder: search_state.json, trials/, best/, search_report.json. A folder that holds a
+            search of the same config and search file is resumed.
+        total_epsilon: overrides the search file's total_epsilon.
+        seed: draws K and the trials from this seed instead of the OS's randomness (tests and docs only: a seed someone
+            can choose after seeing results is not covered by the bound).
+        keep_trials: keep every trial's folder (its model and logs are not covered by the search's ε).
+        run_trial: runs one trial (default: a full ``fit`` with the config's callbacks, then a validation).
+
+    Returns:
+        The report (also written as search_report.json and privacy_report.txt).
+
+    Raises:
+        PrivacyConfigError: a bad config, search file or space, or a folder holding another search.
+    """
+    import yaml
+
+    config_path, folder = Path(config), Path(output)
+    if not config_path.is_file():
+        raise _refuse(f"no config file {config_path}.", "the YAML you pass to lightning-dp fit --config.")
+    config_dict = yaml.safe_load(config_path.read_text()) or {}
+    if isinstance(search, Mapping):
+        raw = search
+    else:
+        if not Path(search).is_file():
+            raise _refuse(f"no search file {search}.", "a YAML with total_epsilon, trials, score and space (configs/).")
+        raw = yaml.safe_load(Path(search).read_text()) or {}
+    _dp_callback(config_dict)
+    spec = read_search(raw, config_dict, total_epsilon)
+    units_cache: dict[str, int] = {}
+
+    def units(dp: Any) -> int:
+        from lightning_dp._plan_config import units_from_data
+
+        if "n" not in units_cache:
+            units_cache["n"] = units_from_data(dp)
+        return units_cache["n"]
+
+    state_path = folder / "search_state.json"
+    if state_path.is_file():
+        state = json.loads(state_path.read_text())
+        if state.get("format_version") != FORMAT_VERSION:
+            raise PrivacyStateError(
+                f"`{OWNER}`: {state_path} has format {state.get('format_version')!r}. HINT: a new --output folder."
+            )
+        if state["config_digest"] != _digest(config_dict) or state["search_digest"] != _search_digest(spec):
+            raise _refuse(
+                f"{folder} holds a search of another config or search file: resuming it with these would charge the "
+                "same patients again under another draw.",
+                "resume with the same --config and --search, or give a new --output folder.",
+            )
+        for trial in state["trials"]:
+            if trial["status"] == "running":  # killed mid-trial: a trial of the K drawn, not run again
+                trial["status"], trial["error"] = "interrupted", "the search stopped during this trial"
+                if not keep_trials and (state["best"] or {}).get("index") != trial["index"]:
+                    shutil.rmtree(folder / "trials" / f"{trial['index']:03d}", ignore_errors=True)
+        _write_atomically(state_path, state)
+    else:
+        folder.mkdir(parents=True, exist_ok=True)
+        generator = np.random.default_rng(secrets.randbits(128) if seed is None else seed)
+        state = _fresh_state(config_dict, spec, folder, generator, units)
+        _write_atomically(state_path, state)
+    runner: TrialRunner
+    if run_trial is None:
+        from lightning_dp.tuning.trial import run_trial as runner
+    else:
+        runner = run_trial
+    for trial in state["trials"]:
+        if trial["status"] != "pending":
+            continue
+        trial["status"] = "running"
+        _write_atomically(state_path, state)  # before the trial reads any data
+        unused = _run_one(state, trial, folder, runner)
+        _write_atomically(state_path, state)
+        for path in [] if keep_trials else unused:
+            shutil.rmtree(path, ignore_errors=True)
+    _publish_best(state, folder)
+    result = report(state)
+    (folder / "search_report.json").write_text(json.dumps(result, indent=1))
+    (folder / "privacy_report.txt").write_text(report_text(result))
+    return result

@@ -1,0 +1,75 @@
+"""`lightning-dp tune` end to end: real trials (a fit of the shipped tune config, shrunk), from the command line and
+from Python; every trial's callback ledger is checked against the search's base curve (`check_covered`) by tune."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import yaml
+
+from lightning_dp.accounting import PrivacyLedger, RDPAccountant
+from lightning_dp.cli import main
+from lightning_dp.tuning import tune
+
+CONFIG = Path(__file__).resolve().parents[3] / "configs" / "p3sgd_tune_synthetic.yaml"
+SPACE = Path(__file__).resolve().parents[3] / "configs" / "search" / "p3sgd_tune_space.yaml"
+
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:No (positive|negative) samples in targets:UserWarning"),
+    pytest.mark.filterwarnings("ignore::UserWarning"),  # Lightning's tips on tiny data (few batches, few workers)
+]
+
+
+def _tiny_config(tmp_path: Path) -> Path:
+    config = yaml.safe_load(CONFIG.read_text())
+    config["trainer"]["max_steps"] = 2
+    config["trainer"]["limit_val_batches"] = 1
+    config["data"]["init_args"].update(root=str(tmp_path / "data"), num_patients=12, patches_per_patient=20)
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    return path
+
+
+def _space(tmp_path: Path, **trials: Any) -> Path:
+    space = yaml.safe_load(SPACE.read_text())
+    space["trials"] = trials
+    space["space"]["trainer.max_steps"] = [1, 2]  # trials of another length: their noise stays under the base curve
+    path = tmp_path / "space.yaml"
+    path.write_text(yaml.safe_dump(space, sort_keys=False))
+    return path
+
+
+def test_tune_from_the_command_line_keeps_the_best_trial(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "search"
+    args = ["tune", "--config", str(_tiny_config(tmp_path)), "--search", str(_space(tmp_path, mean=1.5))]
+    assert main([*args, "--output", str(out), "--seed", "4"]) == 0  # K = 2 with this seed
+    printed = capsys.readouterr().out
+    assert "ε (whole search)" in printed and "K (trials drawn)      2" in printed
+    report = json.loads((out / "search_report.json").read_text())
+    assert 4.0 * (1 - 1e-3) <= report["epsilon"] <= 4.0 and report["epsilon_per_trial"] < report["epsilon"]
+    statuses = [t["status"] for t in report["trial_status"]]
+    assert statuses == ["done", "done"], report["trial_status"]
+    for trial in report["trial_status"]:  # what each trial's callback charged: at most the ε per trial
+        assert 0 < trial["epsilon"] <= report["epsilon_per_trial"] * (1 + 1e-6)
+    best = report["best"]
+    assert "val/acc" in best["scores"] and (out / "best" / "model.ckpt").is_file()
+    state = torch.load(out / "best" / "model.ckpt", weights_only=False)
+    privacy = next(v for k, v in state["callbacks"].items() if "P3SGD" in k)
+    ledger = PrivacyLedger("patient", 1e-5)
+    ledger.load_state_dict(privacy["ledger"])
+    assert ledger.steps == report["trials"][best["index"]]["steps"]
+    assert RDPAccountant().epsilon(ledger) == pytest.approx(report["trial_status"][best["index"]]["epsilon"])
+    # Run again on the same folder: a finished search is not run again, and reports the same.
+    assert main([*args, "--output", str(out)]) == 0
+    assert json.loads((out / "search_report.json").read_text())["best"] == best
+
+
+def test_tune_from_python(tmp_path: Path) -> None:
+    report = tune(_tiny_config(tmp_path), _space(tmp_path, mean=1.5), tmp_path / "search", seed=0)  # K = 1
+    assert report["trials_drawn"] == 1 and report["best"]["index"] == 0
+    kept = yaml.safe_load((tmp_path / "search" / "best" / "config.yaml").read_text())
+    assert kept["trainer"]["callbacks"][0]["init_args"]["noise_schedule"]["class_path"].endswith("ConstantNoise")
