@@ -2,8 +2,8 @@
 
 The messages carry only what the mechanism allows to leave a site:
 
-* ``query`` (once, at start): the site's public name and patient count, and, where the consortium shares an id key,
-  HMAC digests of its patient ids (to refuse ids two sites share, without the server seeing or testing the ids).
+* ``query`` (once, at start): the site's public name, patient count and sample rate, and, where the consortium shares
+  an id key, HMAC digests of its patient ids (to refuse ids two sites share, without the server seeing or testing them).
 * ``train`` (each round): θ_t and the round number in; the clipped sum out (``reply``), with the site's name and the
   std of the noise share it added (public settings); no counts, losses or metrics.
 
@@ -83,7 +83,7 @@ def site_app(
     @app.query()
     def hello(message: Message, context: Context) -> Message:
         site = site_of(context)
-        facts = ConfigRecord({"name": site.name, "num_patients": site.num_patients})
+        facts = ConfigRecord({"name": site.name, "num_patients": site.num_patients, "sample_rate": site.sample_rate})
         key = None if id_key is None else id_key(context)
         if key is not None:
             facts["id_digests"] = site.id_digests(key)
@@ -152,6 +152,13 @@ def _hello(grid: Grid, nodes: list[int], server: FederatedServer, timeout: float
         name = str(facts["name"])
         if name in counts:
             raise FederatedStartError(f"two sites are named {name!r}. HINT: give each hospital its own name.")
+        rate = float(facts.get("sample_rate", float("nan")))
+        if rate != server.sample_rate:
+            raise FederatedStartError(
+                f"site {name!r} samples its patients at q = {rate:g}, the server's ledger at q = "
+                f"{server.sample_rate:g}; the ledger would not describe the run. HINT: give every site the "
+                "consortium's sample rate."
+            )
         names[node], counts[name] = name, int(facts["num_patients"])
         if "id_digests" in facts:
             digests[name] = list(facts["id_digests"])
@@ -377,6 +384,8 @@ class LocalGrid(Grid):
         2
     """
 
+    _runs = 0
+
     def __init__(
         self,
         client_app: ClientApp,
@@ -386,9 +395,15 @@ class LocalGrid(Grid):
     ) -> None:
         self.client_app = client_app
         self.run_config = dict(run_config or {})
+        LocalGrid._runs += 1  # a run id per grid, as Flower gives each `flwr run` its own (a ClientApp caches by it)
+        self.run_id = LocalGrid._runs
         self.contexts = {
             node: Context(
-                run_id=1, node_id=node, node_config=dict(config), state=RecordDict(), run_config=self.run_config
+                run_id=self.run_id,
+                node_id=node,
+                node_config=dict(config),
+                state=RecordDict(),
+                run_config=self.run_config,
             )
             for node, config in enumerate(node_configs, start=1)
         }

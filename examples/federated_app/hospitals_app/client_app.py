@@ -2,12 +2,27 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from flwr.app import Context
 
 from hospitals_app.task import build_datamodule, build_model
-from lightning_dp.federated import Site
+from lightning_dp.federated import Site, calibrated_multiplier, share_std
 from lightning_dp.federated.flower import site_app
 from lightning_dp.training.patient_rounds import LocalSGD
+
+
+def noise_share(config: Any) -> float:
+    """With the noise at the sites, this site's share z·C/√m, computed from the consortium's public settings."""
+    if str(config.get("noise-at", "server")) != "sites":
+        return 0.0
+    z = calibrated_multiplier(
+        int(config["num-patients"]),
+        float(config["sample-rate"]),
+        int(config["rounds"]),
+        float(config["target-epsilon"]),
+    )
+    return share_std(z, float(config["clip-norm"]), int(config["sites"]))
 
 
 def make_site(context: Context) -> Site:
@@ -19,6 +34,7 @@ def make_site(context: Context) -> Site:
         sample_rate=float(config["sample-rate"]),  # type: ignore[arg-type]
         clip_norm=float(config["clip-norm"]),  # type: ignore[arg-type]
         local=LocalSGD(lr=float(config["local-lr"]), batch_size=int(config["local-batch-size"])),  # type: ignore[arg-type]
+        noise_std=noise_share(config),
     )
 
 

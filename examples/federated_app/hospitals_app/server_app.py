@@ -12,6 +12,7 @@ from lightning_dp.federated.flower import server_app
 def make_server(context: Context) -> FederatedServer:
     config = context.run_config
     site_clip = float(config.get("site-clip", 0.0))  # type: ignore[arg-type]
+    min_shares = int(config.get("min-shares", 0))  # type: ignore[arg-type]
     return FederatedServer(
         build_model(config),
         num_patients=int(config["num-patients"]),  # type: ignore[arg-type]
@@ -20,6 +21,9 @@ def make_server(context: Context) -> FederatedServer:
         target_epsilon=float(config["target-epsilon"]),  # type: ignore[arg-type]
         rounds=int(config["rounds"]),  # type: ignore[arg-type]
         site_clip=site_clip if site_clip > 0 else None,
+        noise_at="sites" if config.get("noise-at") == "sites" else "server",
+        sites=int(config["sites"]),  # type: ignore[arg-type]
+        min_shares=min_shares if min_shares > 0 else None,
     )
 
 

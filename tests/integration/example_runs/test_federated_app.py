@@ -26,7 +26,8 @@ from lightning_dp.federated.flower import LocalGrid  # noqa: E402
 APP = Path(__file__).parents[3] / "examples" / "federated_app"
 
 
-def test_the_example_consortium_app_runs_two_rounds_and_writes_its_report(tmp_path: Path) -> None:
+@pytest.mark.parametrize("noise_at", ["server", "sites"])
+def test_the_example_consortium_app_runs_two_rounds_and_writes_its_report(tmp_path: Path, noise_at: str) -> None:
     sys.path.insert(0, str(APP))
     try:
         from hospitals_app import client_app, server_app
@@ -42,6 +43,7 @@ def test_the_example_consortium_app_runs_two_rounds_and_writes_its_report(tmp_pa
             "checkpoint": str(tmp_path / "server.pt"),
             "report": str(tmp_path / "report.json"),
             "log-dir": str(tmp_path / "tb"),
+            "noise-at": noise_at,
         }
     )
     nodes = [
@@ -61,3 +63,6 @@ def test_the_example_consortium_app_runs_two_rounds_and_writes_its_report(tmp_pa
     assert report["rounds"] == 2 and report["num_patients"] == 7 and report["unit"] == "patient"
     assert 0 < report["epsilon"] <= config["target-epsilon"]
     assert (tmp_path / "server.pt").exists() and any((tmp_path / "tb").iterdir())
+    assert report["noise_at"] == noise_at
+    if noise_at == "sites":  # every share arrived: the central ε; a server seeing each site's sum learns more
+        assert report["epsilon_without_secure_aggregation"] > report["epsilon"]

@@ -162,6 +162,7 @@ def test_a_site_clip_bounds_what_one_hospital_moves_the_sum_by() -> None:
         (["a", "b", "c"], {"c": {"patients": 0}}, {}, "failed at start: PrivacyConfigError"),
         (["a", "b", "b"], {}, {}, "two sites are named 'b'"),
         (["a", "b", "c"], {}, {"num_patients": 20}, "the sites hold 12 patients (a: 4, b: 3, c: 5)"),
+        (["a", "b", "c"], {}, {"sample_rate": 0.25}, "site 'a' samples its patients at q = 0.5, the server's"),
     ],
 )
 def test_a_consortium_the_server_cannot_run_is_refused_at_start(
