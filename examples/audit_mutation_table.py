@@ -11,10 +11,13 @@ code and under every mutant of lightning_dp.audit.mutants.MUTANTS, and prints tw
   ε comparison's margin in standard errors and its plug-in catch probability, and the worst failed noise check;
 * the paired-world sensitivity audits (lightning_dp.audit.SensitivityAudit: the same seed in every world, so the
   noise cancels) on correct code and under the mutants of coupling between units: how far one canary moved the
-  clipped sum (≤ 1·C) and by how much more than its own clipped share (0).
+  clipped sum (≤ 1·C) and by how much more than its own clipped share (0);
+* the federated audit (lightning_dp.audit.FederatedAudit: federated P3SGD through Flower's messages, a canary
+  patient at one hospital) on correct code and under the mutants of the federated path.
 
     python examples/audit_mutation_table.py            # ~3 minutes on 2 CPU cores
     python examples/audit_mutation_table.py --json docs/audit_mutations.json
+    python examples/audit_mutation_table.py --federated-only --json docs/audit_mutations.json  # its rows alone
 """
 
 from __future__ import annotations
@@ -28,8 +31,9 @@ from pathlib import Path
 from typing import Any
 
 from lightning_dp.audit.callback_audit import CallbackAudit, CallbackAuditResult
+from lightning_dp.audit.federated import FederatedAudit, FederatedAuditResult
 from lightning_dp.audit.mutants import MUTANTS, Mutant
-from lightning_dp.audit.scenarios import coupling_audit, dpsgd_audit, p3sgd_audit
+from lightning_dp.audit.scenarios import coupling_audit, dpsgd_audit, federated_scenario, p3sgd_audit
 from lightning_dp.audit.sensitivity import SensitivityAudit, SensitivityAuditResult
 
 #: Steps observed per world for the correct code (each mutant says how many it needs: `Mutant.steps`).
@@ -53,6 +57,67 @@ COUPLING: dict[str, Callable[[], SensitivityAudit]] = {
     "P3SGD-augment": lambda: coupling_audit("augment"),
     "DPSGD-normalizer": lambda: coupling_audit("normalizer"),
 }
+
+
+#: The federated audit's scenario (rounds per world: `Mutant.steps`, or `CORRECT_ROUNDS` for correct code).
+FEDERATED: dict[str, Callable[[int], FederatedAudit]] = {
+    "P3SGD-federated": lambda rounds: federated_scenario(rounds=rounds),
+}
+CORRECT_ROUNDS = 20
+
+
+def federated_row(name: str, where: str, scenario: str, mutant: Mutant | None, rounds: int) -> dict[str, Any]:
+    with mutant.applied() if mutant is not None else nullcontext():
+        result: FederatedAuditResult = FEDERATED[scenario](rounds).run()
+    return {
+        "mutant": name,
+        "where": where,
+        "scenario": scenario,
+        "kind": "federated",
+        "steps": rounds,
+        "caught": not result.passed,
+        "caught_by": ", ".join(result.failed),
+        "as_expected": result.passed if mutant is None else mutant.check in result.failed,
+        "max_moved": round(max(result.moved), 4),
+        "max_excess": round(max(result.excess), 6),
+        "noise_ratio": round(result.noise_ratio, 4),
+        "canary_rate": round(result.canary_rate, 3),
+        "population_rate": round(result.population_rate, 3),
+        "ledger_sample_rate": result.sample_rate,
+        "checks": {
+            c.name: [c.passed, float(f"{c.statistic:.4g}"), float(f"{c.limit:.4g}"), c.worst] for c in result.checks
+        },
+    }
+
+
+def print_federated(rows: list[dict[str, Any]]) -> None:
+    print(
+        "\n| mutant | where | T | caught by | moved (·C, ≤ 1.02) | beyond its site's sum (·C, ≤ 0.02) "
+        "| noise sd ÷ z | inclusion: canary / all / ledger q |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        caught = (
+            ("**" + r["caught_by"] + "**" if r["caught"] else "NOT CAUGHT")
+            if r["mutant"] != "(correct code)"
+            else ("no (passes)" if not r["caught"] else "FAILS (" + r["caught_by"] + ")")
+        )
+        print(
+            f"| {r['mutant']} | `{r['where']}` | {r['steps']} | {caught} | {r['max_moved']:.4f} | "
+            f"{r['max_excess']:.2g} | {r['noise_ratio']:.3f} | {r['canary_rate']:.2f} / {r['population_rate']:.3f} / "
+            f"{r['ledger_sample_rate']:g} |"
+        )
+
+
+def federated_rows(steps: int | None) -> list[dict[str, Any]]:
+    rows = [federated_row("(correct code)", "—", scenario, None, CORRECT_ROUNDS) for scenario in FEDERATED]
+    rows += [
+        federated_row(mutant.name, mutant.where, scenario, mutant, steps or mutant.steps)
+        for mutant in MUTANTS
+        for scenario in mutant.mechanisms
+        if scenario in FEDERATED
+    ]
+    return rows
 
 
 def sensitivity_row(name: str, where: str, scenario: str, mutant: Mutant | None) -> dict[str, Any]:
@@ -122,9 +187,25 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         "--power-steps", default=f"{CORRECT_STEPS},200", help="steps of the correct-code rows, comma-separated"
     )
     parser.add_argument("--json", type=Path, default=None, help="also write the rows here")
+    parser.add_argument(
+        "--federated-only",
+        action="store_true",
+        help="run only the federated audit's rows; with --json, replace those rows in the file and keep the others",
+    )
     args = parser.parse_args(argv)
     rows = []
     start = time.perf_counter()
+    if args.federated_only:
+        rows = federated_rows(args.steps)
+        print_federated(rows)
+        print(
+            f"\n{sum(r['as_expected'] for r in rows)}/{len(rows)} rows as expected, {time.perf_counter() - start:.0f} s"
+        )
+        if args.json is not None:
+            kept = json.loads(args.json.read_text()) if args.json.exists() else []
+            kept = [r for r in kept if r.get("kind") != "federated"]
+            args.json.write_text(json.dumps(kept + rows, indent=1) + "\n")
+        return rows
     for steps in (int(s) for s in args.power_steps.split(",")):
         for scenario in SCENARIOS:
             rows.append(row("(correct code)", "—", scenario, audit(scenario, None, steps), expect=None))
@@ -183,6 +264,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         )
         print(f"| {r['mutant']} | `{r['where']}` | {r['scenario']} | {caught} | {moved} | {excess} |")
     rows += paired
+    federated = federated_rows(args.steps)
+    print_federated(federated)
+    rows += federated
     print(f"\n{sum(r['as_expected'] for r in rows)}/{len(rows)} rows as expected, {time.perf_counter() - start:.0f} s")
     if args.json is not None:
         args.json.write_text(json.dumps(rows, indent=1) + "\n")

@@ -10,6 +10,9 @@
   randomness drawn in processing order, shared clip groups).
 * `StepAudit`: the simulated white-box step audit — the library's sampler, clip functions and release on toy
   contributions, for many runs at once (covers subsampling, q < 1, and DDP ranks).
+* `FederatedAudit` (`federated`): the white-box audit of federated P3SGD through Flower's messages — a canary
+  patient at one site, every released θ observed at the server; sensitivity, noise and sampling rate checked per
+  round.
 * `MembershipAudit`: black-box membership inference on final models trained through the private step.
 """
 
@@ -17,6 +20,7 @@ from lightning_dp.audit.blackbox import MembershipAudit, MembershipAuditResult
 from lightning_dp.audit.bounds import *  # noqa: F403
 from lightning_dp.audit.bounds import __all__ as _bounds
 from lightning_dp.audit.callback_audit import CallbackAudit, CallbackAuditResult
+from lightning_dp.audit.federated import FederatedAudit, FederatedAuditResult
 from lightning_dp.audit.sensitivity import SensitivityAudit, SensitivityAuditResult
 from lightning_dp.audit.whitebox import StepAudit, StepAuditResult
 
@@ -24,6 +28,8 @@ __all__ = [
     *_bounds,
     "CallbackAudit",
     "CallbackAuditResult",
+    "FederatedAudit",
+    "FederatedAuditResult",
     "MembershipAudit",
     "MembershipAuditResult",
     "SensitivityAudit",

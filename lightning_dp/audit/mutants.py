@@ -22,6 +22,8 @@ import numpy as np
 from lightning_dp.accounting import ComposedEvent, GaussianEvent, PoissonSampledEvent, accountants, ledger
 from lightning_dp.callbacks.dpsgd import DPSGD
 from lightning_dp.callbacks.p3sgd import P3SGD
+from lightning_dp.federated import server as federated_server
+from lightning_dp.federated import site as federated_site
 from lightning_dp.sampling import randomness
 from lightning_dp.sanitization import per_sample, release, rules, updates
 from lightning_dp.training import patient_rounds
@@ -40,16 +42,19 @@ def _replaced(owner: Any, name: str, make: Callable[[Any], Any]) -> Iterator[Non
 
 
 #: The verdict's checks a mutant can be caught by (`CallbackAuditResult.failed`).
-Check = Literal["ε", "fresh noise", "noise vs ledger", "noise as released", "state", "sensitivity"]
+Check = Literal["ε", "fresh noise", "noise vs ledger", "noise as released", "state", "sensitivity", "noise std", "rate"]
 
 
 @dataclass(frozen=True)
 class Mutant:
     """One planted bug: ``name``, ``where`` (file: function), ``what`` it does, the mechanisms it reaches.
 
-    ``steps`` is how many steps per world `CallbackAudit` observes to catch it on the scenarios of
-    `lightning_dp.audit.scenarios`, sized so that the catch is not a coin flip (for a catch by ε, a plug-in
-    catch probability ≥ 0.99: `CallbackAuditResult.power`); ``check`` is the verdict's check that catches it.
+    A mechanism names a scenario: a `CallbackAudit` one, a `SensitivityAudit` one (``-cancel``, ``-neighbour``, …),
+    or ``"P3SGD-federated"``, the `FederatedAudit` of `federated_scenario` (its checks: "sensitivity", "noise std",
+    "fresh noise", "rate"; ``steps`` is its number of rounds). ``steps`` is how many steps per world `CallbackAudit`
+    observes to catch it on the scenarios of `lightning_dp.audit.scenarios`, sized so that the catch is not a coin
+    flip (for a catch by ε, a plug-in catch probability ≥ 0.99: `CallbackAuditResult.power`); ``check`` is the
+    verdict's check that catches it.
     """
 
     name: str
@@ -313,6 +318,69 @@ def _noise_seeded_from_data() -> Iterator[None]:
         yield
 
 
+def _site_clip_doubled() -> Any:
+    def make(f: Any) -> Any:
+        def mutated(self: Any, theta: Any, round_number: int) -> Any:
+            clip = self.parts.clip_norm
+            self.parts.clip_norm = 2 * clip  # the site's round clips each patient to 2C; the server noises for C
+            try:
+                return f(self, theta, round_number)
+            finally:
+                self.parts.clip_norm = clip
+
+        return mutated
+
+    return _replaced(federated_site.Site, "reply", make)
+
+
+def _server_noise_sqrt2() -> Any:
+    def edit(r: Any) -> None:
+        gaussian = r._gaussian
+        r._gaussian = lambda like, std: gaussian(like, std / math.sqrt(2))  # the ledger still records z
+
+    return _edit_new_release(federated_server.FederatedServer, edit)
+
+
+def _site_rate_doubled() -> Any:
+    def make(f: Any) -> Any:
+        def mutated(self: Any, round_number: int) -> Any:
+            rate = self.sample_rate
+            self.sample_rate = min(1.0, 2 * rate)  # the site's coins at 2q; the server's ledger charges q
+            try:
+                return f(self, round_number)
+            finally:
+                self.sample_rate = rate
+
+        return mutated
+
+    return _replaced(federated_site.Site, "patients_of_round", make)
+
+
+def _federated_ledger_rate_halved() -> Any:
+    return _edit_new_release(federated_server.FederatedServer, lambda r: setattr(r, "sample_rate", r.sample_rate / 2))
+
+
+@contextmanager
+def _federated_normalizer_from_counts() -> Iterator[None]:
+    counts: dict[str, int] = {}  # what each site sends beside its sum: its number of included patients
+
+    def reply(f: Any) -> Any:
+        def mutated(self: Any, theta: Any, round_number: int) -> Any:
+            counts[self.name] = len(self.patients_of_round(round_number))
+            return f(self, theta, round_number)
+
+        return mutated
+
+    def normalizer(f: Any) -> Any:
+        return property(lambda self: float(max(sum(counts.values()), 1)))  # the round's private count, not q·N
+
+    with (
+        _replaced(federated_site.Site, "reply", reply),
+        _replaced(federated_server.FederatedServer, "normalizer", normalizer),
+    ):
+        yield
+
+
 #: The mutants the test suite's audit must catch (docs/results/audit.md, 'The mutation table').
 MUTANTS: tuple[Mutant, ...] = (
     Mutant(
@@ -512,5 +580,50 @@ MUTANTS: tuple[Mutant, ...] = (
         _selection_charged_at_largest,
         steps=20,
         check="noise vs ledger",
+    ),
+    Mutant(
+        "site clips at 2·C",
+        "federated/site.py: Site.reply",
+        "each site clips its patients' updates to 2C while the server noises and charges for C",
+        ("P3SGD-federated",),
+        _site_clip_doubled,
+        steps=20,
+        check="sensitivity",
+    ),
+    Mutant(
+        "server noise std / √2",
+        "federated/server.py: FederatedServer._new_release",
+        "the server's noise draw √2 too small; the ledger records z",
+        ("P3SGD-federated",),
+        _server_noise_sqrt2,
+        steps=20,
+        check="noise std",
+    ),
+    Mutant(
+        "sites sample at 2q",
+        "federated/site.py: Site.patients_of_round",
+        "every site includes each patient with probability 2q; the server's ledger charges q",
+        ("P3SGD-federated",),
+        _site_rate_doubled,
+        steps=20,
+        check="rate",
+    ),
+    Mutant(
+        "federated ledger charged at q/2",
+        "federated/server.py: FederatedServer._new_release",
+        "the server's release charges half the sample rate the sites use",
+        ("P3SGD-federated",),
+        _federated_ledger_rate_halved,
+        steps=20,
+        check="rate",
+    ),
+    Mutant(
+        "federated normalizer from the sites' counts",
+        "federated/server.py: FederatedServer.normalizer (site.py: Site.reply sends the count)",
+        "each site also sends its number of included patients and the server divides by their sum, not q·N",
+        ("P3SGD-federated",),
+        _federated_normalizer_from_counts,
+        steps=20,
+        check="sensitivity",
     ),
 )

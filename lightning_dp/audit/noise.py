@@ -48,7 +48,14 @@ from lightning_dp.accounting import (
     SelfComposedEvent,
 )
 
-__all__ = ["NoiseCheck", "fresh_noise", "ledger_multipliers", "noise_as_released", "noise_vs_ledger"]
+__all__ = [
+    "NoiseCheck",
+    "fresh_noise",
+    "ledger_multipliers",
+    "noise_as_released",
+    "noise_equals_ledger",
+    "noise_vs_ledger",
+]
 
 Array = NDArray[np.float64]
 
@@ -262,3 +269,67 @@ def noise_as_released(
     limit = low if ratio[k] < 1 else high
     where = f"step {t} ({world} world): released multiplier {(r_in if world == 'in' else r_out)[t]:.3g}"
     return NoiseCheck(name, bool(score.max() <= 1.0), float(ratio[k]), limit, where, significance, steps)
+
+
+def noise_equals_ledger(
+    noise: Array, ledger: Array, tensors: Sequence[tuple[str, int]], significance: float
+) -> NoiseCheck:
+    """The whole noise vector of every step is N(0, r_t²) per coordinate, r_t the ledger's multiplier (two-sided χ²).
+
+    Where the auditor can subtract *every* unit's contribution (`FederatedAudit`: the sites' clipped sums are the
+    messages the server received), what remains of a release is its noise alone, on all d coordinates, and it must
+    equal what the ledger charges, neither less (a leak) nor more (a release that is not the one charged). Four
+    families of two-sided χ² tests, each at ``significance / 4`` split by Bonferroni: pooled over the run, per step,
+    per parameter tensor, per coordinate.
+
+    Args:
+        noise: (T, d), the noise of each step in units of C.
+        ledger: (T,), the multiplier the ledger charges at each step.
+        tensors: (name, numel) of the released tensors, in the order of the d coordinates.
+        significance: the false-alarm probability of the whole check.
+
+    The reported ratio is √(statistic / dof), the measured sd in units of the ledger's multiplier (1 for correct code);
+    ``statistic`` / ``limit`` are those of the test farthest outside (or nearest to) its two-sided limits.
+
+    Example:
+        >>> rng = np.random.default_rng(0)
+        >>> noise = rng.normal(0, 0.5, size=(20, 40))
+        >>> noise_equals_ledger(noise, np.full(20, 0.5), [("w", 38), ("b", 2)], 1e-3).passed
+        True
+        >>> check = noise_equals_ledger(noise / 2**0.5, np.full(20, 0.5), [("w", 38), ("b", 2)], 1e-3)
+        >>> check.passed, round(check.statistic, 2), check.worst
+        (False, 0.7, "tensor 'w' (coordinates 0-37)")
+    """
+    name = "noise std"
+    steps, d = noise.shape
+    if len(ledger) != steps or not np.isfinite(ledger).all():
+        where = f"the ledger records {len(ledger)} Gaussian steps for {steps} releases"
+        return NoiseCheck(name, False, 0.0, 1.0, where if len(ledger) != steps else "a step without a Gaussian", 0, 0)
+    bounds = np.cumsum([0] + [n for _, n in tensors])
+    if bounds[-1] != d:
+        raise ValueError(f"noise_equals_ledger: the tensors hold {bounds[-1]} coordinates, the noise {d}.")
+    scaled = (noise / ledger[:, None]) ** 2
+    coordinate = scaled.sum(0)
+    families = [
+        (np.array([scaled.sum()]), np.array([float(steps * d)]), ["pooled over the run"]),
+        (scaled.sum(1), np.full(steps, float(d)), [f"step {t}" for t in range(steps)]),
+        (
+            np.array([coordinate[lo:hi].sum() for lo, hi in zip(bounds, bounds[1:])]),
+            steps * np.diff(bounds).astype(np.float64),
+            [f"tensor '{t}' (coordinates {lo}-{hi - 1})" for (t, _), lo, hi in zip(tensors, bounds, bounds[1:])],
+        ),
+        (coordinate, np.full(d, float(steps)), [f"coordinate {i}" for i in range(d)]),
+    ]
+    worst = (-math.inf, 1.0, 1.0, "")  # (score, ratio, limit, where): score > 1 is outside the limits
+    tests = 0
+    for stat, dof, names in families:
+        tail = significance / (4 * 2 * len(stat))
+        low = np.sqrt(stats.chi2.ppf(tail, dof) / dof)
+        high = np.sqrt(stats.chi2.isf(tail, dof) / dof)
+        ratio = np.sqrt(stat / dof)
+        score = np.maximum(low / np.maximum(ratio, 1e-300), ratio / high)
+        k = int(np.argmax(score))
+        if score[k] > worst[0]:
+            worst = (float(score[k]), float(ratio[k]), float(low[k] if ratio[k] < 1 else high[k]), names[k])
+        tests += len(stat)
+    return NoiseCheck(name, worst[0] <= 1.0, worst[1], worst[2], worst[3], significance, tests)

@@ -18,6 +18,8 @@ gradient (or local update) is far above it. They are what the test suite and
   local steps, one or several noise scales (the exponential-mechanism selection).
 * ``coupling_audit(...)``: the paired-world `SensitivityAudit` with canaries that expose coupling between units (a
   sample whose terms cancel, an adversarial neighbour, augmented patients).
+* ``federated_scenario(...)``: the `FederatedAudit` of federated P3SGD through Flower, a canary patient at one of
+  three hospitals.
 
 The DPSGD scenarios split each step into physical chunks of 4 samples (``max_physical_batch_size=4``), so
 the accumulation across chunks is audited too.
@@ -32,11 +34,12 @@ import torch
 from torch import nn
 
 from lightning_dp.audit.callback_audit import CallbackAudit
+from lightning_dp.audit.federated import FederatedAudit
 from lightning_dp.audit.sensitivity import SensitivityAudit
 from lightning_dp.callbacks.dpsgd import DPSGD
 from lightning_dp.callbacks.p3sgd import P3SGD
 
-__all__ = ["coupling_audit", "dpsgd_audit", "p3sgd_audit"]
+__all__ = ["coupling_audit", "dpsgd_audit", "federated_scenario", "p3sgd_audit"]
 
 #: The canary's loss is weighted by this much: its gradient (or local update) is far above C whatever the
 #: model does to its input's scale, while the population's stay below C.
@@ -303,3 +306,37 @@ def coupling_audit(
         runs=runs,
         seed=seed,
     )
+
+
+def federated_scenario(*, rounds: int = 20, seed: int = 0) -> FederatedAudit:
+    """A `FederatedAudit` of three hospitals (5, 4 and 6 patients of 3 images, 16 features) and a canary at "a".
+
+    An MLP 16 → 8 → 2 (154 parameters), q = ½ at every site, C = 0.5, z = 1, one full-batch local SGD step per
+    patient (lr 0.2), server_lr 1. The canary patient's images are 10× larger than the others' and labelled against
+    the initial model's prediction, its loss weighted by `CANARY_WEIGHT`: its local update is far above C (even 2C).
+    """
+    g = torch.Generator().manual_seed(seed)
+    sites = {}
+    for name, count in (("a", 5), ("b", 4), ("c", 6)):
+        x = torch.randn(3 * count, 16, generator=g)
+        sites[name] = (x, (x[:, 0] > 0).long(), torch.arange(count).repeat_interleave(3))
+    canary = 10 * torch.randn(3, 16, generator=g)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        labels = _federated_mlp()(canary).argmax(1) ^ 1  # the class the initial model finds least likely
+    return FederatedAudit(
+        model=_federated_mlp,
+        sites=sites,
+        canary=(canary, labels),
+        canary_site="a",
+        sample_rate=0.5,
+        clip_norm=0.5,
+        noise_multiplier=1.0,
+        rounds=rounds,
+        canary_weight=CANARY_WEIGHT,
+        seed=seed,
+    )
+
+
+def _federated_mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(16, 8), nn.ReLU(), nn.Linear(8, 2))

@@ -6,14 +6,15 @@ world adds the canary's clipped norm m_t = 1 there) and orthogonal to it.
 
 Tolerance: each check is run at significance 0.2 on 400 correct runs; the false-alarm rate must stay below
 0.2 + 3 binomial standard errors (0.26). The checks are Bonferroni-corrected (fresh noise, noise vs ledger) or
-use an estimated common factor (noise as released), so their rate is at most about 0.2; the audit runs them
-at 1e-3. Planted bugs are caught in every one of 20 runs at 1e-3.
+use an estimated common factor (noise as released), so their rate is at most about 0.2 (noise std, the federated
+audit's two-sided check, likewise); the audit runs them at 1e-3. Planted bugs are caught in every one of 20 runs at
+1e-3.
 """
 
 import numpy as np
 import pytest
 
-from lightning_dp.audit.noise import fresh_noise, noise_as_released, noise_vs_ledger
+from lightning_dp.audit.noise import fresh_noise, noise_as_released, noise_equals_ledger, noise_vs_ledger
 
 T, D = 20, 60
 TENSORS = [("weight", 50), ("bias", 10)]
@@ -127,3 +128,29 @@ def test_a_ledger_with_fewer_steps_than_releases_fails():
     z = np.full(T, 0.5)
     check = noise_vs_ledger(orthogonal, residual, along, (z[:-1], z), TENSORS, 1e-3)
     assert not check.passed and "records 19 Gaussian steps for 20 releases" in check.worst
+
+
+def test_noise_equals_ledger_false_alarm_rate():
+    rng = np.random.default_rng(5)
+    z = np.full(T, 0.5)
+    runs = [rng.normal(0, 0.5, (T, D)) for _ in range(RUNS)]
+    alarms = np.mean([not noise_equals_ledger(noise, z, TENSORS, RATE).passed for noise in runs])
+    assert alarms < LIMIT, alarms
+
+
+@pytest.mark.parametrize("factor", [2**-0.5, 1.25])
+def test_noise_off_the_ledger_either_way_is_caught(factor):
+    """Two-sided: less noise than charged leaks, more is a release that is not the one charged."""
+    rng = np.random.default_rng(6)
+    z = np.full(T, 0.5)
+    checks = [noise_equals_ledger(rng.normal(0, 0.5 * factor, (T, D)), z, TENSORS, 1e-3) for _ in range(20)]
+    assert not any(c.passed for c in checks)
+    assert all((c.statistic < 1) == (factor < 1) for c in checks), [c.statistic for c in checks]
+
+
+def test_noise_equals_ledger_finds_an_un_noised_tensor():
+    rng = np.random.default_rng(7)
+    noise = rng.normal(0, 0.5, (T, D))
+    noise[:, 50:] = 0.0
+    check = noise_equals_ledger(noise, np.full(T, 0.5), TENSORS, 1e-3)
+    assert not check.passed and check.statistic == 0.0
