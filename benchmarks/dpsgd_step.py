@@ -9,7 +9,7 @@ For each model the script times, on the same batch and from the same weights:
   per-sample gradient modes, on the same model (BatchNorm replaced by GroupNorm, as Opacus requires).
   Modes that fail on the model are reported with their error.
 
-Models (``--models``): ``resnet18`` (classification, batch 32), and segmentation networks on
+Models (``--models``): ``resnet18`` and ``resnet50`` (GroupNorm; classification, batch 32), and segmentation networks on
 per-pixel BCE (batch 8): ``unet``, ``fpn``, ``deeplabv3`` (smp, ResNet-18 encoder, random weights,
 BatchNorm replaced by GroupNorm) and ``monai_unet`` (MONAI's UNet, channels 16-256, two residual
 units per level: ConvTranspose2d, PReLU, InstanceNorm), ``monai_unet3d`` (the 3-D configs' UNet, channels
@@ -63,12 +63,17 @@ from lightning_dp.training.step import OptimizerTarget, PrivateStep
 CLIP, NOISE, LR = 1.0, 1.0, 0.05
 
 
-MODELS = ("resnet18", "unet", "fpn", "deeplabv3", "monai_unet", "monai_unet3d")
+MODELS = ("resnet18", "resnet50", "unet", "fpn", "deeplabv3", "monai_unet", "monai_unet3d")
 
 
 def _model(name: str, size: int) -> tuple[nn.Module, tuple[int, ...], str]:
     if name == "resnet18":
         return build_backbone("resnet18", num_classes=2, norm="group"), (32, 3, size, size), "cls"
+    if name == "resnet50":  # torchvision's ResNet-50 with GroupNorm (32 groups) in place of BatchNorm
+        import torchvision
+
+        net = torchvision.models.resnet50(num_classes=2, norm_layer=lambda c: nn.GroupNorm(32, c))
+        return net, (32, 3, size, size), "cls"
     if name in ("unet", "fpn", "deeplabv3"):
         import segmentation_models_pytorch as smp
 

@@ -59,11 +59,20 @@ def random_patients(patients: int, images_per_patient: int, size: int) -> Patien
     return PatientImageDataset.from_arrays(images, labels, ids)
 
 
+def _synchronize() -> None:
+    """Waits for the GPU's queued work, so that a wall-clock interval covers it (nothing on the CPU)."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
 class _Floor:
     """The work a round cannot avoid, for the patients P3SGD samples (a sampler with P3SGD's seed and draws)."""
 
-    def __init__(self, arch: str, dataset: PatientImageDataset, rate: float, local_batch: int, scales: tuple) -> None:
-        self.net = ImageClassifier(arch=arch)
+    def __init__(
+        self, arch: str, dataset: PatientImageDataset, rate: float, local_batch: int, scales: tuple, device: str = "cpu"
+    ) -> None:
+        self.device = torch.device(device)
+        self.net = ImageClassifier(arch=arch).to(self.device)
         self.dataset, self.local_batch, self.scales = dataset, local_batch, scales
         self.sampler = PoissonPatientSampler(dataset.num_patients, rate, seed=0)
 
@@ -71,7 +80,7 @@ class _Floor:
         idx = self.dataset.patient_to_indices[patient]
         for s in range(0, len(idx), self.local_batch):
             x, y, _ = default_collate([self.dataset[i] for i in idx[s : s + self.local_batch]])
-            yield x, y
+            yield x.to(self.device), y.to(self.device)
 
     def round(self) -> float:
         chosen = self.sampler.sample().tolist()  # P3SGD's round secret no longer draws from the sampler's generator
@@ -89,6 +98,7 @@ class _Floor:
                 for p in chosen:
                     for x, y in self._batches(p):
                         torch.nn.functional.cross_entropy(self.net(x), y)
+        _synchronize()
         return time.perf_counter() - start
 
 
@@ -102,9 +112,11 @@ class _Alternate(pl.Callback):
         self._start = 0.0
 
     def on_train_batch_start(self, *args: Any) -> None:
+        _synchronize()
         self._start = time.perf_counter()
 
     def on_train_batch_end(self, *args: Any) -> None:
+        _synchronize()
         self.rounds.append(time.perf_counter() - self._start)
         self.floors.append(self.floor.round())
 
@@ -158,6 +170,33 @@ def loaded_rounds(args: argparse.Namespace, dataset: PatientImageDataset, adapt:
     return float(np.median(load.times[False])), float(np.median(load.times[True]))
 
 
+def round_and_floor(
+    arch: str, dataset: PatientImageDataset, rounds: int, accelerator: str = "cpu", rate: float = 0.1
+) -> tuple[np.ndarray, np.ndarray]:
+    """Seconds of ``rounds`` P3SGD rounds and of the floor round right after each (one warm-up pair left out).
+
+    P3SGD with two noise scales and the selection (scales 3 and 1, local batches of 16), q = ``rate``; the floor on
+    the same device as the Trainer (``accelerator``: "cpu" or "gpu").
+    """
+    local_batch, scales = 16, (3.0, 1.0)
+    device = "cuda" if accelerator == "gpu" else "cpu"
+    alternate = _Alternate(_Floor(arch, dataset, rate, local_batch, scales, device))
+    cb = P3SGD(rate, 5.0, scales, selection_epsilon=0.316, loss_bound=3.0, local_batch_size=local_batch, seed=0)
+    trainer = pl.Trainer(
+        accelerator=accelerator,
+        devices=1,
+        max_steps=rounds + 1,
+        callbacks=[cb, alternate],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        default_root_dir=tempfile.mkdtemp(prefix="p3sgd_bench_"),
+    )
+    trainer.fit(ImageClassifier(arch=arch), PatientData(dataset))
+    return np.array(alternate.rounds[1:]), np.array(alternate.floors[1:])  # the first pair warms up
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--arch", default="small_cnn", choices=["small_cnn", "resnet18"])
@@ -177,22 +216,8 @@ def main() -> None:
                 f"taken {loaded * 1000:.0f} ms: {loaded / idle:.2f}x (medians over {args.rounds} rounds, blocks of 3)"
             )
         return
-    rate, local_batch, scales = 0.1, 16, (3.0, 1.0)
-
-    alternate = _Alternate(_Floor(args.arch, dataset, rate, local_batch, scales))
-    cb = P3SGD(rate, 5.0, scales, selection_epsilon=0.316, loss_bound=3.0, local_batch_size=local_batch, seed=0)
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        max_steps=args.rounds + 1,
-        callbacks=[cb, alternate],
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-        default_root_dir=tempfile.mkdtemp(prefix="p3sgd_bench_"),
-    )
-    trainer.fit(ImageClassifier(arch=args.arch), PatientData(dataset))
-    rounds, floors = np.array(alternate.rounds[1:]), np.array(alternate.floors[1:])  # the first pair warms up
+    rounds, floors = round_and_floor(args.arch, dataset, args.rounds)
+    rate, scales = 0.1, (3.0, 1.0)
     ratios = rounds / floors
     q25, q50, q75 = np.percentile(ratios, [25, 50, 75])
     print(

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import pytorch_lightning as pl
 import torch
-from p3sgd_round import PatientData, random_patients
+from p3sgd_round import PatientData, _synchronize, random_patients
 
 from lightning_dp.callbacks import P3SGD
 from lightning_dp.models import ImageClassifier
@@ -64,9 +64,11 @@ class _Alternate(pl.Callback):
         vectorized = bool(second) ^ bool(pair % 2)
         self._path = "vectorized" if vectorized else "loop"
         self.p3sgd._round = self._vectorized if vectorized else None
+        _synchronize()
         self._start = time.perf_counter()
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        _synchronize()
         elapsed = time.perf_counter() - self._start
         if trainer.global_step > self.warmup:
             self.times[self._path].append(elapsed)

@@ -312,8 +312,9 @@ class _Observer(pl.Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         assert isinstance(pl_module, _Module)
         # The auditor's reference runs in eval mode: the same function for the layers the audit supports (no
-        # dropout, no training-mode normalization), and no buffer of the copy changes under torch.func.
-        self.model = copy.deepcopy(pl_module.model).double().eval()
+        # dropout, no training-mode normalization), and no buffer of the copy changes under torch.func. It runs on the
+        # CPU in float64 whatever device the callback trains on (the units' tensors are on the CPU).
+        self.model = copy.deepcopy(pl_module.model).double().eval().cpu()
         self.thetas = [_flat(pl_module.model)]
         self.state = _unreleased_state(pl_module.model)
 
@@ -393,7 +394,8 @@ def _unreleased_state(model: nn.Module) -> dict[str, Tensor]:
 
 
 def _flat(model: nn.Module) -> Tensor:
-    return torch.cat([p.detach().double().reshape(-1) for _, p in _trainable(model)])
+    """The trainable parameters as one float64 vector on the CPU, where the auditor's reference runs."""
+    return torch.cat([p.detach().double().reshape(-1) for _, p in _trainable(model)]).cpu()
 
 
 @dataclass
