@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -303,10 +303,50 @@ class FederatedServer:
             if self.site_clip is not None:
                 reply = reply * torch.clamp(self.site_clip / (reply.norm() + 1e-12), max=1.0)
             total += reply
+        if self.noise_at == "sites" and replies:
+            self.rounds_seen += 1  # without secure aggregation the server saw these sums, released or not
+        return self._release(total, present, refused, theta, other)
+
+    def secure_round(self, total: Tensor, shares: Sequence[float]) -> RoundOutcome:
+        """One round from a sum formed by secure aggregation (`lightning_dp.federated.secure`).
+
+        The server never saw a site's reply, only ``total``; ``shares`` are the noise stds the summed sites declared
+        (``noise_at="sites"``).
+
+        A declared share below the planned one makes the whole sum unusable (its noise is unknown): nothing is
+        released or charged, and the round is run again, as with fewer than ``min_shares`` shares.
+
+        Raises:
+            PrivacyBudgetExceededError: the round would take ε above ``max_epsilon``.
+            PrivacyConfigError: the server's noise is not at the sites, or the sum is malformed.
+        """
+        if self.noise_at != "sites":
+            raise PrivacyConfigError(
+                "`FederatedServer.secure_round`: secure aggregation carries the sites' noise shares. HINT: use "
+                "noise_at='sites' (with noise at the server, the server must see the sum: use round())."
+            )
+        if not self.allows_next_round():
+            raise PrivacyBudgetExceededError(f"{self.stop_reason} HINT: ask allows_next_round() before a round.")
+        self.state.refresh()
+        theta, other = self.state.vector(), self.state.snapshot_other_buffers()
+        problem = reply_problem(total, theta.numel())
+        if problem is not None:
+            raise PrivacyConfigError(f"`FederatedServer.secure_round`: the aggregated sum is {problem}.")
+        present = 0.0
+        for declared in shares:
+            why, units = self._share_problem(float(declared))
+            if why is not None:
+                return RoundOutcome(None, {"secure aggregation": why})
+            present += units
+        return self._release(total.to(theta.device), present, {}, theta, other)
+
+    def _release(
+        self, total: Tensor, present: float, refused: dict[str, str], theta: Tensor, other: list[Tensor]
+    ) -> RoundOutcome:
+        """Releases the round's sum once (noise, or the shares present, and the charge in one call); applies θ."""
+        state = self.state
         release = self.release
         if isinstance(release, SharedNoiseRelease):
-            if replies:
-                self.rounds_seen += 1  # without secure aggregation the server saw these sums, released or not
             if present < self.min_shares * (1 - 1e-9):  # too few shares: θ stays, nothing is charged, run it again
                 return RoundOutcome(None, refused)
             release.present = present
