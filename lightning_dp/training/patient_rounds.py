@@ -44,20 +44,7 @@ from lightning_dp.sanitization import ModelState, updates
 from lightning_dp.sanitization.buffers import BufferSnapshot
 from lightning_dp.sanitization.per_sample import ClipStats, PerSampleClipper
 from lightning_dp.training.batches import loss_of
-from lightning_dp.training.checks import (
-    FLOAT32_TOLERANCE,
-    FLOAT64_TOLERANCE,
-    HALF_TOLERANCE,
-    IndependenceCheck,
-    bind,
-    collate_is_per_sample,
-    diverse_indices,
-    eval_mode,
-    float64_copy,
-    public_subsets,
-    take,
-    to_float64,
-)
+from lightning_dp.training.checks import Failure, diverse_indices, eval_mode, independence
 from lightning_dp.training.stacked import StackedLocalSGD, free_memory_bytes
 
 __all__ = [
@@ -74,8 +61,10 @@ __all__ = [
     "model_reason",
 ]
 
-#: Why the start-up check refused the batched pass (`IndependenceCheck`'s causes).
-_CAUSES = {
+#: Why the start-up check refused the batched pass (`checks.independence`'s failures).
+_REASONS: dict[Failure, str] = {
+    "collate": "the training collate_fn mixes the images of a batch",
+    "reduction": "training_step's loss is not the mean of the images' losses",
     "coupled": "the loss or a layer couples the images of a batch (a class-weighted mean, batch statistics)",
     "not_per_sample": "part of the gradient is not computed per image (a parameter used outside its own layer)",
     "buffers": "training_step changes buffers or frozen parameters of the model",
@@ -664,47 +653,33 @@ def used_parameters(parts: RoundParts, images: Sequence[int]) -> list[Tensor]:
 
 
 def independence_reason(parts: RoundParts, share: Sequence[Any] = ()) -> str | None:
-    """Whether one batch's loss is the mean of its images' own losses (DPSGD's start-up check, on a copy).
+    """Whether one batch's loss is the mean of its images' own losses (`checks.independence`, DPSGD's start-up check).
 
     In the batched pass a patient's gradient is read from a batch that holds other patients' images: a loss or layer
     coupling the images of a batch (a class-weighted mean, a batch Dice, batch statistics) or a collate_fn that mixes
     them would leak one patient into another's clipped update. The check runs on a float64 copy, on batches chosen
-    without looking at private values; only pass or fail comes out of it.
+    without looking at private values; only pass or fail comes out of it. Unlike DPSGD's, the loss must show that it
+    is the mean (the batched pass is an optimization the loop can always replace).
     """
-    data, module = parts.data, parts.module
-    dataset = data.dataset
-    index_sets = [diverse_indices(dataset), *public_subsets(len(dataset))]
-    index_sets = [ix if len(ix) > 1 else ix * 2 for ix in index_sets]
-    for ix in index_sets:
-        if not collate_is_per_sample(data.collate, [dataset[i] for i in ix]):
-            return "the training collate_fn mixes the images of a batch"
-    half = any(p.dtype in (torch.float16, torch.bfloat16) for p in module.parameters())
-    cause: str | None = None
-    for float64 in (True, False) if not half else (False,):
-        clone = float64_copy(module, share=list(share), float64=float64)
-        tolerance = FLOAT64_TOLERANCE if float64 else HALF_TOLERANCE if half else FLOAT32_TOLERANCE
-        try:
-            check = IndependenceCheck(clone, bind(parts.step, clone), loss_of, "mean", tolerance)
-        except UnsupportedModelError as err:
-            return f"no per-sample gradient rule: {str(err).split('. HINT')[0]}"
-        try:
-            batches = [(data.batch(ix), len(ix)) for ix in index_sets]
-            if float64:
-                batches = [(to_float64(b), n) for b, n in batches]
-            if check.declared_reduction(take(batches[0][0], 0, batches[0][1])) != "mean":
-                return "training_step's loss is not the mean of the images' losses"
-            for batch, size in batches:
-                found = check.check(batch, size)
-                if found is not None:
-                    cause = found
-                    break
-            return None if cause is None else _CAUSES[cause]
-        except (RuntimeError, TypeError):  # a dtype the model's own code fixes: retry on an fp32 copy
-            if not float64:
-                raise
-        finally:
-            check.close()
-    return cause
+    data = parts.data
+    try:
+        found = independence(
+            parts.module,
+            list(share),
+            parts.step,
+            loss_of,
+            "mean",
+            data.dataset,
+            data.collate,
+            data.to_device,
+            rolled_targets=False,
+            trust_declared=False,
+        )
+    except UnsupportedModelError as err:
+        return f"no per-sample gradient rule: {str(err).split('. HINT')[0]}"
+    if found.check is not None:
+        found.check.close()
+    return None if found.failure is None else _REASONS[found.failure]
 
 
 @dataclass
