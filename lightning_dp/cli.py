@@ -27,7 +27,7 @@ from lightning_dp.accounting import (
 from lightning_dp.errors import PrivacyConfigError, check_count, check_finite_positive, check_in_interval
 from lightning_dp.schedules import ConstantNoise, ExponentialDecay, NoiseSchedule
 
-__all__ = ["AUDIT_DESCRIPTION", "LIGHTNING_COMMANDS", "PLAN_DESCRIPTION", "main", "plan_main"]
+__all__ = ["AUDIT_DESCRIPTION", "LIGHTNING_COMMANDS", "PLAN_DESCRIPTION", "OneLineParser", "main", "plan_main"]
 
 #: The LightningCLI subcommands, with the one-line descriptions ``lightning-dp --help`` shows.
 LIGHTNING_COMMANDS = {
@@ -41,15 +41,18 @@ PLAN_DESCRIPTION = "Privacy planning: ε for a configuration, or the noise / ste
 AUDIT_DESCRIPTION = "Empirical privacy audit: an ε lower bound from a canary, beside the accountant's ε."
 
 
-class _OneLineParser(argparse.ArgumentParser):
-    """Bad arguments: one line on stderr, exit status 2."""
+class OneLineParser(argparse.ArgumentParser):
+    """The parser of a sub-command (``lightning-dp plan``, ``lightning-dp audit``).
+
+    Bad arguments: one line on stderr that names the sub-command's ``--help``, exit status 2.
+    """
 
     def error(self, message: str) -> NoReturn:
-        self.exit(2, f"lightning-dp plan: error: {message} (see lightning-dp plan --help)\n")
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def _plan_parser() -> argparse.ArgumentParser:
-    p = _OneLineParser(
+    p = OneLineParser(
         prog="lightning-dp plan",
         description=PLAN_DESCRIPTION,
     )
