@@ -59,6 +59,7 @@ __all__ = [
     "clip_changes",
     "images_loss",
     "model_reason",
+    "patient_groups",
 ]
 
 #: Why the start-up check refused the batched pass (`checks.independence`'s failures).
@@ -115,6 +116,25 @@ class PatientData:
     def fetch(self, streams: UnitStreams, patient: int) -> list[Any]:
         """The k-th patient's images, each drawing its randomness (augmentation) from the patient's own stream."""
         return streams.fetch(self.dataset, self.groups[patient], self.keys[patient])
+
+
+def patient_groups(dataset: Any) -> tuple[list[list[int]], list[Any]]:
+    """The images of the k-th patient of ``dataset.patient_to_indices`` and its id, for k = 0..N-1.
+
+    Patients may be keyed by any hashable id (a hospital's "MRN-0042" as well as 0..N-1): position k is the k-th id
+    in sorted order (insertion order when the ids do not sort, e.g. a mix of types). Sorted order makes the
+    positions independent of how the dict was built; for the ids 0..N-1 position k is patient k.
+
+    Example:
+        >>> patient_groups(type("D", (), {"patient_to_indices": {"b": [2], "a": [0, 1]}})())
+        ([[0, 1], [2]], ['a', 'b'])
+    """
+    groups = dataset.patient_to_indices
+    try:
+        keys = sorted(groups)
+    except TypeError:
+        keys = list(groups)
+    return [[int(i) for i in groups[key]] for key in keys], keys
 
 
 @dataclass(frozen=True)
