@@ -33,7 +33,15 @@ from lightning_dp.errors import (
 )
 from lightning_dp.schedules import ConstantNoise, ExponentialDecay, NoiseSchedule
 
-__all__ = ["AUDIT_DESCRIPTION", "LIGHTNING_COMMANDS", "PLAN_DESCRIPTION", "TUNE_DESCRIPTION", "main", "plan_main"]
+__all__ = [
+    "AUDIT_DESCRIPTION",
+    "LIGHTNING_COMMANDS",
+    "PLAN_DESCRIPTION",
+    "TUNE_DESCRIPTION",
+    "OneLineParser",
+    "main",
+    "plan_main",
+]
 
 #: The LightningCLI subcommands, with the one-line descriptions ``lightning-dp --help`` shows.
 LIGHTNING_COMMANDS = {
@@ -50,15 +58,18 @@ TUNE_DESCRIPTION = (
 )
 
 
-class _OneLineParser(argparse.ArgumentParser):
-    """Bad arguments: one line on stderr, exit status 2."""
+class OneLineParser(argparse.ArgumentParser):
+    """The parser of a sub-command (``lightning-dp plan``, ``lightning-dp audit``).
+
+    Bad arguments: one line on stderr that names the sub-command's ``--help``, exit status 2.
+    """
 
     def error(self, message: str) -> NoReturn:
-        self.exit(2, f"lightning-dp plan: error: {message} (see lightning-dp plan --help)\n")
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def _plan_parser() -> argparse.ArgumentParser:
-    p = _OneLineParser(
+    p = OneLineParser(
         prog="lightning-dp plan",
         description=PLAN_DESCRIPTION,
     )
@@ -432,15 +443,8 @@ def plan_main(argv: Sequence[str]) -> int:
     return 0
 
 
-class _TuneParser(argparse.ArgumentParser):
-    """Bad arguments: one line on stderr, exit status 2."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"lightning-dp tune: error: {message} (see lightning-dp tune --help)\n")
-
-
 def _tune_parser() -> argparse.ArgumentParser:
-    p = _TuneParser(prog="lightning-dp tune", description=TUNE_DESCRIPTION + " See docs/tuning.md.")
+    p = OneLineParser(prog="lightning-dp tune", description=TUNE_DESCRIPTION + " See docs/tuning.md.")
     p.add_argument("--config", type=Path, required=True, help="the training config (what lightning-dp fit takes).")
     p.add_argument(
         "--search",

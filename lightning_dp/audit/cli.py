@@ -24,7 +24,7 @@ import numpy as np
 
 from lightning_dp.audit.blackbox import MembershipAudit
 from lightning_dp.audit.whitebox import StepAudit, StepAuditResult
-from lightning_dp.cli import AUDIT_DESCRIPTION
+from lightning_dp.cli import AUDIT_DESCRIPTION, OneLineParser
 from lightning_dp.errors import PrivacyConfigError
 from lightning_dp.schedules import NoiseSchedule
 
@@ -33,13 +33,8 @@ __all__ = ["DESCRIPTION", "audit_main"]
 DESCRIPTION = AUDIT_DESCRIPTION  # defined in lightning_dp.cli, so that `lightning-dp --help` does not import torch
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"lightning-dp audit: error: {message} (see lightning-dp audit --help)\n")
-
-
 def _parser() -> argparse.ArgumentParser:
-    p = _Parser(
+    p = OneLineParser(
         prog="lightning-dp audit",
         description=DESCRIPTION,
     )

@@ -48,7 +48,7 @@ docs/results/speed.md (benchmarks/p3sgd_vectorized.py).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -56,7 +56,7 @@ import pytorch_lightning as pl
 import torch
 from pytorch_lightning.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
-from torch.utils.data import DataLoader, IterableDataset, default_collate
+from torch.utils.data import DataLoader, default_collate
 from typing_extensions import override
 
 from lightning_dp.acceptance import StepAcceptance
@@ -76,15 +76,15 @@ from lightning_dp.sampling.randomness import UnitStreams, unit_seed
 from lightning_dp.sanitization import (
     GaussianRelease,
     ModelState,
-    NoiseSelection,
     PaperSelectedRelease,
     Release,
     SelectedRelease,
 )
 from lightning_dp.sanitization.per_sample import ClipStats
-from lightning_dp.sanitization.release import check_scales
+from lightning_dp.sanitization.release import check_scales, selection_for
 from lightning_dp.schedules import ConstantNoise, NoiseSchedule
-from lightning_dp.training.batches import returned_loss
+from lightning_dp.training.evaluation import check_returns_loss, patient_losses, round_loss
+from lightning_dp.training.manual_optimization import StepTicks
 from lightning_dp.training.patient_rounds import (
     BatchedRound,
     LocalSGD,
@@ -93,10 +93,15 @@ from lightning_dp.training.patient_rounds import (
     PatientRound,
     RoundParts,
     choose_round,
-    images_loss,
     model_reason,
+    patient_groups,
 )
 from lightning_dp.training.step import ModelStateTarget, StepResult
+from lightning_dp.training.trainer_checks import (
+    patient_training_data,
+    refuse_sync_batchnorm,
+    training_collate,
+)
 
 __all__ = ["P3SGD"]
 
@@ -109,19 +114,6 @@ class _Round:
     theta: Tensor
     other: list[Tensor]
     secret: int
-
-
-class _RoundTicks(IterableDataset):
-    """One item per round: Lightning's clock. An IterableDataset, so no DistributedSampler is injected."""
-
-    def __init__(self, rounds: int) -> None:
-        self.rounds = rounds
-
-    def __iter__(self) -> Iterator[Tensor]:
-        return (torch.tensor(i) for i in range(self.rounds))
-
-    def __len__(self) -> int:
-        return self.rounds
 
 
 class P3SGD(DPCallback):
@@ -252,27 +244,10 @@ class P3SGD(DPCallback):
                 "`P3SGD(accounting='paper', target_epsilon=...)`: the paper's ε is not a guarantee to calibrate to. "
                 "HINT: accounting='rigorous'."
             )
-        self.selection: NoiseSelection | None = None
-        if len(scales) > 1:
-            if selection_epsilon is None or loss_bound is None:
-                raise PrivacyConfigError(
-                    f"`P3SGD(noise_scales={scales}, selection_epsilon={selection_epsilon}, loss_bound={loss_bound})`: "
-                    "selecting among several noise scales needs selection_epsilon (ε′) and loss_bound (C_o). "
-                    "HINT: the paper uses selection_epsilon=0.316, loss_bound=3.0."
-                )
-            self.selection = NoiseSelection(epsilon=selection_epsilon, loss_bound=loss_bound)
-        elif selection_epsilon is not None and accounting == "paper":
-            # The paper charges the selection term every round even for a single scale (Table 2).
-            self.selection = NoiseSelection(epsilon=selection_epsilon, loss_bound=loss_bound or 1.0)
-        self.local_lr = check_finite_positive(owner, "local_lr", local_lr, "e.g. 0.05.")
-        self.local_batch_size = check_count(owner, "local_batch_size", local_batch_size, "e.g. 16.", minimum=1)
-        self.local_epochs = check_count(owner, "local_epochs", local_epochs, "e.g. 1.", minimum=1)
-        self.local_momentum = check_in_interval(
-            owner, "local_momentum", local_momentum, 0.0, 1.0, low_closed=True, high_closed=False, hint="e.g. 0.0."
-        )
-        self.local_weight_decay = check_in_interval(
-            owner, "local_weight_decay", local_weight_decay, 0.0, 1.0, low_closed=True, high_closed=False, hint="1e-4."
-        )
+        self.selection = selection_for(owner, scales, selection_epsilon, loss_bound, paper=accounting == "paper")
+        local = LocalSGD(local_lr, local_batch_size, local_epochs, local_momentum, local_weight_decay)  # validated
+        self.local_lr, self.local_batch_size, self.local_epochs = float(local.lr), local.batch_size, local.epochs
+        self.local_momentum, self.local_weight_decay = float(local.momentum), float(local.weight_decay)
         self.server_lr = check_finite_positive(owner, "server_lr", server_lr, "1.0 applies the noisy update as is.")
         self.rounds_per_epoch = (
             None
@@ -358,13 +333,12 @@ class P3SGD(DPCallback):
 
     # ------------------------------------------------------------------ setup
     def _prepare(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> int:
-        self._dataset = self._find_patient_dataset(trainer)
-        self._collate = self._find_collate(trainer)
+        self._dataset = patient_training_data(trainer)
+        self._collate = training_collate(trainer)
         # Trainer(sync_batchnorm=True) converts BatchNorm when the strategy wraps the model, after this hook: read
         # the strategy's layer-sync plugin (Lightning keeps it private; on_train_start checks the converted layers too).
-        requested = getattr(trainer.strategy, "_layer_sync", None) is not None
-        self._refuse_sync_batchnorm(pl_module, requested)
-        groups, keys = self._patient_groups(self._dataset)
+        refuse_sync_batchnorm(pl_module, requested=getattr(trainer.strategy, "_layer_sync", None) is not None)
+        groups, keys = patient_groups(self._dataset)
         self._data = PatientData(
             self._dataset,
             groups,
@@ -373,31 +347,6 @@ class P3SGD(DPCallback):
             lambda batch: pl_module.transfer_batch_to_device(batch, pl_module.device, 0),
         )
         return len(groups)
-
-    @staticmethod
-    def _refuse_sync_batchnorm(pl_module: pl.LightningModule, requested: bool = False) -> None:
-        """Refuses SyncBatchNorm, built by the user or asked for with Trainer(sync_batchnorm=True)."""
-        names = [name for name, m in pl_module.named_modules() if isinstance(m, torch.nn.SyncBatchNorm)]
-        if not names and not requested:
-            return
-        raise PrivacyConfigError(
-            f"`P3SGD`: SyncBatchNorm layers ({names[:3]}; Trainer(sync_batchnorm=True) makes them) compute batch "
-            "statistics across the DDP ranks, so a patient's local update would mix in the images of patients on "
-            "other ranks (and hang when ranks hold different numbers of patients). HINT: leave sync_batchnorm off: "
-            "each patient's update uses that patient's images only, and P3SGD releases the BatchNorm statistics "
-            "clipped and noised."
-        )
-
-    @staticmethod
-    def _find_collate(trainer: pl.Trainer) -> Callable[[list[Any]], Any]:
-        """The collate_fn of the datamodule's training DataLoader (default_collate if there is none)."""
-        datamodule = getattr(trainer, "datamodule", None)
-        try:
-            loader = datamodule.train_dataloader() if datamodule is not None else None
-        except Exception:  # noqa: BLE001 - a datamodule without a usable train_dataloader: P3SGD builds batches itself
-            loader = None
-        collate = getattr(loader, "collate_fn", None) if isinstance(loader, DataLoader) else None
-        return collate if collate is not None else default_collate
 
     def _default_delta(self, units: int) -> float:
         return 1.0 / units**1.1 if self.accounting == "paper" else super()._default_delta(units)
@@ -434,7 +383,7 @@ class P3SGD(DPCallback):
         # would have nothing to do. A no-op optimizer over one tick parameter advances Lightning's step counter
         # and gives an fp16 GradScaler the (zero) gradient it insists on inspecting.
         self._patch(pl_module, "configure_optimizers", self._tick_optimizer(pl_module))
-        return DataLoader(_RoundTicks(rounds), batch_size=None)
+        return DataLoader(StepTicks(rounds), batch_size=None)
 
     def _tick_optimizer(self, pl_module: pl.LightningModule) -> Callable[[], torch.optim.Optimizer]:
         def configure_optimizers() -> torch.optim.Optimizer:
@@ -442,40 +391,6 @@ class P3SGD(DPCallback):
             return torch.optim.SGD([self._tick], lr=0.0)
 
         return configure_optimizers
-
-    def _find_patient_dataset(self, trainer: pl.Trainer) -> Any:
-        datamodule = getattr(trainer, "datamodule", None)
-        dataset = getattr(datamodule, "train_dataset", None)
-        if dataset is None or not hasattr(dataset, "patient_to_indices"):
-            raise PrivacyConfigError(
-                "`P3SGD`: the training data has no patients. P3SGD needs a datamodule whose `train_dataset` maps "
-                f"patients to images (`patient_to_indices`); found {type(dataset).__name__}. HINT: use "
-                "lightning_dp.data.PatientDataModule, or give your datamodule a PatientImageDataset as train_dataset."
-            )
-        groups = dataset.patient_to_indices
-        if not groups:
-            raise PrivacyConfigError("`P3SGD`: the training dataset has no patients. HINT: check the manifest.")
-        empty = [p for p, idx in groups.items() if len(idx) == 0]
-        if empty:
-            raise PrivacyConfigError(
-                f"`P3SGD`: patients {empty[:10]} have no images. HINT: drop them from the training data."
-            )
-        return dataset
-
-    @staticmethod
-    def _patient_groups(dataset: Any) -> tuple[list[list[int]], list[Any]]:
-        """The images of the k-th patient and its id, for k = 0..N-1 (the positions the sampler draws).
-
-        Patients may be keyed by any hashable id (a hospital's "MRN-0042" as well as 0..N-1): position k is the k-th id
-        in sorted order (insertion order when the ids do not sort, e.g. a mix of types). Sorted order makes the
-        positions independent of how the dict was built; for the ids 0..N-1 position k is patient k.
-        """
-        groups = dataset.patient_to_indices
-        try:
-            keys = sorted(groups)
-        except TypeError:
-            keys = list(groups)
-        return [[int(i) for i in groups[key]] for key in keys], keys
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -487,8 +402,8 @@ class P3SGD(DPCallback):
         self._parts = RoundParts(
             pl_module, self._state, self._original_training_step, self._data, local, self.clip_norm
         )
-        self._refuse_sync_batchnorm(pl_module)
-        self._check_training_step_returns_loss(pl_module)
+        refuse_sync_batchnorm(pl_module)
+        check_returns_loss(self._parts)
         self._setup_vectorized(trainer, pl_module)
         self._run_preflight(pl_module)
 
@@ -529,20 +444,6 @@ class P3SGD(DPCallback):
         elif self.vectorize is not False:
             rank_zero_info(f"P3SGD: local updates run patient by patient (not vectorized): {reason}.")
 
-    @torch.no_grad()
-    def _check_training_step_returns_loss(self, pl_module: pl.LightningModule) -> None:
-        assert self._state is not None and self._parts is not None
-        theta, other = self._state.vector(), self._state.snapshot_other_buffers()
-        first = self._parts.data.groups[0][:2]
-        out = self._parts.step(self._parts.data.batch(first), 0)
-        self._state.load(theta, other)
-        loss = returned_loss(out)
-        if not isinstance(loss, Tensor) or loss.numel() != 1:
-            raise PrivacyConfigError(
-                f"`P3SGD`: {type(pl_module).__name__}.training_step returned {type(out).__name__}, not a scalar loss "
-                "tensor. HINT: return the loss (or {'loss': loss}) from training_step."
-            )
-
     def _streams(self, purpose: str) -> UnitStreams:
         """Fresh streams of this round's patients for ``purpose``, seeded from the round's secret."""
         assert self._round_secret is not None and self._parts is not None
@@ -550,12 +451,7 @@ class P3SGD(DPCallback):
 
     @torch.no_grad()
     def _round_loss(
-        self,
-        theta: Tensor,
-        patients: list[int],
-        pl_module: pl.LightningModule,
-        trainer: pl.Trainer,
-        update: Tensor | None = None,
+        self, theta: Tensor, patients: list[int], trainer: pl.Trainer, update: Tensor | None = None
     ) -> float:
         """Mean loss over the round's images at θ_t + server_lr·``update`` (summed over ranks), eval mode.
 
@@ -564,28 +460,11 @@ class P3SGD(DPCallback):
         sensitivity to one patient is C_o however the images are batched.
         """
         assert self._state is not None and self._parts is not None
-        parts = self._parts
         self._state.load(theta, add=update, alpha=self.server_lr)
-        total = torch.zeros(2, dtype=torch.float64, device=pl_module.device)
-        streams = self._streams("score")  # fresh: every candidate is scored on the same images
-        if self.vectorize == "auto":  # whole chunks of the round's images: the mean is the same, in fewer passes
-            total[0] += images_loss(parts, patients, self.vectorize_batch_size, streams)
-            total[1] += sum(parts.data.size(p) for p in patients)
-        else:
-            for patient in patients:
-                total[0] += images_loss(parts, [patient], self.local_batch_size, streams)
-                total[1] += parts.data.size(patient)
-        total = trainer.strategy.reduce(total, reduce_op="sum")
-        return float(total[0] / total[1]) if total[1] > 0 else 0.0
-
-    def _patient_losses(self, patients: list[int]) -> Tensor:
-        """The mean loss of each of this rank's patients of the round (a private energy's per-unit losses)."""
-        assert self._parts is not None
-        parts, streams = self._parts, self._streams("energy")
-        values = [
-            images_loss(parts, [p], self.local_batch_size, streams) / max(parts.data.size(p), 1) for p in patients
-        ]
-        return torch.tensor(values, dtype=torch.float64)
+        chunk = self.vectorize_batch_size if self.vectorize == "auto" else None
+        return round_loss(
+            self._parts, patients, self._streams("score"), chunk, lambda t: trainer.strategy.reduce(t, reduce_op="sum")
+        )
 
     # ------------------------------------------------------------------ the round's parts (the sequence: DPCallback)
     def _begin_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> _Round:
@@ -638,12 +517,15 @@ class P3SGD(DPCallback):
     def _release_inputs(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, step: _Round
     ) -> dict[str, Any]:
+        parts = self._parts
+        assert parts is not None
+
         def loss_of(update: Tensor) -> float:
-            return self._round_loss(step.theta, step.patients, pl_module, trainer, update=update)
+            return self._round_loss(step.theta, step.patients, trainer, update=update)
 
         return {
             "loss_of": loss_of,
-            "unit_losses": lambda: self._patient_losses(step.patients),
+            "unit_losses": lambda: patient_losses(parts, step.patients, self._streams("energy")),
             "public_energy": lambda: self._public_loss(trainer, pl_module),
         }
 

@@ -62,7 +62,7 @@ class RandomRot90:
         return "RandomRot90()"
 
 
-class PatientDataModule(PatientSplitsDataModule):
+class PatientDataModule(PatientSplitsDataModule[PatientImageDataset]):
     """Images from a manifest, split by patient into train / val / test.
 
     If the manifest has a ``split`` column it is used as is (a patient found in two splits is an
@@ -201,21 +201,6 @@ class PatientDataModule(PatientSplitsDataModule):
         return v2.Compose(steps)
 
     # ---- what setup built -----------------------------------------------------------------------------
-
-    @property
-    def train_dataset(self) -> PatientImageDataset:
-        """The training patients' images (augmented if ``augment``)."""
-        return self._split("train")
-
-    @property
-    def val_dataset(self) -> PatientImageDataset:
-        """The validation patients' images (raises `DataError` if the split is empty)."""
-        return self._split("val")
-
-    @property
-    def test_dataset(self) -> PatientImageDataset:
-        """The test patients' images (raises `DataError` if the split is empty)."""
-        return self._split("test")
 
     @property
     def num_classes(self) -> int:

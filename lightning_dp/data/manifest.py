@@ -324,14 +324,7 @@ def _check_image(path: Path, where: str) -> None:
             "HINT: convert it to PNG, or save the array with numpy.save."
         )
     if suffix == ".npy":
-        try:
-            array = np.load(path, mmap_mode="r", allow_pickle=False)
-        except (OSError, ValueError) as exc:
-            raise DataError(
-                f"{where}: the image must be a readable .npy array, {str(path)!r} failed to load: {exc}. "
-                "HINT: save it with numpy.save(path, array)."
-            ) from exc
-        _check_array(array, path, where)
+        _read_npy(path, where, repr(str(path)), mmap_mode="r")
         return
     try:
         with Image.open(path) as image:
@@ -341,6 +334,22 @@ def _check_image(path: Path, where: str) -> None:
             f"{where}: the image must be a readable PNG/JPEG, {str(path)!r} failed to open: {exc}. "
             "HINT: the file is truncated or not an image; re-export it."
         ) from exc
+
+
+def _read_npy(path: Path, where: str, subject: str, mmap_mode: Literal["r"] | None = None) -> NDArray[np.generic]:
+    """The ``.npy`` image at ``path``, checked for shape and dtype (`_check_array`).
+
+    ``subject`` names the file in the error for an unreadable one (its path, or "it" where ``where`` names it).
+    """
+    try:
+        array: NDArray[np.generic] = np.load(path, mmap_mode=mmap_mode, allow_pickle=False)
+    except (OSError, ValueError) as exc:
+        raise DataError(
+            f"{where}: the image must be a readable .npy array, {subject} failed to load: {exc}. "
+            "HINT: save it with numpy.save(path, array)."
+        ) from exc
+    _check_array(array, path, where)
+    return array
 
 
 def _check_array(array: NDArray[np.generic], path: Path, where: str) -> None:
@@ -380,14 +389,7 @@ def load_image(path: Union[str, os.PathLike[str]]) -> NDArray[np.generic]:
     file = Path(path)
     where = f"`load_image({str(file)!r})`"
     if file.suffix.lower() == ".npy":
-        try:
-            array = np.load(file, allow_pickle=False)
-        except (OSError, ValueError) as exc:
-            raise DataError(
-                f"{where}: the image must be a readable .npy array, it failed to load: {exc}. "
-                "HINT: save it with numpy.save(path, array)."
-            ) from exc
-        _check_array(array, file, where)
+        array = _read_npy(file, where, "it")
         if array.ndim == 2:
             array = array[:, :, None]
         if array.dtype == np.uint8:

@@ -26,7 +26,7 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, Generic, Protocol, TypeVar
 
 import numpy as np
 import pytorch_lightning as pl
@@ -268,8 +268,21 @@ def check_loader_arguments(owner: str, split_seed: int, num_workers: int) -> Non
     check_count(owner, "num_workers", num_workers, "0 loads in the main process.")
 
 
-class PatientSplitsDataModule(pl.LightningDataModule):
+class _PatientItems(Protocol):
+    """What a split's dataset has (`PatientImageDataset`, `PatientSegmentationDataset`)."""
+
+    @property
+    def patient_ids(self) -> list[str]: ...
+
+
+_Dataset = TypeVar("_Dataset", bound=_PatientItems)
+
+
+class PatientSplitsDataModule(pl.LightningDataModule, Generic[_Dataset]):
     """What a patient datamodule does with the splits ``setup()`` built; not used directly.
+
+    Generic in the dataset type of its splits (``PatientSplitsDataModule[PatientImageDataset]``): the split
+    properties are typed by it, so a subclass does not restate them.
 
     A subclass's ``setup()`` sets ``self._splits`` (split name -> dataset, or ``None`` for an empty
     split, ``"train"`` never empty), and sets ``manifest``, ``batch_size`` and ``num_workers`` in its
@@ -282,7 +295,7 @@ class PatientSplitsDataModule(pl.LightningDataModule):
     manifest: str
     batch_size: int
     num_workers: int
-    _splits: dict[str, Any] | None
+    _splits: dict[str, _Dataset | None] | None
 
     def _empty_split_error(self, name: str) -> DataError:
         """The error for reading a split that holds no patient (the task's datamodule words it)."""
@@ -291,7 +304,7 @@ class PatientSplitsDataModule(pl.LightningDataModule):
             f"patient to be read, found none. HINT: set {name}_fraction > 0 or mark rows '{name}' in the manifest."
         )
 
-    def _split(self, name: str) -> Any:
+    def _split(self, name: str) -> _Dataset:
         if self._splits is None:
             raise DataNotReadyError(
                 f"`{type(self).__name__}.{name}_dataset`: setup() must run first, found it not called. "
@@ -303,25 +316,24 @@ class PatientSplitsDataModule(pl.LightningDataModule):
         return dataset
 
     @property
-    def train_dataset(self) -> Any:
-        """The training patients' items."""
+    def train_dataset(self) -> _Dataset:
+        """The training patients' items (augmented if the datamodule augments): the private data."""
         return self._split("train")
 
     @property
-    def val_dataset(self) -> Any:
+    def val_dataset(self) -> _Dataset:
         """The validation patients' items (raises `DataError` if the split is empty)."""
         return self._split("val")
 
     @property
-    def test_dataset(self) -> Any:
+    def test_dataset(self) -> _Dataset:
         """The test patients' items (raises `DataError` if the split is empty)."""
         return self._split("test")
 
     @property
     def train_patients(self) -> list[str]:
         """The ids of the training patients, sorted (index ``k`` is patient index ``k`` in a batch)."""
-        patients: list[str] = self.train_dataset.patient_ids
-        return patients
+        return self.train_dataset.patient_ids
 
     def _loader(self, dataset: Any, shuffle: bool) -> DataLoader[Any]:
         return DataLoader(

@@ -42,7 +42,7 @@ __all__ = ["SegmentationDataModule", "SyntheticSilhouettesDataModule"]
 _SPLITS = ("train", "val", "test", "public")
 
 
-class SegmentationDataModule(PatientSplitsDataModule):
+class SegmentationDataModule(PatientSplitsDataModule[PatientSegmentationDataset]):
     """Image/mask pairs from a segmentation manifest, split by patient into train / val / test (/ public).
 
     If the manifest has a ``split`` column it is used as is (values train, val, test, public; a patient
@@ -295,21 +295,6 @@ class SegmentationDataModule(PatientSplitsDataModule):
             f"`{type(self).__name__}(manifest={self.manifest!r})`: the {name} split must hold at least one "
             f"patient with masks to be read, found none. HINT: {hint}."
         )
-
-    @property
-    def train_dataset(self) -> PatientSegmentationDataset:
-        """The training patients' items (augmented if ``augment``): the private data."""
-        return self._split("train")
-
-    @property
-    def val_dataset(self) -> PatientSegmentationDataset:
-        """The validation patients' items (raises `DataError` if the split is empty)."""
-        return self._split("val")
-
-    @property
-    def test_dataset(self) -> PatientSegmentationDataset:
-        """The test patients' items (raises `DataError` if the split is empty)."""
-        return self._split("test")
 
     @property
     def public_dataset(self) -> PatientSegmentationDataset:

@@ -412,6 +412,31 @@ class PaperSelectedRelease(SelectedRelease):
         return self._paper_event(z)
 
 
+def selection_for(
+    owner: str,
+    scales: tuple[float, ...],
+    selection_epsilon: float | None,
+    loss_bound: float | None,
+    paper: bool = False,
+) -> NoiseSelection | None:
+    """The selection among ``scales`` (None for a single scale), checked to have its ε′ and C_o.
+
+    With ``paper`` (Wu et al.'s accounting) a single scale is "selected" too when ε′ is given: the paper charges the
+    selection term every round (Table 2).
+    """
+    if len(scales) > 1:
+        if selection_epsilon is None or loss_bound is None:
+            raise PrivacyConfigError(
+                f"`{owner}(noise_scales={scales}, selection_epsilon={selection_epsilon}, loss_bound={loss_bound})`: "
+                "selecting among several noise scales needs selection_epsilon (ε′) and loss_bound (C_o). "
+                "HINT: the paper uses selection_epsilon=0.316, loss_bound=3.0."
+            )
+        return NoiseSelection(epsilon=selection_epsilon, loss_bound=loss_bound)
+    if selection_epsilon is not None and paper:
+        return NoiseSelection(epsilon=selection_epsilon, loss_bound=loss_bound or 1.0)
+    return None
+
+
 def check_scales(owner: str, noise_scales: Sequence[float]) -> tuple[float, ...]:
     """The noise scales, sorted ascending; each a finite number > 0, at least one."""
     scales = tuple(noise_scales) if isinstance(noise_scales, (list, tuple)) else ()

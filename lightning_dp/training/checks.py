@@ -11,9 +11,10 @@ targets from a public-seeded scan of the dataset, random subsets under a public 
 its targets permuted, and the first real chunk of the first step. The outcome is one bit: pass, or
 an error naming the cause; no value computed from the samples is reported.
 
-`IndependenceCheck` checks one batch; `start_checks` and `check_first_chunk` are DPSGD's start-up
-check built on it (the batches it runs on, the float64 copy or its fallback, the refusals:
-`refuse_cause`, `loss_tensor`).
+`IndependenceCheck` checks one batch; `independence` is the start-up check built on it (the batches it
+runs on, the float64 copy or its fallback), which DPSGD (`start_checks`, `check_first_chunk`, with its
+refusals: `refuse_cause`, `loss_tensor`) and P3SGD's batched round
+(`lightning_dp.training.patient_rounds.independence_reason`) both run.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import math
 import types
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
@@ -37,13 +39,17 @@ from lightning_dp.training.batches import returned_loss
 
 __all__ = [
     "Cause",
+    "Failure",
+    "Independence",
     "IndependenceCheck",
+    "check_batches",
     "check_first_chunk",
     "collate_is_per_sample",
     "diverse_indices",
     "dropout_off",
     "eval_mode",
     "float64_copy",
+    "independence",
     "loss_tensor",
     "public_subsets",
     "refuse_cause",
@@ -405,55 +411,112 @@ def refuse_cause(name: str, cause: Cause | None) -> None:
         )
 
 
-def _independence_check(
+#: What the start-up check found wrong: the collate_fn mixes samples, the loss's reduction is not the declared one
+#: (or, where it must be shown, could not be read), or one of `IndependenceCheck`'s causes.
+Failure = Literal["collate", "reduction", "coupled", "not_per_sample", "buffers"]
+
+
+@dataclass
+class Independence:
+    """What `independence` found.
+
+    Attributes:
+        check: the check, kept open (its copy of the model) for a later batch (`check_first_chunk`); None on failure.
+        float64: whether the check runs on a float64 copy (False: the model's own dtype; it cannot run in float64).
+        failure: what failed (None: everything passed).
+        reduction: the reduction the loss showed (``"mean"``, ``"sum"``, or None when it could not be read).
+    """
+
+    check: IndependenceCheck | None
+    float64: bool
+    failure: Failure | None = None
+    reduction: Literal["mean", "sum"] | None = None
+
+
+def check_batches(dataset: Any, rolled_targets: bool = True) -> list[list[Any]]:
+    """The items of the batches the start-up check runs on, chosen without looking at private values (see above).
+
+    A batch of items diverse in their targets, random subsets under a public seed, and (``rolled_targets``) the first
+    batch with its targets taken from the next item. A batch of one item is doubled.
+    """
+    index_sets = [diverse_indices(dataset), *public_subsets(len(dataset))]
+    index_sets = [ix if len(ix) > 1 else ix * 2 for ix in index_sets]
+    item_sets = [[dataset[i] for i in ix] for ix in index_sets]
+    rolled = with_targets_rolled(item_sets[0]) if rolled_targets else None
+    if rolled is not None:
+        item_sets.append(rolled)
+    return item_sets
+
+
+def independence(
     module: Any,
     share: Iterable[object],
     training_step: Callable[..., Any],
     loss_of: Callable[[Any], Tensor],
     loss_reduction: LossReduction,
-    chunk: Callable[[list[int]], Any],
-    n: int,
-) -> tuple[IndependenceCheck, bool]:
-    """The check on a float64 copy of the model, or (if the model cannot run in float64) an fp32 copy.
+    dataset: Any,
+    collate: Callable[[list[Any]], Any],
+    to_device: Callable[[Any], Any],
+    rolled_targets: bool = True,
+    trust_declared: bool = True,
+) -> Independence:
+    """The start-up check that per-sample clipping bounds each sample's influence (DPSGD's, and P3SGD's batched pass).
 
-    Returns the check and whether it runs in float64.
+    ``collate`` must not mix samples; the loss's reduction must be the declared one; the gradient of a batch must be
+    the sum of its samples' own gradients, all of it computed per sample; no buffer may change from data. Run on a
+    float64 copy of the model over the batches of `check_batches`; a model that cannot run in float64 (a dtype its own
+    code fixes: ``x.float()``, fp32 constants) is checked on a copy in its own dtype instead, with a looser tolerance.
+    Only pass or fail comes out of it.
+
+    Args:
+        module: the model (a copy is checked; ``share`` is referenced by the copy, not copied).
+        share: objects the copy keeps (the Trainer the module points to).
+        training_step: the module's own ``training_step`` (bound to the module; rebound to the copy).
+        loss_of: the loss in what ``training_step`` returns.
+        loss_reduction: the declared reduction.
+        dataset: the training dataset.
+        collate: the training loader's ``collate_fn``.
+        to_device: moves a collated batch to the model's device.
+        rolled_targets: also check a batch whose targets are rolled by one item (DPSGD).
+        trust_declared: a loss whose reduction cannot be read from a sample and its duplicate (a loss of ~0, or
+            ``loss_reduction="none"``) passes as declared; False: it fails (P3SGD's batched pass needs it shown).
+
+    Returns:
+        What was found; on a pass, the check kept open (close it, or hand it to `check_first_chunk`).
+
+    Raises:
+        UnsupportedModelError: the per-sample engine has no rule for a layer of the copy.
     """
+    item_sets = check_batches(dataset, rolled_targets)
+    if not all(collate_is_per_sample(collate, items) for items in item_sets):
+        return Independence(None, False, "collate")
     half = any(p.dtype in (torch.float16, torch.bfloat16) for p in module.parameters())
-    if not half:
-        clone = float64_copy(module, share=share)
-        check = IndependenceCheck(clone, bind(training_step, clone), loss_of, loss_reduction, FLOAT64_TOLERANCE)
+    for float64 in (True, False) if not half else (False,):
+        clone = float64_copy(module, share=share, float64=float64)
+        tolerance = FLOAT64_TOLERANCE if float64 else HALF_TOLERANCE if half else FLOAT32_TOLERANCE
+        check = IndependenceCheck(clone, bind(training_step, clone), loss_of, loss_reduction, tolerance)
         try:
-            sample = to_float64(chunk([0, min(1, n - 1)]))
-            check.check(sample, 2)
-            return check, True
-        except (RuntimeError, TypeError):  # a dtype the model's own code fixes (x.float(), fp32 constants)
+            batches = [(to_device(collate(items)), len(items)) for items in item_sets]
+            if float64:
+                batches = [(to_float64(b), size) for b, size in batches]
+            found = check.declared_reduction(take(batches[0][0], 0, batches[0][1]))
+            if (found is not None or not trust_declared) and found != loss_reduction:
+                check.close()
+                return Independence(None, float64, "reduction", found)
+            for batch, size in batches:
+                cause = check.check(batch, size)
+                if cause is not None:
+                    check.close()
+                    return Independence(None, float64, cause, found)
+            return Independence(check, float64, None, found)
+        except (RuntimeError, TypeError):  # a dtype the model's own code fixes: retry on a copy in its own dtype
             check.close()
-    clone = float64_copy(module, share=share, float64=False)
-    tolerance = HALF_TOLERANCE if half else FLOAT32_TOLERANCE
-    return IndependenceCheck(clone, bind(training_step, clone), loss_of, loss_reduction, tolerance), False
-
-
-def _check_batches(
-    dataset: Any, collate: Callable[[list[Any]], Any], to_device: Callable[[Any], Any]
-) -> list[tuple[Any, int]]:
-    """The batches the start-up check runs on, chosen without looking at private values (see above)."""
-    n = len(dataset)
-    index_sets = [diverse_indices(dataset), *public_subsets(n)]
-    index_sets = [ix if len(ix) > 1 else ix * 2 for ix in index_sets]
-    item_sets = [[dataset[i] for i in ix] for ix in index_sets]
-    rolled = with_targets_rolled(item_sets[0])
-    if rolled is not None:
-        item_sets.append(rolled)
-    for items in item_sets:
-        if not collate_is_per_sample(collate, items):
-            raise UnsupportedModelError(
-                "`DPSGD`: the training DataLoader's collate_fn does not collate samples one by one: collating a "
-                "batch gives other values for a sample than collating it alone (a batch-level transform such as "
-                "MixUp or CutMix mixes samples), so one sample would reach the others' gradients, which "
-                "per-sample clipping does not bound. HINT: apply per-sample augmentation in the dataset's "
-                "__getitem__ and collate with torch.utils.data.default_collate."
-            )
-    return [(to_device(collate(items)), len(items)) for items in item_sets]
+            if not float64:
+                raise
+        except BaseException:
+            check.close()
+            raise
+    raise AssertionError("unreachable: the last copy either returns or raises")  # pragma: no cover
 
 
 def start_checks(
@@ -466,22 +529,9 @@ def start_checks(
     collate: Callable[[list[Any]], Any],
     to_device: Callable[[Any], Any],
 ) -> tuple[IndependenceCheck, bool]:
-    """Checks, before the first step, that per-sample clipping bounds each sample's influence (DPSGD).
+    """DPSGD's start-up check (`independence`), a failure raised as DPSGD's error.
 
-    The loss reduction must be the declared one; the gradient of a batch must be the sum of its samples'
-    own gradients, all of it computed per sample; no buffer may change from data; ``collate_fn`` must not
-    mix samples. Run on a float64 copy of the model over several batches (see above), and once more on
-    the first real chunk before the first release (`check_first_chunk`). Only pass or fail is reported.
-
-    Args:
-        module: the model (a copy is checked; ``share`` is referenced by the copy, not copied).
-        share: objects the copy keeps (the Trainer the module points to).
-        training_step: the module's own ``training_step`` (bound to the module; rebound to the copy).
-        loss_of: the loss in what ``training_step`` returns.
-        loss_reduction: the declared reduction.
-        dataset: the training dataset.
-        collate: the training loader's ``collate_fn``.
-        to_device: moves a collated batch to the model's device.
+    Run once more on the first real chunk before the first release (`check_first_chunk`).
 
     Returns:
         The check, kept open for `check_first_chunk`, and whether it runs in float64.
@@ -490,28 +540,23 @@ def start_checks(
         PrivacyConfigError: the loss's reduction is not the declared one.
         UnsupportedModelError: a check failed (`refuse_cause`), or ``collate`` mixes samples.
     """
-    name = type(module).__name__
-
-    def chunk(indices: list[int]) -> Any:
-        return to_device(collate([dataset[i] for i in indices]))
-
-    check, float64 = _independence_check(module, share, training_step, loss_of, loss_reduction, chunk, len(dataset))
-    try:
-        batches = _check_batches(dataset, collate, to_device)
-        if float64:
-            batches = [(to_float64(b), size) for b, size in batches]
-        found = check.declared_reduction(take(batches[0][0], 0, batches[0][1]))
-        if found is not None and found != loss_reduction:
-            raise PrivacyConfigError(
-                f"`DPSGD(loss_reduction={loss_reduction!r})`: training_step's loss is the {found} of the "
-                f"per-sample losses, not their {loss_reduction}. HINT: DPSGD(loss_reduction={found!r})."
-            )
-        for batch, size in batches:
-            refuse_cause(name, check.check(batch, size))
-    except BaseException:
-        check.close()
-        raise
-    return check, float64
+    found = independence(module, share, training_step, loss_of, loss_reduction, dataset, collate, to_device)
+    if found.failure == "collate":
+        raise UnsupportedModelError(
+            "`DPSGD`: the training DataLoader's collate_fn does not collate samples one by one: collating a "
+            "batch gives other values for a sample than collating it alone (a batch-level transform such as "
+            "MixUp or CutMix mixes samples), so one sample would reach the others' gradients, which "
+            "per-sample clipping does not bound. HINT: apply per-sample augmentation in the dataset's "
+            "__getitem__ and collate with torch.utils.data.default_collate."
+        )
+    if found.failure == "reduction":
+        raise PrivacyConfigError(
+            f"`DPSGD(loss_reduction={loss_reduction!r})`: training_step's loss is the {found.reduction} of the "
+            f"per-sample losses, not their {loss_reduction}. HINT: DPSGD(loss_reduction={found.reduction!r})."
+        )
+    refuse_cause(type(module).__name__, found.failure)
+    assert found.check is not None
+    return found.check, found.float64
 
 
 def check_first_chunk(check: IndependenceCheck, name: str, chunk: Any, size: int, float64: bool) -> None:

@@ -3,22 +3,26 @@
 The callback routes the module's ``training_step`` through the private step (`lightning_dp.training.step`), which
 sets the released gradients; then it steps the optimizers (`step_optimizers`) and the LR schedulers configured for
 the step or the epoch (`step_schedulers`) itself. An acceptance rule with a public energy gets the module's own
-training loss over the datamodule's public loader (`public_loss`).
+training loss over the datamodule's public loader (`public_loss`). P3SGD, which reads its images itself, gives
+Lightning a loader of one tick per round (`StepTicks`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytorch_lightning as pl
 import torch
+from torch import Tensor
+from torch.utils.data import IterableDataset
 
 from lightning_dp.errors import PrivacyConfigError
 from lightning_dp.training.batches import loss_of
 from lightning_dp.training.checks import eval_mode
 
 __all__ = [
+    "StepTicks",
     "public_loss",
     "step_optimizers",
     "step_schedulers",
@@ -75,3 +79,16 @@ def step_schedulers(trainer: pl.Trainer, interval: str, counter: int) -> None:
                 config.scheduler.step(metric)  # type: ignore[arg-type]
         else:
             config.scheduler.step()  # type: ignore[call-arg]
+
+
+class StepTicks(IterableDataset[Tensor]):
+    """One item per step: Lightning's clock. An IterableDataset, so no DistributedSampler is injected."""
+
+    def __init__(self, steps: int) -> None:
+        self.steps = steps
+
+    def __iter__(self) -> Iterator[Tensor]:
+        return (torch.tensor(i) for i in range(self.steps))
+
+    def __len__(self) -> int:
+        return self.steps

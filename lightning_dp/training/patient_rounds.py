@@ -44,20 +44,7 @@ from lightning_dp.sanitization import ModelState, updates
 from lightning_dp.sanitization.buffers import BufferSnapshot
 from lightning_dp.sanitization.per_sample import ClipStats, PerSampleClipper
 from lightning_dp.training.batches import loss_of
-from lightning_dp.training.checks import (
-    FLOAT32_TOLERANCE,
-    FLOAT64_TOLERANCE,
-    HALF_TOLERANCE,
-    IndependenceCheck,
-    bind,
-    collate_is_per_sample,
-    diverse_indices,
-    eval_mode,
-    float64_copy,
-    public_subsets,
-    take,
-    to_float64,
-)
+from lightning_dp.training.checks import Failure, diverse_indices, eval_mode, independence
 from lightning_dp.training.stacked import StackedLocalSGD, free_memory_bytes
 
 __all__ = [
@@ -72,10 +59,13 @@ __all__ = [
     "clip_changes",
     "images_loss",
     "model_reason",
+    "patient_groups",
 ]
 
-#: Why the start-up check refused the batched pass (`IndependenceCheck`'s causes).
-_CAUSES = {
+#: Why the start-up check refused the batched pass (`checks.independence`'s failures).
+_REASONS: dict[Failure, str] = {
+    "collate": "the training collate_fn mixes the images of a batch",
+    "reduction": "training_step's loss is not the mean of the images' losses",
     "coupled": "the loss or a layer couples the images of a batch (a class-weighted mean, batch statistics)",
     "not_per_sample": "part of the gradient is not computed per image (a parameter used outside its own layer)",
     "buffers": "training_step changes buffers or frozen parameters of the model",
@@ -126,6 +116,25 @@ class PatientData:
     def fetch(self, streams: UnitStreams, patient: int) -> list[Any]:
         """The k-th patient's images, each drawing its randomness (augmentation) from the patient's own stream."""
         return streams.fetch(self.dataset, self.groups[patient], self.keys[patient])
+
+
+def patient_groups(dataset: Any) -> tuple[list[list[int]], list[Any]]:
+    """The images of the k-th patient of ``dataset.patient_to_indices`` and its id, for k = 0..N-1.
+
+    Patients may be keyed by any hashable id (a hospital's "MRN-0042" as well as 0..N-1): position k is the k-th id
+    in sorted order (insertion order when the ids do not sort, e.g. a mix of types). Sorted order makes the
+    positions independent of how the dict was built; for the ids 0..N-1 position k is patient k.
+
+    Example:
+        >>> patient_groups(type("D", (), {"patient_to_indices": {"b": [2], "a": [0, 1]}})())
+        ([[0, 1], [2]], ['a', 'b'])
+    """
+    groups = dataset.patient_to_indices
+    try:
+        keys = sorted(groups)
+    except TypeError:
+        keys = list(groups)
+    return [[int(i) for i in groups[key]] for key in keys], keys
 
 
 @dataclass(frozen=True)
@@ -664,47 +673,33 @@ def used_parameters(parts: RoundParts, images: Sequence[int]) -> list[Tensor]:
 
 
 def independence_reason(parts: RoundParts, share: Sequence[Any] = ()) -> str | None:
-    """Whether one batch's loss is the mean of its images' own losses (DPSGD's start-up check, on a copy).
+    """Whether one batch's loss is the mean of its images' own losses (`checks.independence`, DPSGD's start-up check).
 
     In the batched pass a patient's gradient is read from a batch that holds other patients' images: a loss or layer
     coupling the images of a batch (a class-weighted mean, a batch Dice, batch statistics) or a collate_fn that mixes
     them would leak one patient into another's clipped update. The check runs on a float64 copy, on batches chosen
-    without looking at private values; only pass or fail comes out of it.
+    without looking at private values; only pass or fail comes out of it. Unlike DPSGD's, the loss must show that it
+    is the mean (the batched pass is an optimization the loop can always replace).
     """
-    data, module = parts.data, parts.module
-    dataset = data.dataset
-    index_sets = [diverse_indices(dataset), *public_subsets(len(dataset))]
-    index_sets = [ix if len(ix) > 1 else ix * 2 for ix in index_sets]
-    for ix in index_sets:
-        if not collate_is_per_sample(data.collate, [dataset[i] for i in ix]):
-            return "the training collate_fn mixes the images of a batch"
-    half = any(p.dtype in (torch.float16, torch.bfloat16) for p in module.parameters())
-    cause: str | None = None
-    for float64 in (True, False) if not half else (False,):
-        clone = float64_copy(module, share=list(share), float64=float64)
-        tolerance = FLOAT64_TOLERANCE if float64 else HALF_TOLERANCE if half else FLOAT32_TOLERANCE
-        try:
-            check = IndependenceCheck(clone, bind(parts.step, clone), loss_of, "mean", tolerance)
-        except UnsupportedModelError as err:
-            return f"no per-sample gradient rule: {str(err).split('. HINT')[0]}"
-        try:
-            batches = [(data.batch(ix), len(ix)) for ix in index_sets]
-            if float64:
-                batches = [(to_float64(b), n) for b, n in batches]
-            if check.declared_reduction(take(batches[0][0], 0, batches[0][1])) != "mean":
-                return "training_step's loss is not the mean of the images' losses"
-            for batch, size in batches:
-                found = check.check(batch, size)
-                if found is not None:
-                    cause = found
-                    break
-            return None if cause is None else _CAUSES[cause]
-        except (RuntimeError, TypeError):  # a dtype the model's own code fixes: retry on an fp32 copy
-            if not float64:
-                raise
-        finally:
-            check.close()
-    return cause
+    data = parts.data
+    try:
+        found = independence(
+            parts.module,
+            list(share),
+            parts.step,
+            loss_of,
+            "mean",
+            data.dataset,
+            data.collate,
+            data.to_device,
+            rolled_targets=False,
+            trust_declared=False,
+        )
+    except UnsupportedModelError as err:
+        return f"no per-sample gradient rule: {str(err).split('. HINT')[0]}"
+    if found.check is not None:
+        found.check.close()
+    return None if found.failure is None else _REASONS[found.failure]
 
 
 @dataclass

@@ -7,10 +7,37 @@ loader in use, DPSGD's training data), `lightning_dp.training.run_length` (the r
 from those: this module is removed in the release after the next one.
 """
 
-from lightning_dp.training import logged_metrics, manual_optimization, run_length, trainer_checks
-from lightning_dp.training.logged_metrics import *  # noqa: F403
-from lightning_dp.training.manual_optimization import *  # noqa: F403
-from lightning_dp.training.run_length import *  # noqa: F403
-from lightning_dp.training.trainer_checks import *  # noqa: F403
+from lightning_dp.training.logged_metrics import install_log_filter, log_every_step, nonfinite_losses
+from lightning_dp.training.manual_optimization import public_loss, step_optimizers, step_schedulers
+from lightning_dp.training.run_length import planned_length, planned_steps, warn_calibrated_debug_run
+from lightning_dp.training.trainer_checks import (
+    check_loader_in_use,
+    check_public_energy,
+    map_style_training_data,
+    refuse_averaging_before_conversion,
+    refuse_batch_norm_reset,
+    refuse_budget_conflicts,
+    refuse_unsupported_trainer,
+    resolve_delta,
+)
 
-__all__ = [*logged_metrics.__all__, *manual_optimization.__all__, *run_length.__all__, *trainer_checks.__all__]
+#: The 17 names this module held (names added to the four modules since are not aliased here).
+__all__ = [
+    "check_loader_in_use",
+    "check_public_energy",
+    "install_log_filter",
+    "log_every_step",
+    "map_style_training_data",
+    "nonfinite_losses",
+    "planned_length",
+    "planned_steps",
+    "public_loss",
+    "refuse_averaging_before_conversion",
+    "refuse_batch_norm_reset",
+    "refuse_budget_conflicts",
+    "refuse_unsupported_trainer",
+    "resolve_delta",
+    "step_optimizers",
+    "step_schedulers",
+    "warn_calibrated_debug_run",
+]

@@ -6,7 +6,8 @@ would silently ignore or break, with the callback's settings:
 * refused Trainer settings and callbacks (`refuse_unsupported_trainer`, `refuse_batch_norm_reset`,
   `refuse_budget_conflicts`, `check_public_energy`), δ (`resolve_delta`) and the training loader in use
   (`check_loader_in_use`);
-* DPSGD's training data (`map_style_training_data`, `refuse_averaging_before_conversion`).
+* DPSGD's training data (`map_style_training_data`, `refuse_averaging_before_conversion`);
+* P3SGD's training data and model (`patient_training_data`, `training_collate`, `refuse_sync_batchnorm`).
 
 The run's length is in `lightning_dp.training.run_length`; the per-sample independence check, which needs no
 Lightning, in `lightning_dp.training.checks`.
@@ -22,7 +23,14 @@ import pytorch_lightning as pl
 import torch
 from pytorch_lightning.callbacks import BatchSizeFinder, LearningRateFinder, StochasticWeightAveraging
 from pytorch_lightning.utilities import rank_zero_warn
-from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, SequentialSampler
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    IterableDataset,
+    RandomSampler,
+    SequentialSampler,
+    default_collate,
+)
 
 from lightning_dp.acceptance import StepAcceptance
 from lightning_dp.accounting import PrivacyUnit
@@ -37,11 +45,14 @@ __all__ = [
     "check_loader_in_use",
     "check_public_energy",
     "map_style_training_data",
+    "patient_training_data",
     "refuse_averaging_before_conversion",
+    "refuse_sync_batchnorm",
     "refuse_batch_norm_reset",
     "refuse_budget_conflicts",
     "refuse_unsupported_trainer",
     "resolve_delta",
+    "training_collate",
 ]
 
 
@@ -244,3 +255,49 @@ def refuse_averaging_before_conversion(trainer: pl.Trainer, callback: pl.Callbac
             "the BatchNorm structure and its checkpoints would not load into the trained model. HINT: list DPSGD "
             "before the averaging callback, or build the model with GroupNorm (ImageClassifier(norm='group'))."
         )
+
+
+def patient_training_data(trainer: pl.Trainer) -> Any:
+    """The datamodule's ``train_dataset``, checked to map every patient to at least one image (P3SGD)."""
+    datamodule = getattr(trainer, "datamodule", None)
+    dataset = getattr(datamodule, "train_dataset", None)
+    if dataset is None or not hasattr(dataset, "patient_to_indices"):
+        raise PrivacyConfigError(
+            "`P3SGD`: the training data has no patients. P3SGD needs a datamodule whose `train_dataset` maps "
+            f"patients to images (`patient_to_indices`); found {type(dataset).__name__}. HINT: use "
+            "lightning_dp.data.PatientDataModule, or give your datamodule a PatientImageDataset as train_dataset."
+        )
+    groups = dataset.patient_to_indices
+    if not groups:
+        raise PrivacyConfigError("`P3SGD`: the training dataset has no patients. HINT: check the manifest.")
+    empty = [p for p, idx in groups.items() if len(idx) == 0]
+    if empty:
+        raise PrivacyConfigError(
+            f"`P3SGD`: patients {empty[:10]} have no images. HINT: drop them from the training data."
+        )
+    return dataset
+
+
+def training_collate(trainer: pl.Trainer) -> Callable[[list[Any]], Any]:
+    """The collate_fn of the datamodule's training DataLoader (default_collate if there is none)."""
+    datamodule = getattr(trainer, "datamodule", None)
+    try:
+        loader = datamodule.train_dataloader() if datamodule is not None else None
+    except Exception:  # noqa: BLE001 - a datamodule without a usable train_dataloader: P3SGD builds batches itself
+        loader = None
+    collate = getattr(loader, "collate_fn", None) if isinstance(loader, DataLoader) else None
+    return collate if collate is not None else default_collate
+
+
+def refuse_sync_batchnorm(pl_module: pl.LightningModule, requested: bool = False) -> None:
+    """Refuses SyncBatchNorm under P3SGD, built by the user or asked for with Trainer(sync_batchnorm=True)."""
+    names = [name for name, m in pl_module.named_modules() if isinstance(m, torch.nn.SyncBatchNorm)]
+    if not names and not requested:
+        return
+    raise PrivacyConfigError(
+        f"`P3SGD`: SyncBatchNorm layers ({names[:3]}; Trainer(sync_batchnorm=True) makes them) compute batch "
+        "statistics across the DDP ranks, so a patient's local update would mix in the images of patients on "
+        "other ranks (and hang when ranks hold different numbers of patients). HINT: leave sync_batchnorm off: "
+        "each patient's update uses that patient's images only, and P3SGD releases the BatchNorm statistics "
+        "clipped and noised."
+    )
