@@ -15,6 +15,7 @@ hospital), `LocalGrid` runs the same messages through the same ``ClientApp`` in 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -29,11 +30,12 @@ from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
 from flwr.supercore.task_identity import TaskIdentity
 
-from lightning_dp.errors import PrivacyConfigError
+from lightning_dp.errors import PrivacyConfigError, PrivacyStateError
 from lightning_dp.federated.server import FederatedServer, RoundOutcome
 from lightning_dp.federated.site import Site
 
 __all__ = [
+    "SiteFailure",
     "FederatedRoundError",
     "FederatedStartError",
     "LocalGrid",
@@ -42,6 +44,8 @@ __all__ = [
     "server_app",
     "site_app",
 ]
+
+_log = logging.getLogger(__name__)
 
 HELLO = "query"
 TRAIN = "train"
@@ -56,6 +60,23 @@ class FederatedRoundError(RuntimeError):
 
 
 # ---------------------------------------------------------------------------------------------------- the site side
+class SiteFailure(RuntimeError):
+    """What a site tells the server when it cannot answer: a fixed text, never the error (it may quote patient data)."""
+
+
+def _sealed(handler: Callable[[Message, Context], Message]) -> Callable[[Message, Context], Message]:
+    """The handler, with any error logged at the site and replaced by `SiteFailure` (Flower forwards its text)."""
+
+    def run(message: Message, context: Context) -> Message:
+        try:
+            return handler(message, context)
+        except Exception:  # noqa: BLE001 - the error's text stays in the site's log
+            _log.exception("the site could not answer the server's %r message", message.metadata.message_type)
+            raise SiteFailure("the site could not answer (its own log says why)") from None
+
+    return run
+
+
 def site_app(
     make_site: Callable[[Context], Site], id_key: Callable[[Context], bytes | None] | None = None
 ) -> ClientApp:
@@ -65,11 +86,13 @@ def site_app(
         make_site: builds the site from Flower's ``Context`` (``context.node_config`` names the hospital's data on
             that machine; ``context.run_config`` holds the consortium's public settings). Built once per process
             and run (Flower starts a fresh process per message by default; the site's coins depend only on its
-            secret and the round, `Site.patients_of_round`).
-        id_key: the consortium's id key for the start-up collision check (`Site.id_digests`), or ``None``.
+            secret and the request, `Site.patients_of_round`).
+        id_key: the consortium's id key for the start-up collision check (`Site.id_digests`), or ``None``. Read it
+            from the site's own settings (``context.node_config`` or a file), never from ``context.run_config``.
 
     Returns:
-        The ``ClientApp``; its ``train`` handler replies with the clipped sum alone.
+        The ``ClientApp``. Its ``train`` handler replies with the clipped sum (and the site's public name and noise
+        share) alone; an error anywhere replies with the fixed `SiteFailure` text, the error stays in the site's log.
     """
     app = ClientApp()
     built: dict[tuple[int, int], Site] = {}
@@ -81,20 +104,33 @@ def site_app(
         return built[key]
 
     @app.query()
+    @_sealed
     def hello(message: Message, context: Context) -> Message:
         site = site_of(context)
-        facts = ConfigRecord({"name": site.name, "num_patients": site.num_patients, "sample_rate": site.sample_rate})
+        facts = ConfigRecord(
+            {
+                "name": site.name,
+                "num_patients": site.num_patients,
+                "sample_rate": site.sample_rate,
+                "clip_norm": site.parts.clip_norm,
+            }
+        )
         key = None if id_key is None else id_key(context)
         if key is not None:
-            facts["id_digests"] = site.id_digests(key)
+            facts["id_digests"] = site.id_digests(key, salt=str(context.run_id))
         return Message(RecordDict({"site": facts}), reply_to=message)
 
     @app.train()
+    @_sealed
     def train(message: Message, context: Context) -> Message:
         site = site_of(context)
+        if str(_field(message, "round", "noise_at")) == "sites" and site.noise_std <= 0:
+            raise PrivacyConfigError(
+                f"Site {site.name!r}: the server expects noise at the sites and this site has no share "
+                "(noise_std=0); it would send its un-noised sum. HINT: set the site's noise_std (share_std)."
+            )
         theta = torch.from_numpy(_field(message, "theta", "theta").numpy().copy())
-        round_number = int(_field(message, "round", "number"))
-        clipped_sum = site.reply(theta, round_number)
+        clipped_sum = site.reply(theta, int(_field(message, "round", "request")))
         content = RecordDict(
             {
                 "clipped_sum": ArrayRecord({"clipped_sum": Array(clipped_sum.detach().cpu().numpy())}),
@@ -133,8 +169,13 @@ def _wait_for_sites(grid: Grid, sites: int, timeout: float) -> list[int]:
     return nodes
 
 
-def _hello(grid: Grid, nodes: list[int], server: FederatedServer, timeout: float) -> dict[int, str]:
-    """Asks every site for its public facts and refuses a consortium the server cannot run (see `run_rounds`)."""
+def _hello(
+    grid: Grid, nodes: list[int], server: FederatedServer, timeout: float
+) -> tuple[dict[int, str], dict[str, int]]:
+    """Asks every site for its public facts and refuses a consortium the server cannot run (see `run_rounds`).
+
+    Returns the sites' names by node and their patient counts N_s (public: they bound each site's reply by N_s·C).
+    """
     messages = [Message(RecordDict(), dst_node_id=node, message_type=HELLO) for node in nodes]
     replies = {reply.metadata.src_node_id: reply for reply in grid.send_and_receive(messages, timeout=timeout)}
     names: dict[int, str] = {}
@@ -146,12 +187,18 @@ def _hello(grid: Grid, nodes: list[int], server: FederatedServer, timeout: float
             raise FederatedStartError(f"site on node {node} did not answer within {timeout:g} s. HINT: check its log.")
         if reply.has_error():
             raise FederatedStartError(
-                f"site on node {node} failed at start: {reply.error.reason}. HINT: fix that site's data or settings."
+                f"site on node {node} failed at start ({reply.error.reason}). HINT: fix that site's data or settings."
             )
         facts: Any = reply.content["site"]
         name = str(facts["name"])
         if name in counts:
             raise FederatedStartError(f"two sites are named {name!r}. HINT: give each hospital its own name.")
+        clip = float(facts.get("clip_norm", float("nan")))
+        if clip != server.clip_norm:
+            raise FederatedStartError(
+                f"site {name!r} clips each patient's update to C = {clip:g}, the server's ledger assumes C = "
+                f"{server.clip_norm:g}. HINT: give every site the consortium's clip norm."
+            )
         rate = float(facts.get("sample_rate", float("nan")))
         if rate != server.sample_rate:
             raise FederatedStartError(
@@ -185,7 +232,7 @@ def _hello(grid: Grid, nodes: list[int], server: FederatedServer, timeout: float
                 "would be two units and the patient-level ε would not hold. HINT: link the records so that each "
                 "patient belongs to exactly one site, or rename ids that are different patients."
             )
-    return names
+    return names, counts
 
 
 def _field(message: Message, record: str, key: str) -> Any:
@@ -228,39 +275,59 @@ def run_rounds(
     round_timeout: float = 600.0,
     start_timeout: float = 60.0,
     checkpoint: str | Path | None = None,
+    resume: bool = False,
     on_round: Callable[[RoundLog], None] | None = None,
     max_empty_rounds: int = 3,
 ) -> list[RoundLog]:
-    """The server's loop: start-up checks, then up to ``rounds`` rounds (resuming from ``checkpoint`` if it exists).
+    """The server's loop: start-up checks, then rounds until ``rounds`` are released (or the budget stops it).
 
     Start-up refuses, with one line naming the site (never a patient id): fewer than ``sites`` sites connected; a site
     that fails to build (no patients, bad data); two sites with one name; patient counts that do not add up to the
-    server's N; patient ids shared between sites (when the sites send id digests).
+    server's N; a site's C or q unlike the ledger's; patient ids shared between sites (when the sites send digests).
 
-    Each round sends θ_t to every site, waits at most ``round_timeout`` s, and releases once (`FederatedServer.round`):
-    a site that errs, times out or sends a malformed sum contributes nothing and the round is charged as usual. The
-    loop stops before a round the budget would not allow. After every round the server's state (θ, ledger, noise
-    generator) is written atomically to ``checkpoint``; a restarted server continues the ledger exactly.
+    Each round is a new request (`FederatedServer.new_request`: the sites' coins are keyed by it) that sends θ_t to
+    every site, waits at most ``round_timeout`` s, and releases once (`FederatedServer.round`): a site that errs,
+    times out, sends a malformed sum or (noise at the server) a sum heavier than N_s·C contributes nothing and the
+    round is charged as usual. The loop stops before a round the budget would not allow.
+
+    With ``checkpoint``, the server's state (θ, ledger, counters; not the noise generator) is written atomically
+    when a request goes out and after its replies are in. ``resume=True`` continues from it (an error if it is
+    missing: a missing privacy state is never a fresh start); ``resume=False`` refuses to overwrite one that exists.
 
     Returns:
-        One `RoundLog` per round run in this call.
+        One `RoundLog` per round released in this call.
     """
-    if checkpoint is not None and Path(checkpoint).exists():
-        server.load_state_dict(torch.load(checkpoint, weights_only=False))
+    path = None if checkpoint is None else Path(checkpoint)
+    if path is not None and resume:
+        if not path.exists():
+            raise PrivacyStateError(
+                f"run_rounds: resume=True but there is no checkpoint at {path}: the ledger of the run would be lost. "
+                "HINT: point checkpoint at the run's file, or start a new run with resume=False."
+            )
+        server.load_state_dict(torch.load(path, weights_only=False))
+    elif path is not None and path.exists():
+        raise PrivacyStateError(
+            f"run_rounds: a checkpoint exists at {path} and resume=False: starting afresh would drop its ledger. "
+            "HINT: resume=True to continue that run, or choose another path for a new one."
+        )
     nodes = _wait_for_sites(grid, sites, start_timeout)
-    names = _hello(grid, nodes, server, start_timeout)
+    names, counts = _hello(grid, nodes, server, start_timeout)
+    bounds = {name: count * server.clip_norm for name, count in counts.items()}
     logs: list[RoundLog] = []
     empty = 0
     while server.steps < rounds and server.allows_next_round():
         started = time.monotonic()
         number = server.steps
+        request = server.new_request()
+        if path is not None:
+            _save(server, path)  # the request is on record before any site answers it
         theta = server.theta().detach().cpu().numpy()
         content: dict[str, Any] = {
             "theta": ArrayRecord({"theta": Array(theta)}),
-            "round": ConfigRecord({"number": number}),
+            "round": ConfigRecord({"number": number, "request": request, "noise_at": server.noise_at}),
         }
         messages = [
-            Message(RecordDict(content), dst_node_id=node, message_type=TRAIN, group_id=str(number)) for node in names
+            Message(RecordDict(content), dst_node_id=node, message_type=TRAIN, group_id=str(request)) for node in names
         ]
         by_node = {
             reply.metadata.src_node_id: reply for reply in grid.send_and_receive(messages, timeout=round_timeout)
@@ -273,25 +340,25 @@ def run_rounds(
             if reply is None:
                 problems[name] = f"no reply within {round_timeout:g} s"
             elif reply.has_error():
-                problems[name] = f"failed: {reply.error.reason}"
+                problems[name] = f"failed ({reply.error.reason})"
             else:
                 replies[name] = _array(reply)
                 declared = _declared_share(reply)
                 if declared is not None:
                     shares[name] = declared
-        outcome: RoundOutcome = server.round(replies, shares)
+        outcome: RoundOutcome = server.round(replies, shares, bounds)
+        if path is not None:
+            _save(server, path)
         if outcome.result is None:  # noise at the sites, fewer than min_shares arrived: nothing released or charged
             empty += 1
             if empty >= max_empty_rounds:
                 raise FederatedRoundError(
                     f"too few noise shares arrived in {empty} attempts at round {number + 1}; nothing was released or "
                     f"charged ({'; '.join(f'{k}: {v}' for k, v in {**problems, **outcome.refused}.items())}). "
-                    "HINT: check the sites' logs, then restart the server: it resumes from its checkpoint."
+                    "HINT: check the sites' logs, then restart the server with resume=True."
                 )
             continue
         empty = 0
-        if checkpoint is not None:
-            _save(server, Path(checkpoint))
         log = RoundLog(
             round=number + 1,
             epsilon=server.epsilon(),
@@ -315,7 +382,8 @@ def server_app(
 
     Run-config keys (``[tool.flwr.app.config]`` in the app's pyproject, or ``flwr run … --run-config``):
     ``rounds`` (int), ``sites`` (expected number of hospitals), ``round-timeout`` and ``start-timeout`` (seconds),
-    ``checkpoint`` (a path; resume from it if it exists; empty: none), ``log-dir`` (TensorBoard; empty: none).
+    ``checkpoint`` (a path; empty: none), ``resume`` (true: continue from ``checkpoint``; it must exist),
+    ``log-dir`` (TensorBoard; empty: none), ``report`` (the privacy report's path; empty: none).
 
     Args:
         make_server: builds the `FederatedServer` (model, N, q, C, noise or target ε) from the ``Context``.
@@ -350,6 +418,7 @@ def server_app(
             round_timeout=float(config.get("round-timeout", 600.0)),
             start_timeout=float(config.get("start-timeout", 60.0)),
             checkpoint=str(config.get("checkpoint", "")) or None,
+            resume=bool(config.get("resume", False)),
             on_round=on_round,
         )
         if writer is not None:

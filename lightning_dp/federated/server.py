@@ -20,6 +20,7 @@ from lightning_dp.errors import (
     check_finite_positive,
     check_sample_rate,
 )
+from lightning_dp.sampling.patients import secure_seed
 from lightning_dp.sanitization import GaussianRelease, ModelState, Release
 from lightning_dp.schedules import ConstantNoise, NoiseSchedule
 from lightning_dp.training.privacy import calibrate_schedule, default_delta
@@ -64,19 +65,35 @@ class SharedNoiseRelease(Release):
 
 
 def calibrated_multiplier(
-    num_patients: int, sample_rate: float, rounds: int, target_epsilon: float, delta: float | None = None
+    num_patients: int,
+    sample_rate: float,
+    rounds: int,
+    target_epsilon: float,
+    delta: float | None = None,
+    sites: int | None = None,
+    min_shares: int | None = None,
 ) -> float:
     """z such that ``rounds`` rounds at q end at ``target_epsilon`` (patient level, RDP, δ default min(1e-5, 1/(10N))).
 
     What `FederatedServer(target_epsilon=…, rounds=…)` calibrates to; sites that add the noise shares compute it from
-    the same public settings (they do not take z from the server).
+    the same public settings (they do not take z from the server). With ``sites`` (noise at the sites), the rounds
+    are planned with ``min_shares`` shares present (default: all), the worst the budget allows.
 
     Example:
         >>> round(calibrated_multiplier(num_patients=1000, sample_rate=0.05, rounds=100, target_epsilon=1.0), 2)
         2.32
     """
     server = FederatedServer(
-        nn.Identity(), num_patients, sample_rate, 1.0, target_epsilon=target_epsilon, rounds=rounds, delta=delta
+        nn.Identity(),
+        num_patients,
+        sample_rate,
+        1.0,
+        target_epsilon=target_epsilon,
+        rounds=rounds,
+        delta=delta,
+        noise_at="server" if sites is None else "sites",
+        sites=sites,
+        min_shares=min_shares,
     )
     return server.release.schedule.checked(0)
 
@@ -226,7 +243,10 @@ class FederatedServer:
             self.release.present = None  # before a round's replies: the worst case, min_shares shares
         self.private_step = PrivateStep(self.release)
         self.steps = 0
-        self.rounds_seen = 0  # noise at the sites: rounds in which the server received any site's sum
+        # Noise at the sites: for every request whose replies the server received (released or not), the smallest
+        # noise share a received reply declared (0 for none): what a server without secure aggregation learned.
+        self.seen_shares: list[float] = []
+        self.requests = 0  # requests sent to the sites (a round re-run is a new request, with fresh coins)
         self.stop_reason: str | None = None
 
     def _new_release(self, ledger: PrivacyLedger, seed: int | None, schedule: NoiseSchedule) -> Release:
@@ -234,7 +254,7 @@ class FederatedServer:
         if self.noise_at == "sites":
             assert self.sites is not None
             release = SharedNoiseRelease(ledger, shares=self.sites, min_shares=self.min_shares, **settings)
-            release.present = float(self.sites)  # calibrate for the run in which every share arrives
+            release.present = float(self.min_shares)  # calibrate for the worst run the budget allows
             return release
         return GaussianRelease(ledger, **settings)  # type: ignore[arg-type]
 
@@ -269,7 +289,17 @@ class FederatedServer:
         )
         return False
 
-    def round(self, replies: Mapping[str, Tensor | None], shares: Mapping[str, float] | None = None) -> RoundOutcome:
+    def new_request(self) -> int:
+        """The serial number of the next request to the sites (it keys their coins: a re-run round samples afresh)."""
+        self.requests += 1
+        return self.requests - 1
+
+    def round(
+        self,
+        replies: Mapping[str, Tensor | None],
+        shares: Mapping[str, float] | None = None,
+        bounds: Mapping[str, float] | None = None,
+    ) -> RoundOutcome:
         """One round: sums the valid replies, releases once (noise and charge in one call), applies θ_{t+1}.
 
         A refused reply (``reply_problem``) contributes nothing, as a site that did not reply; the round is charged as
@@ -278,6 +308,9 @@ class FederatedServer:
         With ``noise_at="sites"``, ``shares`` gives the std of the noise share each site says it added (`Site`'s
         ``noise_std``): a reply without one, or with less than the planned share z_t·C/√m, is refused; the round is
         charged the noise of the shares that arrived.
+
+        ``bounds`` (noise at the server): the most a site's sum can weigh, N_s·C for its N_s patients (declared at
+        start): a heavier reply is refused (a site that does not clip to C would void the patient-level bound).
 
         Raises:
             PrivacyBudgetExceededError: the round would take ε above ``max_epsilon`` (nothing is released or charged).
@@ -292,6 +325,11 @@ class FederatedServer:
         present = 0.0
         for name, reply in replies.items():
             problem = reply_problem(reply, theta.numel())
+            if problem is None and self.noise_at == "server" and bounds is not None and name in bounds:
+                assert reply is not None
+                norm, most = float(reply.norm()), bounds[name] * (1 + 1e-4)
+                if norm > most:
+                    problem = f"norm {norm:.6g} above N_s·C = {bounds[name]:.6g}: the site does not clip to C"
             if problem is None and self.noise_at == "sites":
                 problem, units = self._share_problem(None if shares is None else shares.get(name))
                 present += 0.0 if problem is not None else units
@@ -303,8 +341,10 @@ class FederatedServer:
             if self.site_clip is not None:
                 reply = reply * torch.clamp(self.site_clip / (reply.norm() + 1e-12), max=1.0)
             total += reply
-        if self.noise_at == "sites" and replies:
-            self.rounds_seen += 1  # without secure aggregation the server saw these sums, released or not
+        received = [name for name, reply in replies.items() if reply is not None]
+        if self.noise_at == "sites" and received:  # the server saw these sums, released or not, refused or not
+            declared = [float((shares or {}).get(name, 0.0)) for name in received]
+            self.seen_shares.append(min(d if math.isfinite(d) and d > 0 else 0.0 for d in declared))
         return self._release(total, present, refused, theta, other)
 
     def secure_round(self, total: Tensor, shares: Sequence[float]) -> RoundOutcome:
@@ -398,14 +438,17 @@ class FederatedServer:
     def epsilon_without_secure_aggregation(self) -> float:
         """ε against a server that sees each site's sum (noise at the sites, no secure aggregation).
 
-        Each site's sum carries its share alone: a Gaussian of multiplier z·C/√m per round for that site's patients,
-        sampled at q.
+        Each site's sum carries its share alone: a Gaussian of multiplier σ_s/C for that site's patients, sampled at
+        q, for every request whose replies the server received (released or not, refused or not, each request a fresh
+        Poisson sample), at the smallest share a received reply declared; ∞ if a reply declared none.
         """
         assert self.sites is not None
         ledger = PrivacyLedger("patient", self.ledger.delta)
-        for step in range(max(self.rounds_seen, self.steps)):
-            ledger.record(PoissonSampledEvent(self.sample_rate, GaussianEvent(self.share_std(step) / self.clip_norm)))
-        return RDPAccountant().epsilon(ledger)
+        for share in self.seen_shares:
+            if share <= 0:
+                return math.inf  # a reply without a share: the server holds that site's un-noised sum
+            ledger.record(PoissonSampledEvent(self.sample_rate, GaussianEvent(share / self.clip_norm)))
+        return RDPAccountant().epsilon(ledger) if ledger.steps else 0.0
 
     def hospital_epsilon(self) -> float:
         """ε with a whole site as the unit (needs ``site_clip``); neither this nor the patient ε implies the other."""
@@ -439,7 +482,7 @@ class FederatedServer:
         }
         out["noise_at"] = self.noise_at
         if self.noise_at == "sites":
-            out["epsilon_without_secure_aggregation"] = self.epsilon_without_secure_aggregation() if self.steps else 0.0
+            out["epsilon_without_secure_aggregation"] = self.epsilon_without_secure_aggregation()
         if self.site_clip is not None:
             out["hospital_level"] = {
                 "unit": "site",
@@ -451,18 +494,26 @@ class FederatedServer:
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
-        """θ, the ledger, the noise generator and the round counter (keep it private: it holds the noise seed)."""
+        """θ, the ledger and the counters; not the noise generator.
+
+        Whoever holds a checkpoint and the θ_t the sites received could regenerate every round's noise from the
+        generator's state and recover the un-noised sums: a resumed server draws fresh noise from the OS CSPRNG.
+        """
         return {
             "steps": self.steps,
-            "rounds_seen": self.rounds_seen,
+            "requests": self.requests,
+            "seen_shares": list(self.seen_shares),
             "theta": self.theta().clone(),
             "ledger": self.ledger.state_dict(),
-            "release": self.release.state_dict(),
         }
 
     def load_state_dict(self, saved: Mapping[str, Any]) -> None:
-        """Continues a run exactly where `state_dict` left it; a state whose counter and ledger disagree is refused."""
-        missing = {"steps", "theta", "ledger", "release"} - set(saved)
+        """Continues a run where `state_dict` left it: the ledger exact, θ as saved, fresh noise.
+
+        A state whose counter and ledger disagree, or whose ledger is for another unit or δ than this server's, is
+        refused: the noise was calibrated for this server's settings.
+        """
+        missing = {"steps", "theta", "ledger"} - set(saved)
         if missing:
             raise PrivacyStateError(
                 f"`FederatedServer`: the saved state lacks {sorted(missing)}: resuming would start a fresh ledger. "
@@ -470,14 +521,20 @@ class FederatedServer:
             )
         ledger = PrivacyLedger("patient", self.ledger.delta)
         ledger.load_state_dict(saved["ledger"])
+        if ledger.unit != self.ledger.unit or ledger.delta != self.ledger.delta:
+            raise PrivacyStateError(
+                f"`FederatedServer`: the saved ledger is for unit={ledger.unit!r}, δ={ledger.delta:g}; this server's "
+                f"is unit={self.ledger.unit!r}, δ={self.ledger.delta:g}. HINT: resume with the settings that wrote it."
+            )
         if ledger.steps != saved["steps"]:
             raise PrivacyStateError(
                 f"`FederatedServer`: the saved round counter ({saved['steps']}) disagrees with its ledger "
                 f"({ledger.steps} rounds). HINT: load an unmodified state."
             )
-        self.release.load_state_dict(saved["release"])
+        self.release.generator.manual_seed(secure_seed())
         self.ledger.load_state_dict(saved["ledger"])
         self.state.refresh()
         self.state.load(saved["theta"])
         self.steps = int(saved["steps"])
-        self.rounds_seen = int(saved.get("rounds_seen", 0))
+        self.requests = int(saved.get("requests", self.steps))
+        self.seen_shares = [float(v) for v in saved.get("seen_shares", [])]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
 import math
 import warnings
 from typing import Any, Literal
@@ -27,6 +28,8 @@ from lightning_dp.training.patient_rounds import (
 )
 
 __all__ = ["Site"]
+
+_log = logging.getLogger(__name__)
 
 
 class Site:
@@ -143,27 +146,34 @@ class Site:
     def patients_of_round(self, round_number: int) -> list[int]:
         """The round's patients: an independent Bernoulli(q) coin per patient, from the site's secret and the round.
 
-        The coins are a function of (secret, round), not of a generator's position, so a site whose process restarts
-        between rounds (Flower starts a fresh ``ClientApp`` process per message) draws fresh, independent coins for
-        every round and the same coins if a round is re-sent. They never leave the site.
+        The coins are a function of (secret, request), not of a generator's position: with a fixed secret, a site
+        whose process restarts between rounds (Flower starts a fresh ``ClientApp`` process per message) still draws
+        independent coins for every request. The server numbers each request anew (a re-run round is a new request),
+        so no two releases read the same sample; with ``seed=None`` every process draws a fresh secret anyway. The
+        coins never leave the site.
         """
         seed = unit_seed(self._secret, "patient-coins", round_number)
         return PoissonPatientSampler(self.num_patients, self.sample_rate, seed=seed).sample().tolist()
 
-    def id_digests(self, key: bytes) -> list[str]:
-        """HMAC-SHA-256 of each patient id under the consortium's ``key``: finds shared ids, shows none.
+    def id_digests(self, key: bytes, salt: str = "") -> list[str]:
+        """HMAC-SHA-256 of each patient id under the consortium's ``key`` and a per-run ``salt``: finds shared ids.
 
-        Sites that share a key the server does not hold can let the server compare digests; without the key the
-        server cannot test a guessed id against them.
+        Sites that share a key the server does not hold let the server compare digests; without the key the server
+        cannot test a guessed id. The key must come from each site's own settings (its node config or a file), never
+        from the run config, which whoever starts the run sets. The salt (the run's id) makes two runs' digests
+        unlinkable: a patient added between runs is not one new digest the server can follow.
         """
-        return sorted(hmac.new(key, str(pid).encode(), hashlib.sha256).hexdigest() for pid in self.parts.data.keys)
+        return sorted(
+            hmac.new(key, f"{salt}/{pid}".encode(), hashlib.sha256).hexdigest() for pid in self.parts.data.keys
+        )
 
     def reply(self, theta: Tensor, round_number: int) -> Tensor:
         """Σ over this round's included patients of clip_C(Δ_i), each Δ_i trained from ``theta`` on its own images.
 
         Args:
             theta: θ_t from the server (the model's released tensors, as `ModelState.vector` lays them out).
-            round_number: the round (it keys the patients' random streams, with the site's secret seed).
+            round_number: the request's serial number (with the site's secret it keys the patients' coins and random
+                streams; the server numbers every request anew, so a re-run round samples afresh).
 
         Returns:
             The clipped sum (plus the site's noise share, with ``noise_std``): a float32 vector the size of ``theta``.
@@ -186,14 +196,44 @@ class Site:
             # A LightningModule's `self.log` in training_step has no Trainer here: what it would log is private
             # and stays unlogged (Lightning warns about it at every call).
             warnings.filterwarnings("ignore", message=r"You are trying to `self.log\(\)`")
-            stats = self.round.add_clipped(patients, clipped_sum, secret, start)
-            if stats is None:  # the vectorized round could not run this round: the loop re-does it, nothing is said
-                LoopRound(self.parts).add_clipped(patients, clipped_sum, secret, start)
+            try:
+                stats = self.round.add_clipped(patients, clipped_sum, secret, start)
+                if stats is None:  # the vectorized round could not run this round: the loop re-does it
+                    LoopRound(self.parts).add_clipped(patients, clipped_sum, secret, start)
+            except Exception:  # noqa: BLE001 - one patient's data must not drop the site (see _one_by_one)
+                clipped_sum.zero_()
+                self._one_by_one(patients, clipped_sum, secret, start)
         state.load(*start)
         if self.noise_std > 0:
             share = standard_normal(clipped_sum.numel(), torch.Generator().manual_seed(secure_seed()))
             clipped_sum.add_(share.view_as(clipped_sum).to(clipped_sum), alpha=self.noise_std)
         return clipped_sum
+
+    def _one_by_one(self, patients: list[int], clipped_sum: Tensor, secret: int, start: Any) -> None:
+        """The round patient by patient; a patient whose update raises contributes nothing (as a non-finite one).
+
+        If one patient's data could make the whole reply fail, that patient would move the release by the site's whole
+        sum, not by at most C, and the failure (and its message) would tell the server when the patient was sampled.
+        Each patient starts from θ_t with its own streams, so the others' contributions are those of the full round.
+        The error stays in this site's log.
+        """
+        loop = LoopRound(self.parts)
+        one = torch.zeros_like(clipped_sum)
+        failed = 0
+        for patient in patients:
+            one.zero_()
+            try:
+                loop.add_clipped([patient], one, secret, start)
+            except Exception:  # noqa: BLE001 - see above
+                failed += 1
+                self.parts.state.load(*start)
+                _log.exception("Site %r: a patient's local update failed; it contributes nothing", self.name)
+                continue
+            clipped_sum.add_(one)
+        if failed:
+            _log.warning(
+                "Site %r: %d of this round's patients contributed nothing (their updates failed)", self.name, failed
+            )
 
     def close(self) -> None:
         """Frees the round's hooks."""

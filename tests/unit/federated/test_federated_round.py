@@ -132,10 +132,12 @@ def test_a_malformed_reply_is_refused_and_the_round_still_charged(reply: Any, pr
     assert not torch.equal(server.theta(), before), "the noised update is applied"
 
 
-def test_the_server_resumes_its_ledger_and_noise_exactly() -> None:
-    def run(rounds: int, saved: dict[str, Any] | None = None) -> FederatedServer:
+def test_the_server_resumes_its_ledger_exactly_with_fresh_noise() -> None:
+    def run(rounds: int, saved: dict[str, Any] | None = None, delta: float | None = None) -> FederatedServer:
         torch.manual_seed(0)
-        server = FederatedServer(_Net(), num_patients=10, sample_rate=0.5, clip_norm=CLIP, noise=1.0, seed=4)
+        server = FederatedServer(
+            _Net(), num_patients=10, sample_rate=0.5, clip_norm=CLIP, noise=1.0, seed=4, delta=delta
+        )
         if saved is not None:
             server.load_state_dict(saved)
         for _ in range(rounds):
@@ -143,11 +145,15 @@ def test_the_server_resumes_its_ledger_and_noise_exactly() -> None:
         return server
 
     full = run(4)
-    resumed = run(2, run(2).state_dict())
-    assert torch.equal(full.theta(), resumed.theta())
+    saved = run(2).state_dict()
+    assert "release" not in saved  # the noise generator's state would let a checkpoint's holder remove the noise
+    resumed = run(2, saved)
     assert full.ledger.state_dict() == resumed.ledger.state_dict() and resumed.steps == 4
+    assert not torch.equal(full.theta(), resumed.theta()), "a resumed server draws fresh noise"
     with pytest.raises(PrivacyStateError, match="fresh ledger"):
         run(0, {"theta": full.theta()})
+    with pytest.raises(PrivacyStateError, match="δ=1e-05; this server's is unit='patient', δ=1e-09"):
+        run(0, saved, delta=1e-9)
 
 
 def test_a_site_without_patients_is_refused() -> None:

@@ -14,7 +14,7 @@ import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, RecordDict
 
 from lightning_dp.accounting import PrivacyLedger, RDPAccountant
-from lightning_dp.errors import PrivacyBudgetExceededError, PrivacyConfigError
+from lightning_dp.errors import PrivacyBudgetExceededError, PrivacyConfigError, PrivacyStateError
 from lightning_dp.federated import FederatedServer, Site, calibrated_multiplier, share_std
 from lightning_dp.federated.flower import FederatedRoundError, FederatedStartError, LocalGrid, run_rounds, site_app
 from lightning_dp.sanitization import GaussianRelease
@@ -67,7 +67,8 @@ def test_the_messages_carry_theta_in_and_only_the_clipped_sum_out() -> None:
     # Through Flower's records, the reply equals the site's own `reply` bit for bit, and holds nothing else private.
     grid = _grid(["a"])
     theta = _server(num_patients=4).theta()
-    content = RecordDict({"theta": ArrayRecord({"theta": Array(theta.numpy())}), "round": ConfigRecord({"number": 0})})
+    round_ = ConfigRecord({"number": 0, "request": 0, "noise_at": "server"})
+    content = RecordDict({"theta": ArrayRecord({"theta": Array(theta.numpy())}), "round": round_})
     reply = grid.client_app(Message(content, dst_node_id=1, message_type="train"), grid.contexts[1])
     assert set(reply.content.keys()) == {"clipped_sum", "site"}
     assert dict(reply.content["site"]) == {"name": "a", "noise_std": 0.0}
@@ -76,47 +77,59 @@ def test_the_messages_carry_theta_in_and_only_the_clipped_sum_out() -> None:
 
 
 def test_a_dropped_a_failing_and_a_malformed_site_contribute_nothing_and_the_round_is_charged() -> None:
-    def drop(node: int, message: Message) -> bool:  # site "b" (node 2) misses round 2's message
+    def drop(node: int, message: Message) -> bool:  # site "b" (node 2) misses the second request
         return node == 2 and message.metadata.message_type == "train" and message.metadata.group_id == "1"
 
-    grid = _grid(drop=drop)
+    def make(context: Context) -> Site:
+        site = _make_site(context)
+        if site.name == "c":
+            reply = site.reply
+
+            def failing(theta: Any, request: int) -> Any:
+                if request == 0:
+                    raise OSError("disk full at /data/MRN-0042.png")  # private text: it must stay at the site
+                return reply(theta, request)
+
+            site.reply = failing  # type: ignore[method-assign]
+        return site
+
+    grid = LocalGrid(site_app(make), [{"site": name} for name in SIZES], drop=drop)
     real = grid.client_app
 
-    class _Faulty:
+    class _Malformed:  # site c's third reply arrives with the wrong shape
         def __call__(self, message: Message, context: Context) -> Message:
             reply = real(message, context)
-            if message.metadata.message_type == "train" and context.node_id == 3:
-                number = int(message.content["round"]["number"])  # type: ignore[arg-type]
-                if number == 0:
-                    raise RuntimeError("disk full")
-                if number == 2:
-                    reply.content["clipped_sum"]["clipped_sum"] = reply.content["clipped_sum"]["clipped_sum"].__class__(
-                        torch.zeros(5).numpy()
-                    )
+            if message.metadata.message_type == "train" and context.node_id == 3 and message.metadata.group_id == "2":
+                reply.content["clipped_sum"]["clipped_sum"] = Array(torch.zeros(5).numpy())
             return reply
 
-    grid.client_app = _Faulty()  # type: ignore[assignment]
+    grid.client_app = _Malformed()  # type: ignore[assignment]
     server = _server()
     logs = run_rounds(grid, server, rounds=3, sites=3)
-    assert logs[0].refused == {"c": "failed: RuntimeError: disk full"}
+    assert logs[0].refused == {"c": "failed (SiteFailure: the site could not answer (its own log says why))"}
+    assert "MRN" not in str(logs[0].refused)
     assert logs[1].refused == {"b": "no reply within 600 s"}
     assert logs[2].refused == {"c": "shape (5,), not (74,)"}
     assert [log.sites_replied for log in logs] == [2, 2, 2]
     assert server.ledger.steps == 3
 
 
-def test_a_restarted_server_continues_the_ledger_and_theta_exactly(tmp_path: Any) -> None:
+def test_a_restarted_server_continues_the_ledger_exactly(tmp_path: Any) -> None:
     path = tmp_path / "server.pt"
     full = _server()
     run_rounds(_grid(), full, rounds=4, sites=3)
     first = _server()
     run_rounds(_grid(), first, rounds=2, sites=3, checkpoint=path)
-    restarted = _server()  # a fresh process: θ₀ and the noise seed as at the start; the checkpoint wins
-    logs = run_rounds(_grid(), restarted, rounds=4, sites=3, checkpoint=path)
+    with pytest.raises(PrivacyStateError, match="a checkpoint exists at .* and resume=False"):
+        run_rounds(_grid(), _server(), rounds=4, sites=3, checkpoint=path)
+    restarted = _server()  # a fresh process: θ₀ as at the start; the checkpoint's θ and ledger win
+    logs = run_rounds(_grid(), restarted, rounds=4, sites=3, checkpoint=path, resume=True)
     assert [log.round for log in logs] == [3, 4]
-    assert torch.equal(restarted.theta(), full.theta())
     assert restarted.ledger.state_dict() == full.ledger.state_dict()
-    assert torch.load(path, weights_only=False)["steps"] == 4
+    saved = torch.load(path, weights_only=False)
+    assert saved["steps"] == 4 and saved["requests"] == 4
+    with pytest.raises(PrivacyStateError, match="resume=True but there is no checkpoint"):
+        run_rounds(_grid(), _server(), rounds=4, sites=3, checkpoint=tmp_path / "missing.pt", resume=True)
 
 
 def test_the_budget_stops_before_the_round_that_would_exceed_it() -> None:
@@ -159,7 +172,7 @@ def test_a_site_clip_bounds_what_one_hospital_moves_the_sum_by() -> None:
     ("names", "extra", "server", "message"),
     [
         (["a", "b"], {}, {}, "only 2 of the 3 expected sites connected"),
-        (["a", "b", "c"], {"c": {"patients": 0}}, {}, "failed at start: PrivacyConfigError"),
+        (["a", "b", "c"], {"c": {"patients": 0}}, {}, "site on node 3 failed at start (SiteFailure: the site could"),
         (["a", "b", "b"], {}, {}, "two sites are named 'b'"),
         (["a", "b", "c"], {}, {"num_patients": 20}, "the sites hold 12 patients (a: 4, b: 3, c: 5)"),
         (["a", "b", "c"], {}, {"sample_rate": 0.25}, "site 'a' samples its patients at q = 0.5, the server's"),
@@ -248,7 +261,7 @@ def test_fewer_shares_than_the_threshold_release_and_charge_nothing() -> None:
     grid.drop = lambda node, message: node == 3 and message.metadata.message_type == "train"
     with pytest.raises(FederatedRoundError, match="in 3 attempts"):
         run_rounds(grid, server, rounds=1, sites=3)
-    assert server.ledger.steps == 0 and server.rounds_seen == 3
+    assert server.ledger.steps == 0 and len(server.seen_shares) == 3
     assert server.epsilon_without_secure_aggregation() > 0  # the server did see those sums
 
 
@@ -274,3 +287,84 @@ def test_sites_compute_the_servers_calibrated_multiplier_from_the_public_setting
     assert server.share_std(0) == share_std(z, CLIP, 3) == pytest.approx(z * CLIP / 3**0.5, rel=1e-12)
     run_rounds(_sites_with_shares(z), server, rounds=6, sites=3)
     assert server.epsilon() == pytest.approx(2.0, rel=0.01) and server.epsilon() <= 2.0
+
+
+# ------------------------------------------------- what a site's failure, a retry or a misconfigured site can leak
+# Found by an independent review of the federated code (each fails on the code before its fix).
+def test_a_patient_whose_update_raises_contributes_nothing_and_the_site_still_answers() -> None:
+    # A patient whose label is out of range makes the local update raise: before, the whole site dropped out in the
+    # rounds that sampled the patient (moving the release by the site's whole sum, 4.4·C) and the server logged
+    # "IndexError: Target 7 is out of bounds".
+    x, y = _patients(4, seed=5)
+    torch.manual_seed(0)
+    with_bad = Site("a", _parts(_Net(), torch.cat([x, x[:3]]), torch.cat([y, torch.full((3,), 7)])), 1.0, seed=2)
+    without = Site("a", _parts(_Net(), x, y), 1.0, seed=2)
+    with_bad.parts.data.keys[:4] = without.parts.data.keys  # the same ids: the same streams for the same patients
+    theta = without.parts.state.vector()
+    moved = float((with_bad.reply(theta, 0) - without.reply(theta, 0)).norm())
+    assert moved < 1e-6
+
+
+def test_a_site_without_a_share_refuses_to_send_its_sum_when_the_noise_is_at_the_sites() -> None:
+    server = _server(noise_at="sites", sites=3, min_shares=2)
+    grid = _grid()  # the sites have noise_std = 0
+    with pytest.raises(FederatedRoundError):
+        run_rounds(grid, server, rounds=1, sites=3)
+    assert server.seen_shares == [] and server.ledger.steps == 0  # no sum left any site
+
+
+def test_a_reply_seen_without_its_share_makes_the_servers_view_unbounded() -> None:
+    server = _server(noise_at="sites", sites=3, min_shares=2)
+    std = share_std(1.1, CLIP, 3)
+    server.round({"a": torch.zeros(74), "b": torch.zeros(74), "c": torch.zeros(74)}, {"a": std, "b": std, "c": 0.0})
+    assert server.ledger.steps == 1  # released with the two shares present
+    assert server.epsilon_without_secure_aggregation() == float("inf")  # the server saw c's un-noised sum
+
+
+def test_every_request_draws_fresh_coins_so_a_rerun_round_reads_a_new_sample() -> None:
+    site = _make_site(_grid().contexts[1])
+    draws = {tuple(site.patients_of_round(request)) for request in range(12)}
+    assert len(draws) > 4  # 4 patients at q = 0.5: 16 possible samples
+    assert site.patients_of_round(3) == site.patients_of_round(3)
+
+
+def test_what_the_server_saw_survives_a_restart(tmp_path: Any) -> None:
+    path = tmp_path / "server.pt"
+    server = _server(noise_at="sites", sites=3, min_shares=3)
+    grid = _sites_with_shares(1.1)
+    grid.drop = lambda node, message: node == 3 and message.metadata.message_type == "train"
+    with pytest.raises(FederatedRoundError):
+        run_rounds(grid, server, rounds=1, sites=3, checkpoint=path)
+    restarted = _server(noise_at="sites", sites=3, min_shares=3)
+    restarted.load_state_dict(torch.load(path, weights_only=False))
+    assert len(restarted.seen_shares) == 3 and restarted.requests == 3
+    assert restarted.epsilon_without_secure_aggregation() == server.epsilon_without_secure_aggregation() > 0
+
+
+def test_a_site_that_clips_to_another_bound_is_refused_at_start_and_a_heavy_sum_in_a_round() -> None:
+    def make(context: Context) -> Site:
+        site = _make_site(context)
+        if site.name == "b":
+            site.parts.clip_norm = 20 * CLIP
+        return site
+
+    with pytest.raises(FederatedStartError, match="site 'b' clips each patient's update to C = 10, the server's"):
+        run_rounds(LocalGrid(site_app(make), [{"site": name} for name in SIZES]), _server(), rounds=1, sites=3)
+    server = _server(noise=1e-9)
+    outcome = server.round({"a": torch.full((74,), 1.0), "b": torch.zeros(74)}, bounds={"a": 4 * CLIP, "b": 3 * CLIP})
+    assert outcome.refused == {"a": "norm 8.60233 above N_s·C = 2: the site does not clip to C"}
+
+
+def test_id_digests_differ_between_runs_and_without_the_key_say_nothing() -> None:
+    site = _make_site(_grid().contexts[1])
+    first, second = site.id_digests(KEY, salt="1"), site.id_digests(KEY, salt="2")
+    assert not set(first) & set(second)
+    assert site.id_digests(KEY, salt="1") == first and not set(first) & set(site.id_digests(b"other", salt="1"))
+
+
+def test_with_fewer_shares_allowed_the_calibration_plans_for_them_and_the_run_completes() -> None:
+    server = _server(target_epsilon=2.0, rounds=6, noise_at="sites", sites=3, min_shares=2)
+    z = calibrated_multiplier(num_patients=12, sample_rate=0.5, rounds=6, target_epsilon=2.0, sites=3, min_shares=2)
+    assert server.share_std(0) == share_std(z, CLIP, 3)
+    logs = run_rounds(_sites_with_shares(z), server, rounds=6, sites=3)
+    assert len(logs) == 6 and server.epsilon() < 2.0  # every share arrived: cheaper than planned
