@@ -14,6 +14,7 @@ hospital), `LocalGrid` runs the same messages through the same ``ClientApp`` in 
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import os
@@ -21,18 +22,25 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Error, Message, RecordDict
+from flwr.client.mod import secaggplus_mod
 from flwr.clientapp import ClientApp
+from flwr.common import Code, FitRes, Status, ndarrays_to_parameters, parameters_to_ndarrays
+from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS
+from flwr.compat.common import recorddict_compat as compat
 from flwr.serverapp import Grid, ServerApp
 from flwr.supercore.task_identity import TaskIdentity
 
 from lightning_dp.errors import PrivacyConfigError, PrivacyStateError
 from lightning_dp.federated.server import FederatedServer, RoundOutcome
 from lightning_dp.federated.site import Site
+
+if TYPE_CHECKING:
+    from lightning_dp.federated.secure import SecureSum
 
 __all__ = [
     "SiteFailure",
@@ -77,6 +85,32 @@ def _sealed(handler: Callable[[Message, Context], Message]) -> Callable[[Message
     return run
 
 
+def _secure_aggregation_when_asked(message: Message, context: Context, call_next: Any) -> Message:
+    """Flower's ``secaggplus_mod`` on the rounds the server runs through SecAgg+ (`SecureSum`), not on plain ones."""
+    if message.metadata.message_type == TRAIN and RECORD_KEY_CONFIGS in message.content.config_records:
+        return secaggplus_mod(message, context, call_next)
+    return call_next(message, context)
+
+
+def _secure_reply(site: Site, message: Message) -> Message:
+    """The site's noised clipped sum in the format SecAgg+ masks (one weight per site: the protocol's mean × m')."""
+    fitins = compat.recorddict_to_fitins(message.content, keep_input=True)
+    if site.noise_std <= 0:
+        raise PrivacyConfigError(
+            f"Site {site.name!r}: secure aggregation carries the sites' noise shares and this site has none "
+            "(noise_std=0). HINT: set the site's noise_std (share_std)."
+        )
+    theta = torch.from_numpy(np.array(parameters_to_ndarrays(fitins.parameters)[0], copy=True))
+    clipped_sum = site.reply(theta, int(fitins.config["request"]))
+    fitres = FitRes(
+        Status(Code.OK, ""),
+        ndarrays_to_parameters([clipped_sum.detach().cpu().numpy()]),
+        num_examples=1,
+        metrics={"noise_std": site.noise_std},
+    )
+    return Message(compat.fitres_to_recorddict(fitres, keep_input=True), reply_to=message)
+
+
 def site_app(
     make_site: Callable[[Context], Site], id_key: Callable[[Context], bytes | None] | None = None
 ) -> ClientApp:
@@ -92,9 +126,11 @@ def site_app(
 
     Returns:
         The ``ClientApp``. Its ``train`` handler replies with the clipped sum (and the site's public name and noise
-        share) alone; an error anywhere replies with the fixed `SiteFailure` text, the error stays in the site's log.
+        share) alone, or, in a round the server runs through SecAgg+ (`lightning_dp.federated.secure.SecureSum`),
+        with the masked noised sum; an error anywhere replies with the fixed `SiteFailure` text, the error stays in
+        the site's log.
     """
-    app = ClientApp()
+    app = ClientApp(mods=[_secure_aggregation_when_asked])
     built: dict[tuple[int, int], Site] = {}
 
     def site_of(context: Context) -> Site:
@@ -124,6 +160,8 @@ def site_app(
     @_sealed
     def train(message: Message, context: Context) -> Message:
         site = site_of(context)
+        if "theta" not in message.content.array_records:  # a SecAgg+ round: Flower's legacy fit format
+            return _secure_reply(site, message)
         if str(_field(message, "round", "noise_at")) == "sites" and site.noise_std <= 0:
             raise PrivacyConfigError(
                 f"Site {site.name!r}: the server expects noise at the sites and this site has no share "
@@ -278,6 +316,7 @@ def run_rounds(
     resume: bool = False,
     on_round: Callable[[RoundLog], None] | None = None,
     max_empty_rounds: int = 3,
+    secure: SecureSum | None = None,
 ) -> list[RoundLog]:
     """The server's loop: start-up checks, then rounds until ``rounds`` are released (or the budget stops it).
 
@@ -293,6 +332,9 @@ def run_rounds(
     With ``checkpoint``, the server's state (θ, ledger, counters; not the noise generator) is written atomically
     when a request goes out and after its replies are in. ``resume=True`` continues from it (an error if it is
     missing: a missing privacy state is never a fresh start); ``resume=False`` refuses to overwrite one that exists.
+
+    With ``secure`` (a `lightning_dp.federated.secure.SecureSum`; noise at the sites, sites built with
+    `secure_site_app`), each round's sum is formed by Flower's SecAgg+ and the server sees nothing else.
 
     Returns:
         One `RoundLog` per round released in this call.
@@ -321,32 +363,12 @@ def run_rounds(
         request = server.new_request()
         if path is not None:
             _save(server, path)  # the request is on record before any site answers it
-        theta = server.theta().detach().cpu().numpy()
-        content: dict[str, Any] = {
-            "theta": ArrayRecord({"theta": Array(theta)}),
-            "round": ConfigRecord({"number": number, "request": request, "noise_at": server.noise_at}),
-        }
-        messages = [
-            Message(RecordDict(content), dst_node_id=node, message_type=TRAIN, group_id=str(request)) for node in names
-        ]
-        by_node = {
-            reply.metadata.src_node_id: reply for reply in grid.send_and_receive(messages, timeout=round_timeout)
-        }
         replies: dict[str, torch.Tensor | None] = {}
-        shares: dict[str, float] = {}
         problems: dict[str, str] = {}
-        for node, name in names.items():
-            reply = by_node.get(node)
-            if reply is None:
-                problems[name] = f"no reply within {round_timeout:g} s"
-            elif reply.has_error():
-                problems[name] = f"failed ({reply.error.reason})"
-            else:
-                replies[name] = _array(reply)
-                declared = _declared_share(reply)
-                if declared is not None:
-                    shares[name] = declared
-        outcome: RoundOutcome = server.round(replies, shares, bounds)
+        if secure is not None:
+            outcome = secure(grid, server, list(names), request)
+        else:
+            outcome, replies, problems = _plain_round(grid, server, names, bounds, number, request, round_timeout)
         if path is not None:
             _save(server, path)
         if outcome.result is None:  # noise at the sites, fewer than min_shares arrived: nothing released or charged
@@ -359,11 +381,12 @@ def run_rounds(
                 )
             continue
         empty = 0
+        sites_replied = len(names) if secure is not None else len(replies) - len(outcome.refused)
         log = RoundLog(
             round=number + 1,
             epsilon=server.epsilon(),
             noise_std=outcome.result.released.noise_std,
-            sites_replied=len(replies) - len(outcome.refused),
+            sites_replied=sites_replied,
             refused={**problems, **outcome.refused},
             seconds=time.monotonic() - started,
         )
@@ -371,6 +394,43 @@ def run_rounds(
         if on_round is not None:
             on_round(log)
     return logs
+
+
+def _plain_round(
+    grid: Grid,
+    server: FederatedServer,
+    names: dict[int, str],
+    bounds: dict[str, float],
+    number: int,
+    request: int,
+    round_timeout: float,
+) -> tuple[RoundOutcome, dict[str, torch.Tensor | None], dict[str, str]]:
+    """θ_t to every site, their sums back, one release (`FederatedServer.round`)."""
+    theta = server.theta().detach().cpu().numpy()
+    content: dict[str, Any] = {
+        "theta": ArrayRecord({"theta": Array(theta)}),
+        "round": ConfigRecord({"number": number, "request": request, "noise_at": server.noise_at}),
+    }
+    messages = [
+        Message(RecordDict(content), dst_node_id=node, message_type=TRAIN, group_id=str(request)) for node in names
+    ]
+    by_node = {reply.metadata.src_node_id: reply for reply in grid.send_and_receive(messages, timeout=round_timeout)}
+    replies: dict[str, torch.Tensor | None] = {}
+    shares: dict[str, float] = {}
+    problems: dict[str, str] = {}
+    for node, name in names.items():
+        reply = by_node.get(node)
+        if reply is None:
+            problems[name] = f"no reply within {round_timeout:g} s"
+        elif reply.has_error():
+            problems[name] = f"failed ({reply.error.reason})"
+        else:
+            replies[name] = _array(reply)
+            declared = _declared_share(reply)
+            if declared is not None:
+                shares[name] = declared
+    outcome: RoundOutcome = server.round(replies, shares, bounds)
+    return outcome, replies, problems
 
 
 def server_app(
@@ -383,7 +443,8 @@ def server_app(
     Run-config keys (``[tool.flwr.app.config]`` in the app's pyproject, or ``flwr run … --run-config``):
     ``rounds`` (int), ``sites`` (expected number of hospitals), ``round-timeout`` and ``start-timeout`` (seconds),
     ``checkpoint`` (a path; empty: none), ``resume`` (true: continue from ``checkpoint``; it must exist),
-    ``log-dir`` (TensorBoard; empty: none), ``report`` (the privacy report's path; empty: none).
+    ``log-dir`` (TensorBoard; empty: none), ``report`` (the privacy report's path; empty: none),
+    ``secure-aggregation`` (true: every round's sum by SecAgg+, with the noise at the sites).
 
     Args:
         make_server: builds the `FederatedServer` (model, N, q, C, noise or target ε) from the ``Context``.
@@ -420,6 +481,7 @@ def server_app(
             checkpoint=str(config.get("checkpoint", "")) or None,
             resume=bool(config.get("resume", False)),
             on_round=on_round,
+            secure=_secure_sum(config),
         )
         if writer is not None:
             writer.close()
@@ -429,6 +491,15 @@ def server_app(
             Path(target).write_text(json.dumps(server.report(), indent=2))
 
     return app
+
+
+def _secure_sum(config: Any) -> SecureSum | None:
+    """SecAgg+ for every round if the run config asks for it (``secure-aggregation = true``)."""
+    if not bool(config.get("secure-aggregation", False)):
+        return None
+    from lightning_dp.federated.secure import SecureSum
+
+    return SecureSum(timeout=float(config.get("round-timeout", 600.0)))
 
 
 def _tensorboard(log_dir: str) -> Any:
@@ -514,8 +585,8 @@ class LocalGrid(Grid):
             if self.drop is not None and self.drop(node, message):
                 ids.append(message_id)
                 continue
-            try:
-                reply = self.client_app(message, self.contexts[node])
+            try:  # a copy, as the network delivers one: a site must not change what the server (or another site) holds
+                reply = self.client_app(copy.deepcopy(message), self.contexts[node])
             except Exception as err:  # noqa: BLE001 - a failing site is a dropout with a reason, as on Flower
                 reply = Message(Error(code=0, reason=f"{type(err).__name__}: {err}"), reply_to=message)
             self._outbox[message_id] = reply

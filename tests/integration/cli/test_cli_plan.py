@@ -152,5 +152,3 @@ def test_plan_refuses_conflicting_sizes_in_one_line(
     assert main(["plan", *args]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and needle in err[0], err
-
-

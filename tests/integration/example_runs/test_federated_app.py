@@ -26,8 +26,10 @@ from lightning_dp.federated.flower import LocalGrid  # noqa: E402
 APP = Path(__file__).parents[3] / "examples" / "federated_app"
 
 
-@pytest.mark.parametrize("noise_at", ["server", "sites"])
-def test_the_example_consortium_app_runs_two_rounds_and_writes_its_report(tmp_path: Path, noise_at: str) -> None:
+@pytest.mark.parametrize(("noise_at", "secure"), [("server", False), ("sites", False), ("sites", True)])
+def test_the_example_consortium_app_runs_two_rounds_and_writes_its_report(
+    tmp_path: Path, noise_at: str, secure: bool
+) -> None:
     sys.path.insert(0, str(APP))
     try:
         from hospitals_app import client_app, server_app
@@ -44,6 +46,7 @@ def test_the_example_consortium_app_runs_two_rounds_and_writes_its_report(tmp_pa
             "report": str(tmp_path / "report.json"),
             "log-dir": str(tmp_path / "tb"),
             "noise-at": noise_at,
+            "secure-aggregation": secure,
         }
     )
     nodes = [
@@ -64,5 +67,7 @@ def test_the_example_consortium_app_runs_two_rounds_and_writes_its_report(tmp_pa
     assert 0 < report["epsilon"] <= config["target-epsilon"]
     assert (tmp_path / "server.pt").exists() and any((tmp_path / "tb").iterdir())
     assert report["noise_at"] == noise_at
-    if noise_at == "sites":  # every share arrived: the central ε; a server seeing each site's sum learns more
+    if noise_at == "sites" and not secure:  # the central ε; a server that sees each site's sum learns more
         assert report["epsilon_without_secure_aggregation"] > report["epsilon"]
+    if secure:  # the server saw the noised sum alone
+        assert report["epsilon_without_secure_aggregation"] == 0.0
