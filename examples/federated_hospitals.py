@@ -266,7 +266,7 @@ def plot(path: Path, rows: dict[str, Any]) -> None:
     names = [*rows["hospitals"], "mean"]
     table = table_rows(rows)
     epsilons = [f"{e:g}" for e in rows["args"]["epsilons"]]
-    fig, axes = plt.subplots(1, len(epsilons), figsize=(5.5 * len(epsilons), 4), sharey=True, squeeze=False)
+    fig, axes = plt.subplots(1, len(epsilons), figsize=(5.5 * len(epsilons), 4.6), sharey=True, squeeze=False)
     colours = {"public": "0.6", "(a)": "tab:orange", "(b)": "tab:blue", "(c)": "tab:olive", "(d)": "tab:green"}
     for ax, eps in zip(axes[0], epsilons):
         shown = [r for r in table if r[1] in (eps, "0", "∞")]
@@ -275,15 +275,16 @@ def plot(path: Path, rows: dict[str, Any]) -> None:
             means = [_mean_std(values[n])[0] for n in names]
             stds = [_mean_std(values[n])[1] for n in names]
             xs = [i + (j - (len(shown) - 1) / 2) * width for i in range(len(names))]
-            label = f"{method} (ε = {e})"
+            label = method if e == eps else f"{method} (ε = {e})"
             ax.bar(xs, means, width, yerr=stds, capsize=2, label=label, color=colours[method.split()[0]])
         ax.set_xticks(range(len(names)), [n.replace("hospital_", "hospital ") for n in names])
-        ax.set_title(f"patient-level ε = {eps} (δ = {rows['runs'][0]['delta']:.0e}) for the private arms")
+        ax.set_title(f"private arms at patient-level ε = {eps} (δ = {rows['runs'][0]['delta']:.0e})")
         ax.set_ylim(40, 100)
         ax.grid(axis="y", alpha=0.3)
     axes[0][0].set_ylabel("test accuracy on the hospital's patients (%)")
-    axes[0][-1].legend(loc="lower right", fontsize=7)
-    fig.tight_layout()
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=3, fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0.1, 1, 1))
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
