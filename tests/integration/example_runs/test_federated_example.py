@@ -20,7 +20,7 @@ def test_federated_hospitals_reports_every_arm_calibrated_epsilons_and_the_noise
     tiny = [
         "--patients", "6", "7", "6", "8", "--patches", "2", "--public-patients", "8", "--public-patches", "2",
         "--pretrain-epochs", "1", "--sgd-epochs", "1", "--fedavg-rounds", "1", "--rounds", "2", "--sample-rate", "0.5",
-        "--epsilons", "1", "4", "--seeds", "0", "1", "--data-root", str(tmp_path / "data"), "--out", str(out),
+        "--epsilons", "1", "--seeds", "0", "1", "--data-root", str(tmp_path / "data"), "--out", str(out),
     ]  # fmt: skip
     monkeypatch.syspath_prepend(str(EXAMPLES))  # the example imports its siblings, as a script does
     threads = torch.get_num_threads()
@@ -36,8 +36,8 @@ def test_federated_hospitals_reports_every_arm_calibrated_epsilons_and_the_noise
     hospitals = ["hospital_b", "hospital_c", "hospital_d", "hospital_e"]
     assert list(stored["hospitals"]) == hospitals and stored["alone"] == rows["alone"]
     for arm in ("alone", "federated"):
-        assert set(stored[arm]) == {"1.0", "4.0"}
-        assert all(len(stored[arm][eps][name]) == 2 for eps in ("1.0", "4.0") for name in hospitals)  # one per seed
+        assert set(stored[arm]) == {"1.0"}
+        assert all(len(stored[arm]["1.0"][name]) == 2 for name in hospitals)  # one per seed
     assert all(len(stored[arm][name]) == 2 for arm in ("pooled", "fedavg") for name in hospitals)
     train = {name: stored["hospitals"][name]["train_patients"] for name in hospitals}
     for run in stored["runs"]:
