@@ -36,8 +36,8 @@ class SyntheticPathologyDataModule(GeneratedDataModule, PatientDataModule):
         num_workers: as in `PatientDataModule`.
         augment: as in `PatientDataModule`.
         site: the hospital the patients come from: a name in `lightning_dp.data.SITES` (``"reference"``,
-            ``"hospital_b"``) or a dict of `SiteStyle` fields (stain, magnification, blur, noise, white
-            balance); ``None``: the reference site. Pre-train on one site and fine-tune on another to
+            ``"hospital_b"`` … ``"hospital_e"``) or a dict of `SiteStyle` fields (stain, magnification, blur, noise,
+            white balance); ``None``: the reference site. Pre-train on one site and fine-tune on another to
             see a domain shift.
 
     Example:

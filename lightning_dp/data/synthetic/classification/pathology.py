@@ -121,8 +121,39 @@ SITES: dict[str, SiteStyle] = {
         white_balance=(0.92, 0.95, 1.08),
         brightness=0.95,
     ),
+    # Three more hospitals, for training across sites (examples/federated_hospitals.py): each shifted its own way.
+    # hospital_c: bluer hematoxylin, pale eosin, a scanner at the lowest magnification, a warm white balance.
+    "hospital_c": SiteStyle(
+        hematoxylin_hue=-0.25,
+        eosin_strength=0.7,
+        magnification=0.7,
+        noise=0.01,
+        white_balance=(1.08, 1.0, 0.9),
+        brightness=1.05,
+    ),
+    # hospital_d: a strong stain, slightly lower magnification, out-of-focus scans with a noisy sensor, dim light.
+    "hospital_d": SiteStyle(
+        hematoxylin_strength=1.3,
+        eosin_strength=1.2,
+        magnification=0.85,
+        blur=1.5,
+        noise=0.04,
+        white_balance=(1.0, 0.95, 1.0),
+        brightness=0.85,
+    ),
+    # hospital_e: a faded stain (weak hematoxylin, a little redder), a green-tinted camera, bright light.
+    "hospital_e": SiteStyle(
+        hematoxylin_hue=0.15,
+        hematoxylin_strength=0.6,
+        eosin_strength=0.8,
+        magnification=1.1,
+        blur=0.4,
+        noise=0.03,
+        white_balance=(0.95, 1.05, 0.95),
+        brightness=1.1,
+    ),
 }
-"""Named sites: ``"reference"`` (no shift, the default) and ``"hospital_b"`` (a shifted hospital)."""
+"""Named sites: ``"reference"`` (no shift, the default) and shifted hospitals ``"hospital_b"`` … ``"hospital_e"``."""
 
 
 def site_style(site: Union[str, SiteStyle, Mapping[str, Any], None]) -> SiteStyle:
