@@ -141,6 +141,8 @@ class FederatedServer:
             formed by secure aggregation; without it the server sees each site's sum with its share alone, and
             `report` gives that ε too (``epsilon_without_secure_aggregation``).
         sites: m, the number of sites (needed with ``noise_at="sites"``).
+        noise_scales: accepted for P3SGD's spelling; more than one scale (the selection among noise scales) is
+            refused with the reason, the selection's score would need the sites' patients.
         min_shares: with ``noise_at="sites"``, the fewest valid shares a round is released with (default m: all).
             A round with fewer is neither released nor charged, and is run again; the budget check assumes this
             many. It is the reconstruction threshold the secure aggregation must have: the server then never sees a
@@ -175,8 +177,16 @@ class FederatedServer:
         noise_at: Literal["server", "sites"] = "server",
         sites: int | None = None,
         min_shares: int | None = None,
+        noise_scales: Sequence[float] | None = None,
     ) -> None:
         owner = "FederatedServer"
+        if noise_scales is not None and len(noise_scales) > 1:
+            raise PrivacyConfigError(
+                f"`{owner}`: noise_scales={list(noise_scales)}: P3SGD's selection among noise scales scores the "
+                "candidates on the round's sampled patients, which live at the sites; across sites that score would "
+                "have to be a clipped per-patient sum each site adds inside the same joint charge, and this server "
+                "has no such exchange. HINT: one scale (noise=…, or target_epsilon=…)."
+            )
         self.num_patients = check_count(owner, "num_patients", num_patients, "the patients of all sites.", minimum=1)
         self.sample_rate = check_sample_rate(owner, sample_rate)
         self.clip_norm = check_finite_positive(owner, "clip_norm", clip_norm, "e.g. 1.0.")

@@ -368,3 +368,9 @@ def test_with_fewer_shares_allowed_the_calibration_plans_for_them_and_the_run_co
     assert server.share_std(0) == share_std(z, CLIP, 3)
     logs = run_rounds(_sites_with_shares(z), server, rounds=6, sites=3)
     assert len(logs) == 6 and server.epsilon() < 2.0  # every share arrived: cheaper than planned
+
+
+def test_several_noise_scales_are_refused_with_the_reason() -> None:
+    with pytest.raises(PrivacyConfigError, match="scores the candidates on the round's sampled patients"):
+        _server(noise_scales=[1.0, 1.5])
+    assert _server(noise_scales=[1.0]).ledger.steps == 0
