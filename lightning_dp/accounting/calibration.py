@@ -159,21 +159,26 @@ def calibrate_factor(
         "calibrate_factor", "rel_tol", rel_tol, 0.0, 0.5, low_closed=False, high_closed=False, hint="1e-3."
     )
     account = get_accountant(accountant)
+    unreachable = (
+        f"`calibrate_factor(target_epsilon={target_epsilon})`: no scaling of {what} up to 1e6 reaches "
+        f"ε ≤ {target_epsilon}. HINT: raise the target, lower the sample rate or train fewer steps."
+    )
+    return smallest_factor(lambda c: account.epsilon(ledger_at(c)) <= target_epsilon, rel_tol, unreachable, 1e-4)
 
-    def fits(factor: float) -> bool:
-        return account.epsilon(ledger_at(factor)) <= target_epsilon
 
+def smallest_factor(fits: Callable[[float], bool], rel_tol: float, unreachable: str, floor: float) -> float:
+    """The smallest c (to ``rel_tol``, by doubling then geometric bisection) with ``fits(c)``; ``fits`` is monotone.
+
+    Raises `PrivacyConfigError` with ``unreachable`` if no c up to 1e6 fits; c below ``floor`` is not searched.
+    """
     low, high = 0.0, 1.0
     while not fits(high):
         low, high = high, high * 2.0
         if high > 1e6:
-            raise PrivacyConfigError(
-                f"`calibrate_factor(target_epsilon={target_epsilon})`: no scaling of {what} up to 1e6 reaches "
-                f"ε ≤ {target_epsilon}. HINT: raise the target, lower the sample rate or train fewer steps."
-            )
+            raise PrivacyConfigError(unreachable)
     if low == 0.0:
         low = high / 2.0
-        while low > 1e-4 and fits(low):
+        while low > floor and fits(low):
             high, low = low, low / 2.0
     while (high - low) / high > rel_tol:
         mid = math.sqrt(low * high)

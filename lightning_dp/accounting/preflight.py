@@ -36,6 +36,7 @@ from typing import Any
 
 __all__ = ["NOISE_TO_SIGNAL_LIMIT", "NoisePreflight", "default_delta"]
 
+
 def default_delta(units: int) -> float:
     """The default δ for N units: min(1e-5, 1/(10N)), far below 1/N (docs/concepts.md, 'Choosing δ').
 

@@ -22,7 +22,6 @@ torch.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -36,8 +35,9 @@ from lightning_dp.accounting import (
     RDPAccountant,
     calibrate_factor,
 )
+from lightning_dp.accounting.calibration import smallest_factor
 from lightning_dp.accounting.repeat_select import search_ledger
-from lightning_dp.errors import PrivacyConfigError, PrivacyStateError
+from lightning_dp.errors import PrivacyStateError
 from lightning_dp.schedules import ConstantNoise, NoiseSchedule
 
 __all__ = ["TrialPlan", "base_factor", "check_covered", "covering_factor", "search_epsilon", "trial_ledger"]
@@ -121,25 +121,11 @@ def covering_factor(plan: TrialPlan, base: PrivacyLedger, unit: PrivacyUnit, del
     def fits(factor: float) -> bool:
         return _under(_curve(trial_ledger(plan, factor, unit, delta)), target)
 
-    low, high = 0.0, 1.0
-    while not fits(high):
-        low, high = high, high * 2.0
-        if high > 1e6:
-            raise PrivacyConfigError(
-                f"`lightning-dp tune`: no noise up to 1e6 times the config's brings a trial with q={plan.sample_rate}, "
-                f"{plan.steps} steps under the search's base curve. HINT: narrow the space's sample_rate / max_steps."
-            )
-    if low == 0.0:
-        low = high / 2.0
-        while low > 1e-6 and fits(low):
-            high, low = low, low / 2.0
-    while (high - low) / high > 1e-6:
-        middle = math.sqrt(low * high)
-        if fits(middle):
-            high = middle
-        else:
-            low = middle
-    return high
+    unreachable = (
+        f"`lightning-dp tune`: no noise up to 1e6 times the config's brings a trial with q={plan.sample_rate}, "
+        f"{plan.steps} steps under the search's base curve. HINT: narrow the space's sample_rate / max_steps."
+    )
+    return smallest_factor(fits, 1e-6, unreachable, 1e-6)
 
 
 def check_covered(ledger: PrivacyLedger, base: PrivacyLedger, trial: int) -> None:
