@@ -214,9 +214,7 @@ class CallbackAuditResult:
 
     def summary(self) -> str:
         verdict = "passed" if self.passed else "FAILED: the run leaks more than its ε says"
-        for check in self.checks:
-            if not check.passed:
-                verdict += f" ({check.name}: {check.statistic:.3f} vs limit {check.limit:.3f} at {check.worst})"
+        verdict += "".join(check.failure(".3f") for check in self.checks)
         if self.changed_state:
             verdict += f" (state outside the parameters changed: {self.changed_state[:5]})"
         return (

@@ -122,9 +122,7 @@ class FederatedAuditResult:
 
     def summary(self) -> str:
         verdict = "passed" if self.passed else "FAILED"
-        for check in self.checks:
-            if not check.passed:
-                verdict += f" ({check.name}: {check.statistic:.4g} vs limit {check.limit:.4g} at {check.worst})"
+        verdict += "".join(check.failure(".4g") for check in self.checks)
         return (
             f"federated P3SGD over {len(self.sites)} sites, canary at {self.canary_site!r}, {self.rounds} rounds "
             f"through Flower: {verdict}. The canary moved the release by {max(self.moved):.4f}·C at most (bound 1), "

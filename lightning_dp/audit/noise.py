@@ -77,6 +77,17 @@ class NoiseCheck:
     significance: float
     tests: int
 
+    def failure(self, spec: str) -> str:
+        """`` (name: statistic vs limit limit at worst)`` with the numbers formatted by ``spec``; ``""`` if it passed.
+
+        Example:
+            >>> NoiseCheck("fresh noise", False, 0.51234, 0.3, "step 5", 1e-3, 1).failure(".3f")
+            ' (fresh noise: 0.512 vs limit 0.300 at step 5)'
+        """
+        if self.passed:
+            return ""
+        return f" ({self.name}: {self.statistic:{spec}} vs limit {self.limit:{spec}} at {self.worst})"
+
 
 def fresh_noise(orthogonal_in: Array, orthogonal_out: Array, significance: float) -> NoiseCheck:
     """No two steps' noise vectors correlate beyond chance, at any lag, within or across the two worlds.

@@ -1,49 +1,15 @@
 """`P3SGD`: patient-level differentially private training of any LightningModule (Wu et al., CVPR 2019).
 
-Add the callback to a Trainer; the module stays an ordinary LightningModule whose
-``training_step`` returns a loss. Each optimizer step becomes one P3SGD round:
+Add the callback to a Trainer; the module stays an ordinary LightningModule whose ``training_step`` returns a loss.
+Each optimizer step is one P3SGD round: Poisson-sample patients, train each from θ_t on its own images, clip each
+change Δ_i (parameters and floating-point buffers) to C, sum, add Gaussian noise once, divide by q·N, optionally
+select among noise scales, and step (the shared `PrivateStep`; noise and charge come from one `Release.release`).
 
-1. Poisson-sample patients (rate q; every rank draws the same sample).
-2. For each sampled patient, start from θ_t and run local SGD through the module's own
-   ``training_step`` over that patient's images only; Δ_i = θ_local − θ_t, covering all trainable
-   parameters **and** floating-point buffers (BatchNorm running statistics).
-3. Clip each Δ_i to C; sum (across DDP ranks); add Gaussian noise once; divide by the expected
-   patient count q·N; optionally select among noise scales with the exponential mechanism.
-4. θ_{t+1} = θ_t + server_lr · Δ̃ (the shared `PrivateStep`); the noise and the ledger's charge come from
-   one call (`Release.release`).
-
-How it plugs into Lightning, using public hooks only: in ``setup`` the callback switches the
-module to manual optimization, routes the module's ``training_step`` through the round, and has
-the datamodule's ``train_dataloader`` yield one tick per round (the images are read by the
-round, patient by patient). Training metrics the module logs during local updates are computed
-from private data and are dropped; only sanitized quantities are logged.
-
-**One local step: a per-patient gradient.** When a patient's local update is a single plain SGD step
-(``local_epochs=1``, ``local_momentum=0``, ``local_weight_decay=0``, the patient's images fit in one
-local batch), Δ_i = −γ·g_i with g_i the gradient of the mean loss over patient i's images. Then the
-round's patients are not trained one by one (a patient with more images than ``local_batch_size`` is, within
-the round): one batched forward and backward pass over all their
-images gives every g_i through the per-sample engine's grouped norms (a patient is a group of its
-images), clipped at C_u/γ (i.e. Δ_i at C_u), summed and handed to the same release. The release, the
-noise, the ledger event and the normalizer q·N are those of the loop; the result equals the loop's up
-to float round-off. It is taken only when exactly equivalent: a model whose update releases buffers
-(BatchNorm in training mode), or whose loss couples the images of a batch (checked at the start on a
-float64 copy, as DPSGD's start-up check does), or that has a layer without a per-sample rule, or Dropout in
-training mode, or a training_step that draws random numbers, runs the loop, and says why in one info line. A round
-whose batched pass draws random numbers all the same (switched on after start-up) is re-done by the loop, silently.
-
-**Several local steps: stacked local SGD.** Otherwise (several local epochs or mini-batches, momentum, weight
-decay, or a model the engine above refuses), the copies of a chunk of equal-sized patients are stacked and each
-local step is one ``torch.func`` ``vmap(grad(loss))`` over the chunk (`StackedLocalSGD`): every patient sees the
-loop's mini-batches in the loop's order (drawn from the same generator) and its own copy only, and its Δ_i is
-clipped as in the loop. It needs a ``training_step`` that torch.func can run (no ``.item()``, no in-place buffer
-updates) and no Dropout or BatchNorm in training mode; on start-up it is compared with the loop on two
-pseudo-patients, and a model that fails any of this runs the loop (said in one info line).
-
-With either, and on the loop with ``vectorize="auto"``, the selection scores its candidates on the round's
-images in chunks of ``vectorize_batch_size`` rather than patient by patient. All of this is opt-in
-(``vectorize="auto"``); ``vectorize=False``, the loop, is the default. Their speed on CPU is in
-docs/results/speed.md (benchmarks/p3sgd_vectorized.py).
+The callback holds the privacy arguments, the Lightning look-ups (public hooks only: manual optimization, the
+module's ``training_step`` routed through the round, one dataloader tick per round), the report and the state. The
+round itself (loop, batched one-step, stacked local SGD, and when each is exactly the loop) lives in
+`lightning_dp.training.patient_rounds`. The algorithm, its neighbouring relation, the vectorized paths and their
+conditions are described in docs/algorithms/p3sgd.md; their speed in docs/results/speed.md.
 """
 
 from __future__ import annotations

@@ -184,6 +184,32 @@ def manifest_lines(
         )
 
 
+def manifest_files(
+    csv_path: Path,
+    owner: str,
+    form: ManifestFormat,
+    required: tuple[str, ...],
+    file_column: str,
+    give: str,
+    repeat_hint_end: str,
+) -> Generator[tuple[int, dict[str, int], list[str], str, Path], None, None]:
+    """`manifest_lines` with each row's file resolved and listed once: ``(line, index, fields, where, file)``.
+
+    ``where`` names the row in messages; ``file`` is the existing file of column ``file_column`` (`resolve_file`,
+    whose hint asks for ``give``); a file listed on an earlier row raises (`check_listed_once`, whose hint ends
+    with ``repeat_hint_end``). Use it with `contextlib.closing`, as `manifest_lines`.
+    """
+    folder = csv_path.parent
+    seen: dict[Path, int] = {}
+    with closing(manifest_lines(csv_path, owner, form, required)) as lines:
+        for line, index, cells in lines:
+            where = f"{owner}: row {line}"
+            raw = cells[index[file_column]].strip()
+            path = resolve_file(raw, folder, where, file_column, "image", give)
+            check_listed_once(seen, path, raw, line, where, repeat_hint_end)
+            yield line, index, cells, where, path
+
+
 def resolve_file(raw: str, folder: Path, where: str, column: str, noun: str, give: str) -> Path:
     """The file a manifest field names (relative to the manifest's ``folder``), which must exist.
 
@@ -293,15 +319,12 @@ def read_manifest(path: Union[str, os.PathLike[str]], *, check_images: bool = Tr
     """
     csv_path = Path(path)
     owner = f"`read_manifest({str(csv_path)!r})`"
-    folder = csv_path.parent
     rows: list[ManifestRow] = []
-    seen: dict[Path, int] = {}
-    with closing(manifest_lines(csv_path, owner, _FORMAT, REQUIRED_COLUMNS)) as lines:
-        for line, index, cells in lines:
-            where = f"{owner}: row {line}"
-            raw_path = cells[index["path"]].strip()
-            image_path = resolve_file(raw_path, folder, where, "path", "image", "the image file")
-            check_listed_once(seen, image_path, raw_path, line, where, "; remove the repetition.")
+    files = manifest_files(
+        csv_path, owner, _FORMAT, REQUIRED_COLUMNS, "path", "the image file", "; remove the repetition."
+    )
+    with closing(files) as lines:
+        for line, index, cells, where, image_path in lines:
             if check_images:
                 _check_image(image_path, where)
             raw_label = cells[index["label"]].strip()

@@ -48,9 +48,8 @@ from torch import Tensor
 from lightning_dp.data.errors import DataError
 from lightning_dp.data.manifest import (
     ManifestFormat,
-    check_listed_once,
     describe_range,
-    manifest_lines,
+    manifest_files,
     read_patient_id,
     read_split,
     resolve_file,
@@ -170,13 +169,8 @@ def read_segmentation_manifest(
     folder = csv_path.parent
     required = SEGMENTATION_COLUMNS if require_masks else ("image", "patient_id")
     rows: list[SegmentationRow] = []
-    seen: dict[Path, int] = {}
-    with closing(manifest_lines(csv_path, owner, _FORMAT, required)) as lines:
-        for line, index, cells in lines:
-            where = f"{owner}: row {line}"
-            raw_image = cells[index["image"]].strip()
-            image = resolve_file(raw_image, folder, where, "image", "image", "the file")
-            check_listed_once(seen, image, raw_image, line, where, ".")
+    with closing(manifest_files(csv_path, owner, _FORMAT, required, "image", "the file", ".")) as lines:
+        for line, index, cells, where, image in lines:
             raw_mask = cells[index["mask"]].strip() if "mask" in index else ""
             if not raw_mask and require_masks:
                 raise DataError(

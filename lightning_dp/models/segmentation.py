@@ -244,6 +244,20 @@ def _resolve_segmentation_trainable(trainable: Any) -> tuple[SegmentationTrainab
     return tuple(dict.fromkeys(trainable))
 
 
+_LOSS_KINDS = ("bce", "dice", "bce_dice")
+_REDUCTIONS = ("mean", "sum", "none")
+
+
+def _check_choice(owner: str, name: str, value: object, choices: tuple[str, ...], hint: str = "") -> None:
+    """Raises `PrivacyConfigError` unless ``value`` is one of ``choices`` (the message ends with ``HINT: hint``)."""
+    if value not in choices:
+        allowed = ", ".join(map(repr, choices[:-1])) + f" or {choices[-1]!r}"
+        raise PrivacyConfigError(
+            f"`{owner}({name}={value!r})`: {name} must be {allowed}, found {value!r}."
+            + (f" HINT: {hint}" if hint else "")
+        )
+
+
 def segmentation_loss(
     logits: Tensor,
     masks: Tensor,
@@ -289,16 +303,14 @@ def segmentation_loss(
             f"`{owner}(logits, masks)`: logits and masks must have the same shape (B, C, *spatial), found "
             f"{tuple(logits.shape)} and {tuple(masks.shape)}. HINT: masks are (B, 1, H, W) for binary segmentation."
         )
-    if kind not in ("bce", "dice", "bce_dice"):
-        raise PrivacyConfigError(
-            f"`{owner}(kind={kind!r})`: kind must be 'bce', 'dice' or 'bce_dice', found {kind!r}. "
-            "HINT: 'bce_dice' is a robust default."
-        )
-    if reduction not in ("mean", "sum", "none"):
-        raise PrivacyConfigError(
-            f"`{owner}(reduction={reduction!r})`: reduction must be 'mean', 'sum' or 'none', found {reduction!r}. "
-            "HINT: 'none' returns the per-sample losses (DPSGD(loss_reduction='none'))."
-        )
+    _check_choice(owner, "kind", kind, _LOSS_KINDS, "'bce_dice' is a robust default.")
+    _check_choice(
+        owner,
+        "reduction",
+        reduction,
+        _REDUCTIONS,
+        "'none' returns the per-sample losses (DPSGD(loss_reduction='none')).",
+    )
     check_finite_positive(owner, "smooth", smooth, "1.0 is usual.")
     masks = masks.to(logits.dtype)
     dims = tuple(range(1, logits.dim()))
@@ -410,25 +422,18 @@ class SegmentationModule(QuietFrozenModes, pl.LightningModule):
         super().__init__()
         owner = type(self).__name__
         check_finite_positive(owner, "lr", lr, "e.g. 1e-3 for Adam, 0.05 for SGD.")
-        if loss not in ("bce", "dice", "bce_dice"):
-            raise PrivacyConfigError(
-                f"`{owner}(loss={loss!r})`: loss must be 'bce', 'dice' or 'bce_dice', found {loss!r}. "
-                "HINT: every one is computed per sample."
-            )
-        if loss_reduction not in ("mean", "sum", "none"):
-            raise PrivacyConfigError(
-                f"`{owner}(loss_reduction={loss_reduction!r})`: loss_reduction must be 'mean', 'sum' or 'none', found "
-                f"{loss_reduction!r}. HINT: pass the same value to DPSGD(loss_reduction=...)."
-            )
-        if lr_schedule not in ("constant", "cosine"):
-            raise PrivacyConfigError(
-                f"`{owner}(lr_schedule={lr_schedule!r})`: lr_schedule must be 'constant' or 'cosine', found "
-                f"{lr_schedule!r}. HINT: 'cosine' decays the rate to 0 over the run's optimizer steps."
-            )
-        if optimizer not in ("adam", "sgd"):
-            raise PrivacyConfigError(
-                f"`{owner}(optimizer={optimizer!r})`: optimizer must be 'adam' or 'sgd', found {optimizer!r}."
-            )
+        _check_choice(owner, "loss", loss, _LOSS_KINDS, "every one is computed per sample.")
+        _check_choice(
+            owner, "loss_reduction", loss_reduction, _REDUCTIONS, "pass the same value to DPSGD(loss_reduction=...)."
+        )
+        _check_choice(
+            owner,
+            "lr_schedule",
+            lr_schedule,
+            ("constant", "cosine"),
+            "'cosine' decays the rate to 0 over the run's optimizer steps.",
+        )
+        _check_choice(owner, "optimizer", optimizer, ("adam", "sgd"))
         self.grid = _check_thresholds(owner, threshold, threshold_grid)
         groups = _resolve_segmentation_trainable(trainable)
         self.save_hyperparameters()

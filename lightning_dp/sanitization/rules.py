@@ -422,13 +422,7 @@ class LinearRule(ProductRule):
 
     def per_sample_grads(self, module: Any, activation: Tensor, backprops: Tensor) -> dict[nn.Parameter, Tensor]:
         a, g = _linear_views(activation, backprops)
-        grads: dict[nn.Parameter, Tensor] = {}
-        if module.weight.requires_grad:
-            grads[module.weight] = torch.bmm(g.transpose(1, 2), a)
-        bias = _trained_bias(module)
-        if bias is not None:
-            grads[bias] = g.sum(1)
-        return grads
+        return _weight_and_bias(module, lambda: torch.bmm(g.transpose(1, 2), a), lambda: g.sum(1))
 
     def group_grads(
         self, module: Any, activation: Tensor, backprops: Tensor, group_size: GroupSize
@@ -439,13 +433,7 @@ class LinearRule(ProductRule):
         a, g = _linear_views(activation, backprops)
         a, g = _pad_groups(a, group_size), _pad_groups(g, group_size)
         a, g = a.reshape(a.shape[0], -1, a.shape[-1]), g.reshape(g.shape[0], -1, g.shape[-1])
-        grads: dict[nn.Parameter, Tensor] = {}
-        if module.weight.requires_grad:
-            grads[module.weight] = torch.bmm(g.transpose(1, 2), a)
-        bias = _trained_bias(module)
-        if bias is not None:
-            grads[bias] = g.sum(1)
-        return grads
+        return _weight_and_bias(module, lambda: torch.bmm(g.transpose(1, 2), a), lambda: g.sum(1))
 
     def weighted_sum(self, module: Any, activation: Tensor, weighted: Tensor, sums: Sums) -> None:
         if module.weight in sums:
@@ -453,7 +441,63 @@ class LinearRule(ProductRule):
             sums[module.weight].add_(g.reshape(-1, g.shape[-1]).t() @ a.reshape(-1, a.shape[-1]))
 
 
-class ConvRule(ProductRule):
+class _ConvolutionRule(ProductRule):
+    """What a convolution and a transposed convolution share: the weight gradient is one weight-gradient convolution.
+
+    A subclass says how the layer's input is laid out for it (`_geometry`); a per-sample weight gradient folds the
+    batch into the convolution's groups, a group's sums its rows as the convolution's batch.
+    """
+
+    @abstractmethod
+    def _geometry(
+        self, module: Any, activation: Tensor, backprops: Tensor
+    ) -> tuple[Tensor, Sequence[int], list[int] | None]:
+        """The input as the weight-gradient convolution reads it, its padding, and the output padding if transposed."""
+
+    def _taps(self, module: Any, x: Tensor, grad: Tensor, padding: Sequence[int]) -> list[_Tap] | None:
+        """The live taps if the weight gradient is better formed tap by tap (`_live_taps`); None otherwise."""
+        return None
+
+    def _weight_grad(self, module: Any, activation: Tensor, grad: Tensor, per_sample: bool) -> Tensor:
+        x, padding, output_padding = self._geometry(module, activation, grad)
+        taps = self._taps(module, x, grad, padding)
+        if taps is None:
+            return _conv_weight_grad(module, x, grad, padding, output_padding, per_sample=per_sample)
+        # Mostly padding: one product per live tap (batch and positions contracted for the sum).
+        return _tapwise_weight_grad(module, x, grad, taps) if per_sample else _tapwise_weight_sum(module, x, grad, taps)
+
+    def per_sample_grads(self, module: Any, activation: Tensor, backprops: Tensor) -> dict[nn.Parameter, Tensor]:
+        return _weight_and_bias(
+            module,
+            lambda: self._weight_grad(module, activation, backprops, per_sample=True),
+            lambda: self.bias_grads(module, backprops),
+        )
+
+    def group_grads(
+        self, module: Any, activation: Tensor, backprops: Tensor, group_size: GroupSize
+    ) -> dict[nn.Parameter, Tensor]:
+        # One weight-gradient convolution with the groups folded into the convolution's groups and their rows as
+        # its batch (summed by the convolution itself): no per-row gradient is formed.
+        if isinstance(group_size, int) and group_size == 1:
+            return self.trained_grads(module, activation, backprops)
+
+        def weight_grad() -> Tensor:
+            x, padding, output_padding = self._geometry(module, activation, backprops)
+            return _conv_group_weight_grad(
+                module, _pad_groups(x, group_size), _pad_groups(backprops, group_size), padding, output_padding
+            )
+
+        def bias_grad() -> Tensor:
+            return sum_groups({module.bias: self.bias_grads(module, backprops)}, group_size)[module.bias]
+
+        return _weight_and_bias(module, weight_grad, bias_grad)
+
+    def weighted_sum(self, module: Any, activation: Tensor, weighted: Tensor, sums: Sums) -> None:
+        if module.weight in sums:
+            sums[module.weight].add_(self._weight_grad(module, activation, weighted, per_sample=False))
+
+
+class ConvRule(_ConvolutionRule):
     """nn.Conv1d/2d/3d with any stride, dilation, groups, padding (numbers, 'same', 'valid') and padding mode.
 
     Materialized per-sample gradients are one grouped weight-gradient convolution with the batch
@@ -475,51 +519,17 @@ class ConvRule(ProductRule):
         unfolded = _unfold(x, module.kernel_size, module.dilation, padding, module.stride)
         return unfolded, backprops.reshape(backprops.shape[0], backprops.shape[1], -1)
 
-    def per_sample_grads(self, module: Any, activation: Tensor, backprops: Tensor) -> dict[nn.Parameter, Tensor]:
-        grads: dict[nn.Parameter, Tensor] = {}
-        weight = module.weight
-        if weight.requires_grad:
-            x, padding = _conv_geometry(module, activation)
-            taps = _live_taps(module, x, backprops, padding)
-            if taps is not None:
-                grads[weight] = _tapwise_weight_grad(module, x, backprops, taps)
-            else:
-                grads[weight] = _conv_weight_grad(module, x, backprops, padding, None, per_sample=True)
-        bias = _trained_bias(module)
-        if bias is not None:
-            grads[bias] = self.bias_grads(module, backprops)
-        return grads
+    def _geometry(
+        self, module: Any, activation: Tensor, backprops: Tensor
+    ) -> tuple[Tensor, Sequence[int], list[int] | None]:
+        x, padding = _conv_geometry(module, activation)
+        return x, padding, None
 
-    def group_grads(
-        self, module: Any, activation: Tensor, backprops: Tensor, group_size: GroupSize
-    ) -> dict[nn.Parameter, Tensor]:
-        # One weight-gradient convolution with the groups folded into the convolution's groups and their rows as
-        # its batch (summed by the convolution itself): no per-row gradient is formed.
-        if isinstance(group_size, int) and group_size == 1:
-            return self.trained_grads(module, activation, backprops)
-        grads: dict[nn.Parameter, Tensor] = {}
-        weight = module.weight
-        if weight.requires_grad:
-            x, padding = _conv_geometry(module, activation)
-            grads[weight] = _conv_group_weight_grad(
-                module, _pad_groups(x, group_size), _pad_groups(backprops, group_size), padding, None
-            )
-        bias = _trained_bias(module)
-        if bias is not None:
-            grads[bias] = sum_groups({bias: self.bias_grads(module, backprops)}, group_size)[bias]
-        return grads
-
-    def weighted_sum(self, module: Any, activation: Tensor, weighted: Tensor, sums: Sums) -> None:
-        if module.weight in sums:
-            x, padding = _conv_geometry(module, activation)
-            taps = _live_taps(module, x, weighted, padding)
-            if taps is not None:  # mostly padding: one product per live tap, batch and positions contracted
-                sums[module.weight].add_(_tapwise_weight_sum(module, x, weighted, taps))
-            else:
-                sums[module.weight].add_(_conv_weight_grad(module, x, weighted, padding, None, per_sample=False))
+    def _taps(self, module: Any, x: Tensor, grad: Tensor, padding: Sequence[int]) -> list[_Tap] | None:
+        return _live_taps(module, x, grad, padding)
 
 
-class ConvTransposeRule(ProductRule):
+class ConvTransposeRule(_ConvolutionRule):
     """nn.ConvTranspose1d/2d/3d with any stride, padding, output padding, dilation and groups.
 
     A transposed convolution is the adjoint of the convolution with the same weight, stride,
@@ -557,47 +567,10 @@ class ConvTransposeRule(ProductRule):
         assert unfolded.shape[2] == x[0, 0].numel()  # the adjoint's positions are the (padded) input's
         return unfolded, x.reshape(b, x.shape[1], -1)
 
-    def per_sample_grads(self, module: Any, activation: Tensor, backprops: Tensor) -> dict[nn.Parameter, Tensor]:
-        grads: dict[nn.Parameter, Tensor] = {}
-        weight = module.weight
-        if weight.requires_grad:
-            output_padding = _output_padding(module, activation, backprops)
-            grads[weight] = _conv_weight_grad(
-                module, activation, backprops, module.padding, output_padding, per_sample=True
-            )
-        bias = _trained_bias(module)
-        if bias is not None:
-            grads[bias] = self.bias_grads(module, backprops)
-        return grads
-
-    def group_grads(
-        self, module: Any, activation: Tensor, backprops: Tensor, group_size: GroupSize
-    ) -> dict[nn.Parameter, Tensor]:
-        if isinstance(group_size, int) and group_size == 1:
-            return self.trained_grads(module, activation, backprops)
-        grads: dict[nn.Parameter, Tensor] = {}
-        weight = module.weight
-        if weight.requires_grad:
-            output_padding = _output_padding(module, activation, backprops)
-            grads[weight] = _conv_group_weight_grad(
-                module,
-                _pad_groups(activation, group_size),
-                _pad_groups(backprops, group_size),
-                module.padding,
-                output_padding,
-            )
-        bias = _trained_bias(module)
-        if bias is not None:
-            grads[bias] = sum_groups({bias: self.bias_grads(module, backprops)}, group_size)[bias]
-        return grads
-
-    def weighted_sum(self, module: Any, activation: Tensor, weighted: Tensor, sums: Sums) -> None:
-        if module.weight in sums:
-            output_padding = _output_padding(module, activation, weighted)
-            weight_grad = _conv_weight_grad(
-                module, activation, weighted, module.padding, output_padding, per_sample=False
-            )
-            sums[module.weight].add_(weight_grad)
+    def _geometry(
+        self, module: Any, activation: Tensor, backprops: Tensor
+    ) -> tuple[Tensor, Sequence[int], list[int] | None]:
+        return activation, module.padding, _output_padding(module, activation, backprops)
 
 
 class PReLURule(LayerRule):
@@ -934,6 +907,19 @@ def _expand(mask: Tensor, like: Tensor) -> Tensor:
 def _trained_bias(module: nn.Module) -> nn.Parameter | None:
     bias = getattr(module, "bias", None)
     return bias if isinstance(bias, nn.Parameter) and bias.requires_grad else None
+
+
+def _weight_and_bias(
+    module: Any, weight_grad: Callable[[], Tensor], bias_grad: Callable[[], Tensor]
+) -> dict[nn.Parameter, Tensor]:
+    """A weight-and-bias layer's gradients, formed for the parameters that are trained (weight first)."""
+    grads: dict[nn.Parameter, Tensor] = {}
+    if module.weight.requires_grad:
+        grads[module.weight] = weight_grad()
+    bias = _trained_bias(module)
+    if bias is not None:
+        grads[bias] = bias_grad()
+    return grads
 
 
 def _conv_weight_grad(

@@ -325,11 +325,19 @@ class LoopRound(PatientRound):
         return stats
 
 
+class _VectorizedRound(PatientRound):
+    """A round that trains many patients at once: ``params`` are the ids of the parameters it trains."""
+
+    def __init__(self, parts: RoundParts) -> None:
+        super().__init__(parts)
+        self.params = frozenset(id(p) for p in parts.state.params)
+
+
 class _DrewRandomNumbers(Exception):
     """The batched pass's training_step drew random numbers: the loop re-does the round (nothing is said)."""
 
 
-class BatchedRound(PatientRound):
+class BatchedRound(_VectorizedRound):
     """One plain local step per patient: Δ_i = −γ·g_i, every g_i from batched passes of the per-sample engine.
 
     clip_{C_u}(Δ_i) = −γ·clip_{C_u/γ}(g_i), g_i the gradient of the mean loss over patient i's images; the engine takes
@@ -343,7 +351,6 @@ class BatchedRound(PatientRound):
         super().__init__(parts)
         self.clipper = clipper
         self.images_per_pass = images_per_pass
-        self.params = frozenset(id(p) for p in parts.state.params)
 
     @classmethod
     def build(cls, parts: RoundParts, images_per_pass: int, share: Sequence[Any] = ()) -> BatchedRound | str:
@@ -440,7 +447,7 @@ class BatchedRound(PatientRound):
         return stats
 
 
-class StackedRound(PatientRound):
+class StackedRound(_VectorizedRound):
     """Several local steps: the copies of a chunk of equal-sized patients trained at once (`StackedLocalSGD`).
 
     Each patient's image orders come from its own generator and its images from its own stream, as in the loop, so each
@@ -454,7 +461,6 @@ class StackedRound(PatientRound):
         super().__init__(parts)
         self.stacked = stacked
         self.images_per_step = images_per_step
-        self.params = frozenset(id(p) for p in parts.state.params)
 
     @classmethod
     def build(cls, parts: RoundParts, images_per_step: int) -> StackedRound | str:
