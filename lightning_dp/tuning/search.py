@@ -37,6 +37,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from lightning_dp._plan_config import _number
 from lightning_dp.accounting import PrivacyLedger, RDPAccountant, default_delta
 from lightning_dp.accounting.repeat_select import draw_trials, search_ledger, truncated_negative_binomial_gamma
 from lightning_dp.errors import PrivacyConfigError, PrivacyStateError
@@ -91,15 +92,6 @@ class SearchSpec:
     metric: str
     mode: Literal["max", "min"]
     space: dict[str, Dimension]
-
-
-def _number(value: Any) -> Any:
-    if isinstance(value, str):
-        try:
-            return float(value)
-        except ValueError:
-            return value
-    return value
 
 
 def _trials(raw: Any) -> tuple[float, float, str]:
