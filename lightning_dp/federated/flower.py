@@ -14,6 +14,7 @@ hospital), `LocalGrid` runs the same messages through the same ``ClientApp`` in 
 
 from __future__ import annotations
 
+import contextvars
 import copy
 import json
 import logging
@@ -85,26 +86,43 @@ def _sealed(handler: Callable[[Message, Context], Message]) -> Callable[[Message
     return run
 
 
+_IN_SECURE_AGGREGATION: contextvars.ContextVar[bool] = contextvars.ContextVar("in_secure_aggregation", default=False)
+
+
 def _secure_aggregation_when_asked(message: Message, context: Context, call_next: Any) -> Message:
     """Flower's ``secaggplus_mod`` on the rounds the server runs through SecAgg+ (`SecureSum`), not on plain ones."""
     if message.metadata.message_type == TRAIN and RECORD_KEY_CONFIGS in message.content.config_records:
-        return secaggplus_mod(message, context, call_next)
+        token = _IN_SECURE_AGGREGATION.set(True)
+        try:
+            return secaggplus_mod(message, context, call_next)
+        finally:
+            _IN_SECURE_AGGREGATION.reset(token)
     return call_next(message, context)
 
 
 def _secure_reply(site: Site, message: Message) -> Message:
-    """The site's noised clipped sum in the format SecAgg+ masks (one weight per site: the protocol's mean × m')."""
+    """The site's noised clipped sum in the format SecAgg+ masks (one weight per site: the protocol's mean × m').
+
+    Answered only inside the protocol's masking stage (never in the clear), with a share at least the server's plan,
+    and only if the protocol's coordinate clipping leaves the site's noised sum whole (see `lightning_dp.federated.
+    secure`).
+    """
+    if not _IN_SECURE_AGGREGATION.get():
+        raise PrivacyConfigError(f"Site {site.name!r}: a fit message outside SecAgg+ would carry the sum in the clear.")
     fitins = compat.recorddict_to_fitins(message.content, keep_input=True)
-    if site.noise_std <= 0:
+    planned = float(fitins.config["planned_share"])
+    if site.noise_std < planned * (1 - 1e-9):
         raise PrivacyConfigError(
-            f"Site {site.name!r}: secure aggregation carries the sites' noise shares and this site has none "
-            "(noise_std=0). HINT: set the site's noise_std (share_std)."
+            f"Site {site.name!r}: its noise share {site.noise_std:.6g} is below the server's plan {planned:.6g}. "
+            "HINT: compute it with the consortium's settings (calibrated_multiplier with sites and min_shares)."
         )
     theta = torch.from_numpy(np.array(parameters_to_ndarrays(fitins.parameters)[0], copy=True))
-    clipped_sum = site.reply(theta, int(fitins.config["request"]))
+    noised = site.reply(theta, int(fitins.config["request"]))
+    if float(noised.abs().max()) > float(fitins.config["clipping_range"]):
+        raise PrivacyConfigError(f"Site {site.name!r}: SecAgg+'s coordinate clipping would remove this site's noise.")
     fitres = FitRes(
         Status(Code.OK, ""),
-        ndarrays_to_parameters([clipped_sum.detach().cpu().numpy()]),
+        ndarrays_to_parameters([noised.detach().cpu().numpy()]),
         num_examples=1,
         metrics={"noise_std": site.noise_std},
     )
@@ -112,7 +130,9 @@ def _secure_reply(site: Site, message: Message) -> Message:
 
 
 def site_app(
-    make_site: Callable[[Context], Site], id_key: Callable[[Context], bytes | None] | None = None
+    make_site: Callable[[Context], Site],
+    id_key: Callable[[Context], bytes | None] | None = None,
+    require_secure_aggregation: Callable[[Context], bool] | bool = False,
 ) -> ClientApp:
     """A Flower ``ClientApp`` for one hospital: it builds its `Site` with ``make_site(context)`` and answers rounds.
 
@@ -123,6 +143,9 @@ def site_app(
             secret and the request, `Site.patients_of_round`).
         id_key: the consortium's id key for the start-up collision check (`Site.id_digests`), or ``None``. Read it
             from the site's own settings (``context.node_config`` or a file), never from ``context.run_config``.
+        require_secure_aggregation: the site answers rounds only through SecAgg+ (a plain round is refused): the
+            site's own guarantee that the server never sees its sum, whatever the run config says. A bool, or read
+            from the context (e.g. ``lambda c: bool(c.node_config.get("require-secure-aggregation", False))``).
 
     Returns:
         The ``ClientApp``. Its ``train`` handler replies with the clipped sum (and the site's public name and noise
@@ -162,6 +185,11 @@ def site_app(
         site = site_of(context)
         if "theta" not in message.content.array_records:  # a SecAgg+ round: Flower's legacy fit format
             return _secure_reply(site, message)
+        required = require_secure_aggregation
+        if required(context) if callable(required) else required:
+            raise PrivacyConfigError(
+                f"Site {site.name!r} answers only through secure aggregation; this round is plain."
+            )
         if str(_field(message, "round", "noise_at")) == "sites" and site.noise_std <= 0:
             raise PrivacyConfigError(
                 f"Site {site.name!r}: the server expects noise at the sites and this site has no share "
@@ -340,6 +368,11 @@ def run_rounds(
         One `RoundLog` per round released in this call.
     """
     path = None if checkpoint is None else Path(checkpoint)
+    if path is None and resume:
+        raise PrivacyStateError(
+            "run_rounds: resume=True without a checkpoint: there is no ledger to continue. HINT: pass the run's "
+            "checkpoint path."
+        )
     if path is not None and resume:
         if not path.exists():
             raise PrivacyStateError(
@@ -366,7 +399,7 @@ def run_rounds(
         replies: dict[str, torch.Tensor | None] = {}
         problems: dict[str, str] = {}
         if secure is not None:
-            outcome = secure(grid, server, list(names), request)
+            outcome = secure(grid, server, {node: bounds[name] for node, name in names.items()}, request)
         else:
             outcome, replies, problems = _plain_round(grid, server, names, bounds, number, request, round_timeout)
         if path is not None:
@@ -381,7 +414,7 @@ def run_rounds(
                 )
             continue
         empty = 0
-        sites_replied = len(names) if secure is not None else len(replies) - len(outcome.refused)
+        sites_replied = secure.summed if secure is not None else len(replies) - len(outcome.refused)
         log = RoundLog(
             round=number + 1,
             epsilon=server.epsilon(),

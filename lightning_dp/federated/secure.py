@@ -6,10 +6,13 @@ Each site adds its noise share to its clipped sum (`Site` with ``noise_std``), a
 server can unmask the sum of the surviving sites' vectors and nothing else. `FederatedServer.secure_round` releases
 that sum and charges the shares it holds.
 
-What the protocol does to the numbers, all at the site, after the noise (post-processing): every coordinate of a
-site's noised sum is clipped to ``[-clipping_range, clipping_range]`` and quantized to ``quantization_range`` levels
-(the server's sum carries a rounding error of at most m·clipping_range/quantization_range per coordinate). Pick
-``clipping_range`` well above a site's noised coordinates (default 6·z·C, six times the *total* noise std).
+What the protocol does to the numbers, at the site, after the noise: every coordinate of a site's noised sum is
+clipped to ``[-clipping_range, clipping_range]`` and quantized to ``quantization_range`` levels. Clipping a site's
+noised sum before the sum is *not* post-processing of the sum: where it engages it removes that site's noise. So
+the range is at least max_s N_s·C + 12·σ_share (a site's clipped sum has no coordinate above N_s·C, and a share's
+coordinate passes 12 σ with probability 2Φ(−12) ≈ 3.6e-33), a smaller one is refused, and a site whose noised sum
+would still be clipped refuses to take part (that refusal depends on its data with probability below m·d·3.6e-33
+for d coordinates: far below any δ). The quantization then rounds each coordinate to 2·range/quantization_range.
 
 Trust model (docs/federated.md): the sites are honest and each adds the share it declares; the server is
 honest-but-curious; SecAgg+ reveals a sum only when at least ``reconstruction_threshold`` of a site's neighbours
@@ -18,7 +21,7 @@ survive, which is why `FederatedServer`'s ``min_shares`` is that threshold.
 
 from __future__ import annotations
 
-import math
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -37,7 +40,7 @@ from flwr.server.workflow.constant import MAIN_CONFIGS_RECORD, MAIN_PARAMS_RECOR
 from flwr.server.workflow.constant import Key as WorkflowKey
 from flwr.serverapp import Grid
 
-from lightning_dp.errors import PrivacyConfigError
+from lightning_dp.errors import PrivacyBudgetExceededError, PrivacyConfigError
 from lightning_dp.federated.server import FederatedServer, RoundOutcome
 
 __all__ = ["SecureSum"]
@@ -77,8 +80,9 @@ class SecureSum:
     """One round's sum by SecAgg+ over the given sites' nodes, released by `FederatedServer.secure_round`.
 
     Args:
-        clipping_range: every coordinate of a site's noised sum is clipped to ±this before quantization (post-
-            processing at the site). ``None``: 6·z·C of the server's planned noise.
+        clipping_range: every coordinate of a site's noised sum is clipped to ±this before quantization. ``None``
+            (default): max_s N_s·C + 12·σ_share, the least that never clips a site's noise in practice; a smaller
+            value is refused.
         quantization_range: the levels of the quantization (Flower's default 2²²).
         timeout: seconds each of the protocol's four stages waits for the sites.
     """
@@ -89,28 +93,53 @@ class SecureSum:
         self.clipping_range = clipping_range
         self.quantization_range = quantization_range
         self.timeout = timeout
+        self.summed = 0  #: how many sites' vectors the last round's sum holds
 
-    def __call__(self, grid: Grid, server: FederatedServer, nodes: list[int], request: int) -> RoundOutcome:
-        """Runs the protocol for ``request`` and releases the sum it reveals (nothing, if it halts)."""
+    def least_range(self, server: FederatedServer, bounds: Mapping[int, float]) -> float:
+        """max_s N_s·C + 12·σ_share: no site's clipped sum is clipped, nor its noise but with probability ~1e-33."""
+        return max(bounds.values()) + 12.0 * server.share_std(server.steps)
+
+    def __call__(self, grid: Grid, server: FederatedServer, bounds: Mapping[int, float], request: int) -> RoundOutcome:
+        """Runs the protocol for ``request`` over the nodes of ``bounds`` (node → N_s·C) and releases what it reveals.
+
+        Nothing is released or charged if the protocol halts (too few sites finished it, or a site dropped before
+        masking: Flower's unmask stage then asks the others for key shares they never received).
+        """
         if server.noise_at != "sites" or server.sites is None:
             raise PrivacyConfigError(
                 "SecureSum: secure aggregation carries the sites' noise shares. "
                 "HINT: FederatedServer(noise_at='sites')."
             )
-        planned = server.share_std(server.steps) * math.sqrt(server.sites)  # z·C
+        if not server.allows_next_round():
+            raise PrivacyBudgetExceededError(f"{server.stop_reason} HINT: ask allows_next_round() before a round.")
+        least = self.least_range(server, bounds)
+        clipping_range = least if self.clipping_range is None else float(self.clipping_range)
+        if clipping_range < least:
+            raise PrivacyConfigError(
+                f"SecureSum: clipping_range={clipping_range:g} would clip a site's noised sum (a site's coordinates "
+                f"reach N_s·C = {max(bounds.values()):g}, plus its noise share): its noise would be removed uncharged. "
+                f"HINT: clipping_range >= {least:g}, or None."
+            )
         workflow = SecAggPlusWorkflow(
             num_shares=1.0,  # every site shares its keys with every other
             reconstruction_threshold=server.min_shares / server.sites,
             max_weight=1.0,  # each site weighs 1: no down-scaling before the quantization
-            clipping_range=self.clipping_range or 6.0 * planned,
+            clipping_range=clipping_range,
             quantization_range=self.quantization_range,
             timeout=self.timeout,
         )
         run_id = int(getattr(getattr(grid, "run", None), "run_id", 0) or 0)
         clients = SimpleClientManager()
-        for node in nodes:
+        for node in bounds:
             clients.register(GridClientProxy(node, grid, run_id))
-        strategy = _OneRound({"request": request, "number": server.steps, "noise_at": "sites"})
+        config = {
+            "request": request,
+            "number": server.steps,
+            "noise_at": "sites",
+            "planned_share": server.share_std(server.steps),
+            "clipping_range": clipping_range,
+        }
+        strategy = _OneRound(config)
         context = LegacyContext(
             Context(run_id=run_id, node_id=0, node_config={}, state=RecordDict(), run_config={}),
             config=ServerConfig(num_rounds=1),
@@ -121,8 +150,15 @@ class SecureSum:
         context.state.array_records[MAIN_PARAMS_RECORD] = compat.parameters_to_arrayrecord(theta, True)
         context.state.config_records[MAIN_CONFIGS_RECORD] = ConfigRecord({WorkflowKey.CURRENT_ROUND: request})
         workflow(grid, context)
-        if not strategy.results:  # the protocol halted (too few sites): no sum was revealed
-            return RoundOutcome(None, {"secure aggregation": "halted: too few sites finished the protocol"})
+        self.summed = len(strategy.results)
+        if not strategy.results:
+            return RoundOutcome(
+                None,
+                {
+                    "secure aggregation": "halted: fewer than min_shares sites finished, "
+                    "or a site dropped before masking"
+                },
+            )
         mean = parameters_to_ndarrays(strategy.results[0][1].parameters)[0]
         total = torch.from_numpy(np.asarray(mean, dtype=np.float32) * len(strategy.results))
         shares = [float(fitres.metrics.get("noise_std", 0.0)) for _, fitres in strategy.results]

@@ -361,14 +361,14 @@ class FederatedServer:
         """One round from a sum formed by secure aggregation (`lightning_dp.federated.secure`).
 
         The server never saw a site's reply, only ``total``; ``shares`` are the noise stds the summed sites declared
-        (``noise_at="sites"``).
-
-        A declared share below the planned one makes the whole sum unusable (its noise is unknown): nothing is
-        released or charged, and the round is run again, as with fewer than ``min_shares`` shares.
+        (``noise_at="sites"``). The sum has been revealed, so it is released and charged at the noise present,
+        Σ σ_s², whatever that is: even below ``min_shares`` planned shares (the secure aggregation's threshold
+        should prevent it) or with a share below the plan (the sites refuse to take part with one).
 
         Raises:
-            PrivacyBudgetExceededError: the round would take ε above ``max_epsilon``.
+            PrivacyBudgetExceededError: the round would take ε above ``max_epsilon`` (asked before the protocol).
             PrivacyConfigError: the server's noise is not at the sites, or the sum is malformed.
+            PrivacyStateError: a summed site declared no noise: the revealed sum is un-noised, no ε bounds it.
         """
         if self.noise_at != "sites":
             raise PrivacyConfigError(
@@ -382,22 +382,35 @@ class FederatedServer:
         problem = reply_problem(total, theta.numel())
         if problem is not None:
             raise PrivacyConfigError(f"`FederatedServer.secure_round`: the aggregated sum is {problem}.")
-        present = 0.0
-        for declared in shares:
-            why, units = self._share_problem(float(declared))
-            if why is not None:
-                return RoundOutcome(None, {"secure aggregation": why})
-            present += units
-        return self._release(total.to(theta.device), present, {}, theta, other)
+        declared = [float(share) for share in shares]
+        if not declared or min(declared) <= 0 or not all(math.isfinite(d) for d in declared):
+            raise PrivacyStateError(
+                f"`FederatedServer.secure_round`: a summed site declared no noise share ({declared}): the revealed "
+                "sum is not noised and no ε bounds it. HINT: every site needs noise_std = share_std(z, C, m)."
+            )
+        planned = self.share_std(self.steps)
+        present = sum((d / planned) ** 2 for d in declared)
+        return self._release(total.to(theta.device), present, {}, theta, other, revealed=True)
 
     def _release(
-        self, total: Tensor, present: float, refused: dict[str, str], theta: Tensor, other: list[Tensor]
+        self,
+        total: Tensor,
+        present: float,
+        refused: dict[str, str],
+        theta: Tensor,
+        other: list[Tensor],
+        revealed: bool = False,
     ) -> RoundOutcome:
-        """Releases the round's sum once (noise, or the shares present, and the charge in one call); applies θ."""
+        """Releases the round's sum once (noise, or the shares present, and the charge in one call); applies θ.
+
+        ``revealed``: the server already holds the noised sum (secure aggregation): it is charged whatever is present.
+        """
         state = self.state
         release = self.release
         if isinstance(release, SharedNoiseRelease):
-            if present < self.min_shares * (1 - 1e-9):  # too few shares: θ stays, nothing is charged, run it again
+            if not revealed and present < self.min_shares * (
+                1 - 1e-9
+            ):  # too few shares: θ stays, nothing is charged, run it again
                 return RoundOutcome(None, refused)
             release.present = present
         target = ModelStateTarget(state, theta, other, self.server_lr)

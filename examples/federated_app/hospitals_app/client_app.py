@@ -16,11 +16,14 @@ def noise_share(config: Any) -> float:
     """With the noise at the sites, this site's share z·C/√m, computed from the consortium's public settings."""
     if str(config.get("noise-at", "server")) != "sites":
         return 0.0
+    min_shares = int(config.get("min-shares", 0))
     z = calibrated_multiplier(
         int(config["num-patients"]),
         float(config["sample-rate"]),
         int(config["rounds"]),
         float(config["target-epsilon"]),
+        sites=int(config["sites"]),
+        min_shares=min_shares if min_shares > 0 else None,
     )
     return share_std(z, float(config["clip-norm"]), int(config["sites"]))
 
@@ -38,4 +41,8 @@ def make_site(context: Context) -> Site:
     )
 
 
-app = site_app(make_site)
+# A hospital that must never show the server its sum starts its SuperNode with
+# --node-config '... require-secure-aggregation=true': it then answers only SecAgg+ rounds.
+app = site_app(
+    make_site, require_secure_aggregation=lambda context: bool(context.node_config.get("require-secure-aggregation"))
+)

@@ -128,6 +128,8 @@ def test_a_restarted_server_continues_the_ledger_exactly(tmp_path: Any) -> None:
     assert restarted.ledger.state_dict() == full.ledger.state_dict()
     saved = torch.load(path, weights_only=False)
     assert saved["steps"] == 4 and saved["requests"] == 4
+    with pytest.raises(PrivacyStateError, match="resume=True without a checkpoint"):
+        run_rounds(_grid(), _server(), rounds=4, sites=3, resume=True)
     with pytest.raises(PrivacyStateError, match="resume=True but there is no checkpoint"):
         run_rounds(_grid(), _server(), rounds=4, sites=3, checkpoint=tmp_path / "missing.pt", resume=True)
 
