@@ -466,44 +466,20 @@ class P3SGD(DPCallback):
         return {"privacy/rounds": float(self.rounds), "privacy/accepted": float(result.accepted)}
 
     def _nonfinite_loss_causes(self) -> str:
-        return (
-            "released normalization statistics that no longer match the noised weights (a running variance near "
-            f"0 divides by √eps; variance_floor={self.variance_floor} floors them), or a clip_norm (C_u = "
-            f"{self.clip_norm}) or local_lr ({self.local_lr}) so large that the noise per weight, "
-            "z·C_u/(q·N), dwarfs the weights and activations overflow layer after layer"
-        )
+        return self.settings.nonfinite_loss_causes()
 
     # ------------------------------------------------------------------ report and checkpoints
     def _accounting_mode(self) -> str:
         return self.accounting
 
     def _report_extra(self) -> dict[str, Any]:
-        extra: dict[str, Any] = {
-            "rounds": self.rounds,
-            "calibrated_for": None
-            if self.target_epsilon is None
-            else {"target_epsilon": self.target_epsilon, "planned_rounds": self.planned_rounds},
-            "noise_scales": list(self.noise_scales),
-            "selection_counts": self.selection_counts,
-            "clip_norm": self.clip_norm,
-            "sample_rate": self.sample_rate,
-        }
-        if self.log_private_diagnostics:
-            # A count over private patients, not sanitized: only reported when the user opted in.
-            extra["private_nonfinite_updates"] = self.nonfinite_updates
-        return extra
+        private = self.nonfinite_updates if self.log_private_diagnostics else None
+        return self.settings.report(self.rounds, self.planned_rounds, self.selection_counts, private)
 
     def _extra_state(self) -> dict[str, Any]:
         assert self.sampler is not None
-        return {
-            "rounds": self.rounds,
-            "sampler": self.sampler.state_dict(),
-            "selection_counts": list(self.selection_counts),
-            "nonfinite_updates": self.nonfinite_updates,
-            "noise_scales": list(self.noise_scales),
-            "accounting": self.accounting,
-            "clip_norm": self.clip_norm,
-        }
+        sampler = self.sampler.state_dict()
+        return self.settings.state(self.rounds, sampler, self.selection_counts, self.nonfinite_updates)
 
     def _load_extra_state(self, state: dict[str, Any]) -> Callable[[], None]:
         assert self.sampler is not None

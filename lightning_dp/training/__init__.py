@@ -22,7 +22,8 @@ Lightning hooks over what lives here:
   (`PatientRound`: `LoopRound`, `BatchedRound`, `StackedRound`, and `choose_round`; `PatientData`, `LocalSGD`,
   `RoundParts`): what P3SGD runs every round, and what a hospital's site runs on its own patients.
 * ``p3sgd_settings.py``: P3SGD's constructor arguments, validated and normalized on creation (`P3SGDSettings`), the
-  release they describe and the check that a checkpoint's P3SGD state was written with the same settings.
+  release they describe, P3SGD's report and checkpoint fields, and the check that a checkpoint's P3SGD state was
+  written with the same settings.
 * ``stacked.py``: local SGD of many patients at once, ``torch.func`` over stacked parameter copies
   (`StackedLocalSGD`, P3SGD's several-local-step round); plain torch.
 * ``weight_averaging.py``: which callbacks average weights (shared by the DP callbacks and

@@ -3,8 +3,9 @@
 `P3SGDSettings` checks the `P3SGD` constructor's arguments in the order the callback always has (the errors name the
 argument as ``P3SGD(...)`` spells it), normalizes them (sorted noise scales, the constant schedule by default, the
 validated `LocalSGD`), and says what follows from them: the release a round's update goes through
-(`P3SGDSettings.release`) and whether a checkpoint's P3SGD state was written with the same privacy settings
-(`P3SGDSettings.check_state`). Plain data and torch; no Lightning.
+(`P3SGDSettings.release`), P3SGD's part of the privacy report and of the checkpoint state, and whether a checkpoint's
+P3SGD state was written with the same privacy settings (`P3SGDSettings.check_state`).
+Plain data and torch; no Lightning.
 """
 
 from __future__ import annotations
@@ -149,6 +150,48 @@ class P3SGDSettings:
             kind = PaperSelectedRelease if self.accounting == "paper" else SelectedRelease
             return kind(ledger, noise_scales=scales, selection=self.selection, schedule=schedule, **common)
         return GaussianRelease(ledger, schedule=schedule.scaled(scales[0]), **common)
+
+    def report(
+        self, rounds: int, planned_rounds: int | None, selection_counts: list[int], private_nonfinite: int | None
+    ) -> dict[str, Any]:
+        """P3SGD's part of the privacy report; ``private_nonfinite`` (a private count) only if the user opted in."""
+        extra: dict[str, Any] = {
+            "rounds": rounds,
+            "calibrated_for": None
+            if self.target_epsilon is None
+            else {"target_epsilon": self.target_epsilon, "planned_rounds": planned_rounds},
+            "noise_scales": list(self.noise_scales),
+            "selection_counts": selection_counts,
+            "clip_norm": self.clip_norm,
+            "sample_rate": self.sample_rate,
+        }
+        if private_nonfinite is not None:
+            # A count over private patients, not sanitized: only reported when the user opted in.
+            extra["private_nonfinite_updates"] = private_nonfinite
+        return extra
+
+    def state(
+        self, rounds: int, sampler: dict[str, Any], selection_counts: list[int], nonfinite_updates: int
+    ) -> dict[str, Any]:
+        """P3SGD's part of its checkpoint state: its counters and the settings a resumed run must share."""
+        return {
+            "rounds": rounds,
+            "sampler": sampler,
+            "selection_counts": list(selection_counts),
+            "nonfinite_updates": nonfinite_updates,
+            "noise_scales": list(self.noise_scales),
+            "accounting": self.accounting,
+            "clip_norm": self.clip_norm,
+        }
+
+    def nonfinite_loss_causes(self) -> str:
+        """The likely causes of a non-finite evaluation loss under P3SGD with these settings, for the warning."""
+        return (
+            "released normalization statistics that no longer match the noised weights (a running variance near "
+            f"0 divides by √eps; variance_floor={self.variance_floor} floors them), or a clip_norm (C_u = "
+            f"{self.clip_norm}) or local_lr ({self.local_lr}) so large that the noise per weight, "
+            "z·C_u/(q·N), dwarfs the weights and activations overflow layer after layer"
+        )
 
     def check_state(
         self, state_key: str, state: dict[str, Any], unit: PrivacyUnit, sampler: PoissonPatientSampler
