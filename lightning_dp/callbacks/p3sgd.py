@@ -28,29 +28,15 @@ from typing_extensions import override
 from lightning_dp.acceptance import StepAcceptance
 from lightning_dp.accounting import PrivacyLedger
 from lightning_dp.callbacks.base import DPCallback
-from lightning_dp.errors import (
-    PrivacyConfigError,
-    PrivacyStateError,
-    PrivacyWarning,
-    check_count,
-    check_finite_positive,
-    check_in_interval,
-    check_sample_rate,
-)
+from lightning_dp.errors import PrivacyWarning
 from lightning_dp.sampling.patients import PoissonPatientSampler
 from lightning_dp.sampling.randomness import UnitStreams, unit_seed
-from lightning_dp.sanitization import (
-    GaussianRelease,
-    ModelState,
-    PaperSelectedRelease,
-    Release,
-    SelectedRelease,
-)
+from lightning_dp.sanitization import ModelState, Release
 from lightning_dp.sanitization.per_sample import ClipStats
-from lightning_dp.sanitization.release import check_scales, selection_for
-from lightning_dp.schedules import ConstantNoise, NoiseSchedule
+from lightning_dp.schedules import NoiseSchedule
 from lightning_dp.training.evaluation import check_returns_loss, patient_losses, round_loss
 from lightning_dp.training.manual_optimization import StepTicks
+from lightning_dp.training.p3sgd_settings import P3SGDSettings
 from lightning_dp.training.patient_rounds import (
     BatchedRound,
     LocalSGD,
@@ -188,62 +174,25 @@ class P3SGD(DPCallback):
         vectorize_batch_size: int = 256,
         adapt_threads: bool = True,
     ) -> None:
-        owner = "P3SGD"
-        self.sample_rate = check_sample_rate(owner, sample_rate)
-        self.clip_norm = check_finite_positive(owner, "clip_norm", clip_norm, "the paper uses 5.0.")
-        self.noise_scales = check_scales(owner, noise_scales)
-        scales = self.noise_scales
-        if noise_schedule is not None and not isinstance(noise_schedule, NoiseSchedule):
-            raise PrivacyConfigError(
-                f"`P3SGD(noise_schedule={noise_schedule!r})`: noise_schedule must be a NoiseSchedule, found "
-                f"{type(noise_schedule).__name__}. HINT: ExponentialDecay(initial=1.0, decay=0.99, every=10) "
-                "multiplies every noise scale."
-            )
+        #: The validated arguments that decide the rounds and their privacy (`lightning_dp.training.p3sgd_settings`).
+        self.settings = settings = P3SGDSettings(
+            sample_rate, clip_norm, noise_scales, noise_schedule, target_epsilon, selection_epsilon, loss_bound,
+            local_lr, local_batch_size, local_epochs, local_momentum, local_weight_decay, server_lr, rounds_per_epoch,
+            release_buffers, variance_floor, accounting, acceptance, vectorize, vectorize_batch_size,
+        )  # fmt: skip
+        s = settings
+        self.sample_rate, self.clip_norm, self.noise_scales = s.sample_rate, s.clip_norm, tuple(s.noise_scales)
         #: Multiplies every noise scale at every round (constant 1 by default); with target_epsilon, its shape.
-        self.noise_schedule: NoiseSchedule = noise_schedule or ConstantNoise(1.0)
+        self.noise_schedule: NoiseSchedule = s.schedule
         self._schedule = self.noise_schedule  # what the release uses: the schedule, or its calibrated scaling
-        self.target_epsilon = (
-            None if target_epsilon is None else check_finite_positive(owner, "target_epsilon", target_epsilon, "8.0.")
-        )
-        if self.target_epsilon is not None and accounting == "paper":
-            raise PrivacyConfigError(
-                "`P3SGD(accounting='paper', target_epsilon=...)`: the paper's ε is not a guarantee to calibrate to. "
-                "HINT: accounting='rigorous'."
-            )
-        self.selection = selection_for(owner, scales, selection_epsilon, loss_bound, paper=accounting == "paper")
-        local = LocalSGD(local_lr, local_batch_size, local_epochs, local_momentum, local_weight_decay)  # validated
-        self.local_lr, self.local_batch_size, self.local_epochs = float(local.lr), local.batch_size, local.epochs
-        self.local_momentum, self.local_weight_decay = float(local.momentum), float(local.weight_decay)
-        self.server_lr = check_finite_positive(owner, "server_lr", server_lr, "1.0 applies the noisy update as is.")
-        self.rounds_per_epoch = (
-            None
-            if rounds_per_epoch is None
-            else check_count(owner, "rounds_per_epoch", rounds_per_epoch, "e.g. 10.", minimum=1)
-        )
-        if accounting not in ("rigorous", "paper"):
-            raise PrivacyConfigError(
-                f"`P3SGD(accounting={accounting!r})`: accounting must be 'rigorous' or 'paper', found {accounting!r}. "
-                "HINT: 'rigorous' is the guarantee; 'paper' only reproduces the paper's Table 2."
-            )
-        self.accounting: Literal["rigorous", "paper"] = accounting
-        self.release_buffers = tuple(release_buffers)
-        self.variance_floor = check_in_interval(
-            owner, "variance_floor", variance_floor, 0.0, 1.0, low_closed=True, high_closed=True, hint="e.g. 0.1."
-        )
-        if accounting == "paper" and acceptance is not None:
-            raise PrivacyConfigError(
-                "`P3SGD(accounting='paper', acceptance=...)`: the paper's accounting has no accept/reject decisions. "
-                "HINT: accounting='rigorous'."
-            )
-        if not (vectorize == "auto" or vectorize is False):
-            raise PrivacyConfigError(
-                f"`P3SGD(vectorize={vectorize!r})`: vectorize must be 'auto' or False, found {vectorize!r}. HINT: "
-                "'auto' computes the round's patient updates in one batched pass when that is exactly equivalent."
-            )
-        self.vectorize: Literal["auto", False] = vectorize
-        self.vectorize_batch_size = check_count(
-            owner, "vectorize_batch_size", vectorize_batch_size, "e.g. 256 images per batched pass.", minimum=1
-        )
+        self.target_epsilon, self.selection = s.target_epsilon, s.selection
+        self.local_lr, self.local_batch_size, self.local_epochs = s.local_lr, s.local_batch_size, s.local_epochs
+        self.local_momentum, self.local_weight_decay = s.local_momentum, s.local_weight_decay
+        self.server_lr, self.rounds_per_epoch = s.server_lr, s.rounds_per_epoch
+        self.accounting: Literal["rigorous", "paper"] = s.accounting
+        self.release_buffers, self.variance_floor = tuple(s.release_buffers), s.variance_floor
+        self.vectorize: Literal["auto", False] = s.vectorize
+        self.vectorize_batch_size = s.vectorize_batch_size
         super().__init__(
             delta, seed, log_private_diagnostics, name, flush_denormal, accountant, acceptance, adapt_threads
         )
@@ -318,12 +267,7 @@ class P3SGD(DPCallback):
         return 1.0 / units**1.1 if self.accounting == "paper" else super()._default_delta(units)
 
     def _new_release(self, ledger: PrivacyLedger, seed: int, schedule: NoiseSchedule | None = None) -> Release:
-        schedule = schedule or self._schedule
-        common: dict[str, Any] = {"clip_norm": self.clip_norm, "sample_rate": self.sample_rate, "seed": seed}
-        if self.selection is not None:
-            kind = PaperSelectedRelease if self.accounting == "paper" else SelectedRelease
-            return kind(ledger, noise_scales=self.noise_scales, selection=self.selection, schedule=schedule, **common)
-        return GaussianRelease(ledger, schedule=schedule.scaled(self.noise_scales[0]), **common)
+        return self.settings.release(ledger, seed, schedule or self._schedule)
 
     def _build(self, trainer: pl.Trainer, pl_module: pl.LightningModule, seeds: list[int]) -> DataLoader[Any]:
         assert self.ledger is not None
@@ -522,71 +466,24 @@ class P3SGD(DPCallback):
         return {"privacy/rounds": float(self.rounds), "privacy/accepted": float(result.accepted)}
 
     def _nonfinite_loss_causes(self) -> str:
-        return (
-            "released normalization statistics that no longer match the noised weights (a running variance near "
-            f"0 divides by √eps; variance_floor={self.variance_floor} floors them), or a clip_norm (C_u = "
-            f"{self.clip_norm}) or local_lr ({self.local_lr}) so large that the noise per weight, "
-            "z·C_u/(q·N), dwarfs the weights and activations overflow layer after layer"
-        )
+        return self.settings.nonfinite_loss_causes()
 
     # ------------------------------------------------------------------ report and checkpoints
     def _accounting_mode(self) -> str:
         return self.accounting
 
     def _report_extra(self) -> dict[str, Any]:
-        extra: dict[str, Any] = {
-            "rounds": self.rounds,
-            "calibrated_for": None
-            if self.target_epsilon is None
-            else {"target_epsilon": self.target_epsilon, "planned_rounds": self.planned_rounds},
-            "noise_scales": list(self.noise_scales),
-            "selection_counts": self.selection_counts,
-            "clip_norm": self.clip_norm,
-            "sample_rate": self.sample_rate,
-        }
-        if self.log_private_diagnostics:
-            # A count over private patients, not sanitized: only reported when the user opted in.
-            extra["private_nonfinite_updates"] = self.nonfinite_updates
-        return extra
+        private = self.nonfinite_updates if self.log_private_diagnostics else None
+        return self.settings.report(self.rounds, self.planned_rounds, self.selection_counts, private)
 
     def _extra_state(self) -> dict[str, Any]:
         assert self.sampler is not None
-        return {
-            "rounds": self.rounds,
-            "sampler": self.sampler.state_dict(),
-            "selection_counts": list(self.selection_counts),
-            "nonfinite_updates": self.nonfinite_updates,
-            "noise_scales": list(self.noise_scales),
-            "accounting": self.accounting,
-            "clip_norm": self.clip_norm,
-        }
+        sampler = self.sampler.state_dict()
+        return self.settings.state(self.rounds, sampler, self.selection_counts, self.nonfinite_updates)
 
     def _load_extra_state(self, state: dict[str, Any]) -> Callable[[], None]:
         assert self.sampler is not None
-        if tuple(state["noise_scales"]) != self.noise_scales or state["accounting"] != self.accounting:
-            raise PrivacyStateError(
-                f"`{self.state_key}`: the checkpoint was written with noise_scales={tuple(state['noise_scales'])} "
-                f"and accounting={state['accounting']!r}; this run has {self.noise_scales} and "
-                f"{self.accounting!r}. HINT: resume with the same privacy settings."
-            )
-        clip_norm = state.get("clip_norm", self.clip_norm)  # older checkpoints do not record it
-        if clip_norm != self.clip_norm:
-            raise PrivacyStateError(
-                f"`{self.state_key}`: the checkpoint was written with clip_norm={clip_norm}; this run has "
-                f"clip_norm={self.clip_norm}. HINT: resume with the same privacy settings."
-            )
-        rounds = state["rounds"]
-        recorded = PrivacyLedger(self.unit, 0.5)
-        recorded.load_state_dict(state["ledger"])
-        if not isinstance(rounds, int) or recorded.steps != rounds:
-            raise PrivacyStateError(
-                f"`{self.state_key}`: the checkpoint's round counter ({rounds}) disagrees with its ledger "
-                f"({recorded.steps} rounds): the ledger would not describe the rounds the model was trained with. "
-                "HINT: resume from an unmodified checkpoint."
-            )
-        PoissonPatientSampler(self.sampler.num_patients, self.sampler.sample_rate, seed=0).load_state_dict(
-            state["sampler"]
-        )
+        self.settings.check_state(self.state_key, state, self.unit, self.sampler)
         sampler = self.sampler
 
         def assign() -> None:

@@ -21,6 +21,9 @@ Lightning hooks over what lives here:
 * ``patient_rounds.py``: the patient round, Σ clip(Δ_i) over a round's patients, runnable without a Trainer
   (`PatientRound`: `LoopRound`, `BatchedRound`, `StackedRound`, and `choose_round`; `PatientData`, `LocalSGD`,
   `RoundParts`): what P3SGD runs every round, and what a hospital's site runs on its own patients.
+* ``p3sgd_settings.py``: P3SGD's constructor arguments, validated and normalized on creation (`P3SGDSettings`), the
+  release they describe, P3SGD's report and checkpoint fields, and the check that a checkpoint's P3SGD state was
+  written with the same settings.
 * ``stacked.py``: local SGD of many patients at once, ``torch.func`` over stacked parameter copies
   (`StackedLocalSGD`, P3SGD's several-local-step round); plain torch.
 * ``weight_averaging.py``: which callbacks average weights (shared by the DP callbacks and
@@ -28,6 +31,7 @@ Lightning hooks over what lives here:
 """
 
 from lightning_dp.training.checks import IndependenceCheck, collate_is_per_sample, float64_copy
+from lightning_dp.training.p3sgd_settings import P3SGDSettings
 from lightning_dp.training.patient_rounds import (
     BatchedRound,
     LocalSGD,
@@ -45,6 +49,7 @@ __all__ = [
     "IndependenceCheck",
     "LocalSGD",
     "LoopRound",
+    "P3SGDSettings",
     "PatientData",
     "PatientRound",
     "RoundParts",
