@@ -65,6 +65,7 @@ def consortium(tmp_path: Path) -> Iterator[tuple[dict[str, str], str]]:
     )
     path = f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"  # Flower starts its helpers (flower-superexec) by name
     env = {**os.environ, "FLWR_HOME": str(home), "PYTHONPATH": str(Path.cwd()), "PATH": path}
+    env["FLWR_DISABLE_UPDATE_CHECK"] = "1"  # no network call from the test (CI may have no route out)
     env["FLWR_SUPEREXEC_TASK_POLL_INTERVAL"] = "0.2"  # start the ClientApp / ServerApp processes sooner (default 1 s)
     processes: list[subprocess.Popen[bytes]] = []
 
