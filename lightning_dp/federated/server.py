@@ -256,6 +256,7 @@ class FederatedServer:
         # Noise at the sites: for every request whose replies the server received (released or not), the smallest
         # noise share a received reply declared (0 for none): what a server without secure aggregation learned.
         self.seen_shares: list[float] = []
+        self._provisional = False  # the last entry of seen_shares is a request's, before its replies
         self.requests = 0  # requests sent to the sites (a round re-run is a new request, with fresh coins)
         self.stop_reason: str | None = None
 
@@ -300,9 +301,25 @@ class FederatedServer:
         return False
 
     def new_request(self) -> int:
-        """The serial number of the next request to the sites (it keys their coins: a re-run round samples afresh)."""
+        """The serial number of the next request to the sites (it keys their coins: a re-run round samples afresh).
+
+        With the noise at the sites, the request is entered in ``seen_shares`` at the planned share before any site
+        answers it, so a checkpoint written as it goes out already counts it (a server that crashes after the replies
+        arrive does not forget them); its replies replace the entry with the smallest share they declared.
+        """
         self.requests += 1
+        if self.noise_at == "sites":
+            self.seen_shares.append(self.share_std(self.steps))
+            self._provisional = True
         return self.requests - 1
+
+    def _settle_seen(self, declared: Sequence[float] | None) -> None:
+        """The request's entry in ``seen_shares``: the smallest declared share (0 for none), or none if none arrived."""
+        if self._provisional:
+            self.seen_shares.pop()
+            self._provisional = False
+        if declared:
+            self.seen_shares.append(min(d if math.isfinite(d) and d > 0 else 0.0 for d in declared))
 
     def round(
         self,
@@ -351,10 +368,9 @@ class FederatedServer:
             if self.site_clip is not None:
                 reply = reply * torch.clamp(self.site_clip / (reply.norm() + 1e-12), max=1.0)
             total += reply
-        received = [name for name, reply in replies.items() if reply is not None]
-        if self.noise_at == "sites" and received:  # the server saw these sums, released or not, refused or not
-            declared = [float((shares or {}).get(name, 0.0)) for name in received]
-            self.seen_shares.append(min(d if math.isfinite(d) and d > 0 else 0.0 for d in declared))
+        if self.noise_at == "sites":  # the server saw these sums, released or not, refused or not
+            received = [name for name, reply in replies.items() if reply is not None]
+            self._settle_seen([float((shares or {}).get(name, 0.0)) for name in received])
         return self._release(total, present, refused, theta, other)
 
     def secure_round(self, total: Tensor, shares: Sequence[float]) -> RoundOutcome:
@@ -382,6 +398,7 @@ class FederatedServer:
         problem = reply_problem(total, theta.numel())
         if problem is not None:
             raise PrivacyConfigError(f"`FederatedServer.secure_round`: the aggregated sum is {problem}.")
+        self._settle_seen(None)  # the server saw no site's sum, only this one
         declared = [float(share) for share in shares]
         if not declared or min(declared) <= 0 or not all(math.isfinite(d) for d in declared):
             raise PrivacyStateError(

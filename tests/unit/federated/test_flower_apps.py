@@ -376,3 +376,14 @@ def test_several_noise_scales_are_refused_with_the_reason() -> None:
     with pytest.raises(PrivacyConfigError, match="scores the candidates on the round's sampled patients"):
         _server(noise_scales=[1.0, 1.5])
     assert _server(noise_scales=[1.0]).ledger.steps == 0
+
+
+def test_a_request_that_went_out_counts_even_if_the_server_crashes_before_its_replies_are_recorded() -> None:
+    server = _server(noise_at="sites", sites=3)
+    server.new_request()  # the request is on record (and checkpointed) before any site answers
+    saved = server.state_dict()
+    restarted = _server(noise_at="sites", sites=3)
+    restarted.load_state_dict(saved)
+    assert restarted.seen_shares == [share_std(1.1, CLIP, 3)] and restarted.requests == 1
+    server.round({"a": torch.zeros(74)}, {"a": share_std(1.1, CLIP, 3) / 2})  # the replies replace the entry
+    assert server.seen_shares == [share_std(1.1, CLIP, 3) / 2]
