@@ -177,6 +177,28 @@ def _grid(
     plt.close(fig)
 
 
+def silhouettes(
+    args: argparse.Namespace, site: str | None, patients: int, public_fraction: float, seed: int
+) -> SyntheticSilhouettesDataModule:
+    """The reference site (``site=None``: the public model's data) or the private site, split by patient."""
+    dm = SyntheticSilhouettesDataModule(
+        root=f"{args.data}/{site or 'reference'}_{patients}x{args.images_per_patient}_{args.size}",
+        num_patients=patients,
+        images_per_patient=args.images_per_patient,
+        image_size=args.size,
+        seed=seed,
+        split_seed=seed,
+        batch_size=32,
+        val_fraction=0.1,
+        test_fraction=0.2 if site else 0.1,
+        public_fraction=public_fraction,
+        site=site,
+    )
+    dm.prepare_data()
+    dm.setup()
+    return dm
+
+
 def _test_dice(model: SegmentationModule, test: tuple[Tensor, Tensor]) -> float:
     return dice(_predict(model, test[0]), test[1])
 
@@ -458,26 +480,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
-    def data(site: str | None, patients: int, public_fraction: float, seed: int) -> SyntheticSilhouettesDataModule:
-        dm = SyntheticSilhouettesDataModule(
-            root=f"{args.data}/{site or 'reference'}_{patients}x{args.images_per_patient}_{args.size}",
-            num_patients=patients,
-            images_per_patient=args.images_per_patient,
-            image_size=args.size,
-            seed=seed,
-            split_seed=seed,
-            batch_size=32,
-            val_fraction=0.1,
-            test_fraction=0.2 if site else 0.1,
-            public_fraction=public_fraction,
-            site=site,
-        )
-        dm.prepare_data()
-        dm.setup()
-        return dm
-
-    public = data(None, args.public_patients, 0.0, seed=100)
-    private = data("hospital_b", args.private_patients, 0.1, seed=0)
+    public = silhouettes(args, None, args.public_patients, 0.0, seed=100)
+    private = silhouettes(args, "hospital_b", args.private_patients, 0.1, seed=0)
     n_train = len(private.train_patients)
     delta = default_delta(n_train)
     test = _stack(private.test_dataset)
