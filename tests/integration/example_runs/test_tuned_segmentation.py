@@ -1,0 +1,40 @@
+"""examples/tuned_segmentation.py runs end to end at its smoke-test size: a private search per (ε, seed) beside the
+hand-tuned segmentation route, the search charged at the total ε, its trials scored on the public validation
+patients only, the best trial tested once on the test patients."""
+
+from __future__ import annotations
+
+import importlib
+import json
+from pathlib import Path
+
+import pytest
+
+EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
+pytestmark = pytest.mark.slow
+
+
+def test_tuned_segmentation_charges_the_search_at_the_total_epsilon(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.syspath_prepend(str(EXAMPLES))  # the example imports its siblings, as scripts do
+    monkeypatch.chdir(tmp_path)  # the public model's cache is written under runs/ of the working folder
+    example = importlib.import_module("tuned_segmentation")
+    out = tmp_path / "out"
+    results = example.main(["--quick", "--trials-mean", "3", "--data", str(tmp_path / "data"), "--out", str(out)])
+    printed = capsys.readouterr().out
+
+    assert json.loads((out / "results.json").read_text())["tuned"] == json.loads(json.dumps(results["tuned"]))
+    (hand,) = results["hand_tuned"]
+    (tuned,) = results["tuned"]
+    assert hand["epsilon"] <= 4.0 * (1 + 1e-6)
+    # The whole search ends at the total ε; each trial spends less (the search keeps the best).
+    assert tuned["epsilon"] == pytest.approx(4.0, rel=1e-3)
+    assert tuned["epsilon_per_trial"] < tuned["epsilon"]
+    assert tuned["trials"] == len(tuned["trial_log"]) >= 1
+    assert all(t["epsilon"] <= tuned["epsilon_per_trial"] * (1 + 1e-6) for t in tuned["trial_log"])
+    # A trial is scored on the public validation patients only: the best's released score is its val/dice.
+    assert set(tuned["best"]["scores"]) == {"val/dice"} and tuned["val"] == max(t["val"] for t in tuned["trial_log"])
+    assert 0.0 <= tuned["test"] <= 1.0
+    assert (tmp_path / "runs" / "segmentation_benchmark").is_dir()  # the benchmark's public-model cache, reused
+    assert "hand-tuned (its run ε)" in printed and "unknown and larger" in printed
