@@ -538,6 +538,16 @@ class SegmentationModule(QuietFrozenModes, pl.LightningModule):
 
     # ---- test and predict at the stored threshold -----------------------------------------------------------
 
+    def sample_scores(self, batch: Any) -> Tensor:
+        """Each image's Dice at the stored threshold (1.0 when mask and prediction are both empty), in [0, 1].
+
+        What a private search's released score averages per patient (`lightning_dp.tuning.score`).
+        """
+        pred = (self(batch[0]).sigmoid() > self.threshold).flatten(1).float()
+        true = (batch[1] > 0.5).flatten(1).float()
+        total = pred.sum(1) + true.sum(1)
+        return torch.where(total > 0, 2 * (pred * true).sum(1) / total.clamp_min(1.0), torch.ones_like(total))
+
     def test_step(self, batch: Any, batch_idx: int) -> None:
         losses, logits, y = self._loss(batch)
         pred = (logits.sigmoid() > self.threshold).long()

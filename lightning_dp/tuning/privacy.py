@@ -54,15 +54,18 @@ class TrialPlan:
         sample_rate: q of each step's Poisson sample.
         steps: the planned steps (the Trainer's max_steps).
         schedule: z_t of each step at factor 1 (P3SGD: its noise scale times its noise schedule).
+        score_noise: z of the trial's released validation score (`lightning_dp.tuning.score.ReleasedScore`), charged
+            once after the steps and not scaled by the factor; None when the score is computed on public data.
     """
 
     sample_rate: float
     steps: int
     schedule: NoiseSchedule
+    score_noise: float | None = None
 
 
 def trial_ledger(plan: TrialPlan, factor: float, unit: PrivacyUnit, delta: float) -> PrivacyLedger:
-    """The ledger of ``plan``'s run with every noise multiplier times ``factor``, as the callback charges it."""
+    """The ledger of ``plan``'s run at ``factor`` times its noise, and its released score's charge (if any)."""
     ledger = PrivacyLedger(unit, delta)
     scaled = plan.schedule.scaled(factor)
     if isinstance(scaled, ConstantNoise):
@@ -70,6 +73,8 @@ def trial_ledger(plan: TrialPlan, factor: float, unit: PrivacyUnit, delta: float
     else:
         for z in scaled.multipliers(plan.steps).tolist():
             ledger.record(PoissonSampledEvent(plan.sample_rate, GaussianEvent(z)))
+    if plan.score_noise is not None:
+        ledger.record(GaussianEvent(plan.score_noise))
     return ledger
 
 

@@ -9,7 +9,9 @@ The steps (docs/tuning.md; ALGORITHMS.md §8):
 3. Calibrate: the base curve B, each trial's noise under B (`lightning_dp.tuning.privacy`); record the search's one
    ``RepeatAndSelectEvent`` in its ledger; write the state file. Only then does a trial run.
 4. Run each trial (a full ``lightning-dp fit`` of its config, with its callbacks), score it on the public validation
-   data, keep the best; write the state after each trial (atomically: a temporary file renamed over the old one).
+   data, or on private validation patients with the score released by the trial under its own charge
+   (`lightning_dp.tuning.score`), keep the best; write the state after each trial (atomically: a temporary file
+   renamed over the old one).
 
 Every trial counts: one that crashes, one stopped by its budget and one interrupted (killed mid-trial: found
 "running" when the search resumes) are trials of the K drawn, never run again. A resumed search reads K, the trials'
@@ -47,8 +49,10 @@ from lightning_dp.tuning.privacy import (
     base_factor,
     check_covered,
     covering_factor,
+    search_epsilon,
     trial_ledger,
 )
+from lightning_dp.tuning.score import ReleasedScore
 from lightning_dp.tuning.space import Dimension, apply_params, parse_space, sample_params
 
 __all__ = ["DISTRIBUTIONS", "SearchSpec", "TrialOutcome", "TrialRunner", "read_search", "report", "report_text", "tune"]
@@ -83,6 +87,7 @@ class SearchSpec:
         metric: the logged validation metric that scores a trial (e.g. ``val/acc``).
         mode: ``max`` or ``min``: which score is best.
         space: the hyperparameters and their values or ranges.
+        released: how each trial releases its score on private validation patients; None for public validation.
     """
 
     total_epsilon: float
@@ -92,6 +97,7 @@ class SearchSpec:
     metric: str
     mode: Literal["max", "min"]
     space: dict[str, Dimension]
+    released: ReleasedScore | None = None
 
 
 def _trials(raw: Any) -> tuple[float, float, str]:
@@ -122,30 +128,44 @@ def _trials(raw: Any) -> tuple[float, float, str]:
     return float(mean), float(shape), name
 
 
-def _score(raw: Any) -> tuple[str, Literal["max", "min"]]:
+RELEASED_KEYS = {"noise_multiplier", "patients", "range"}
+
+
+def _score(raw: Any) -> tuple[str, Literal["max", "min"], ReleasedScore | None]:
     hint = "score: {metric: val/acc, mode: max, validation: public}."
     if not isinstance(raw, Mapping) or "metric" not in raw:
         raise _refuse(f"the search file needs a 'score' with its metric, found {raw!r}.", hint)
     validation = raw.get("validation")
-    if validation == "private_released":
-        raise _refuse(
-            "a privately released score (clipped, noised, charged by each trial) is not built yet.",
-            "score on public validation patients (validation: public), or tune on public patients: docs/tuning.md.",
-        )
-    if validation != "public":
+    if validation not in ("public", "private_released"):
         raise _refuse(
             f"score.validation={validation!r}: a score computed on private patients outside any charge leaks them "
             "(each trial's choice looks at them).",
             "declare validation: public if the config's validation patients are public data (not the private "
-            "training patients), or tune on public patients and charge nothing (docs/tuning.md).",
+            "training patients), validation: private_released to have each trial release a clipped, noised score "
+            "under its own charge, or tune on public patients and charge nothing (docs/tuning.md).",
         )
     mode = raw.get("mode", "max")
     if mode not in ("max", "min"):
         raise _refuse(f"score.mode={mode!r} must be max or min.", "max for accuracy or Dice, min for a loss.")
-    unknown = set(raw) - {"metric", "mode", "validation"}
+    allowed = {"metric", "mode", "validation"} | (RELEASED_KEYS if validation == "private_released" else set())
+    unknown = set(raw) - allowed
     if unknown:
-        raise _refuse(f"'score' has unknown keys {sorted(unknown)}.", hint)
-    return str(raw["metric"]), mode
+        extra = " (noise_multiplier, patients and range go with validation: private_released)"
+        raise _refuse(f"'score' has unknown keys {sorted(unknown)}{extra if unknown & RELEASED_KEYS else ''}.", hint)
+    if validation == "public":
+        return str(raw["metric"]), mode, None
+    missing = {"noise_multiplier", "patients"} - set(raw)
+    if missing:
+        raise _refuse(
+            f"score.validation: private_released needs {sorted(missing)}.",
+            "score: {metric: val/acc, validation: private_released, noise_multiplier: 2.0, patients: 200, "
+            "range: [0, 1]} (docs/tuning.md).",
+        )
+    bounds = raw.get("range", [0.0, 1.0])
+    if not isinstance(bounds, (list, tuple)) or len(bounds) != 2:
+        raise _refuse(f"score.range={bounds!r} must be two numbers [low, high].", "[0, 1] for accuracy or Dice.")
+    released = ReleasedScore(_number(raw["noise_multiplier"]), raw["patients"], _number(bounds[0]), _number(bounds[1]))
+    return str(raw["metric"]), mode, released
 
 
 def read_search(raw: Any, config: Mapping[str, Any], total_epsilon: float | None = None) -> SearchSpec:
@@ -166,9 +186,9 @@ def read_search(raw: Any, config: Mapping[str, Any], total_epsilon: float | None
             "total_epsilon: 4.0 in the search file (or --total-epsilon 4); each trial's ε is derived from it.",
         )
     mean, shape, name = _trials(raw.get("trials"))
-    metric, mode = _score(raw.get("score"))
+    metric, mode, released = _score(raw.get("score"))
     space = parse_space(raw.get("space"), config, OWNER)
-    return SearchSpec(float(epsilon), mean, shape, name, metric, mode, space)
+    return SearchSpec(float(epsilon), mean, shape, name, metric, mode, space, released)
 
 
 # ---------------------------------------------------------------------------------------------- the config's privacy
@@ -210,7 +230,9 @@ class _Privacy:
     noise: NoiseSchedule
 
 
-def _privacy(config: Mapping[str, Any], folder: Path, units: Callable[[Any], int]) -> _Privacy:
+def _privacy(
+    config: Mapping[str, Any], folder: Path, units: Callable[[Any], int], released: ReleasedScore | None = None
+) -> _Privacy:
     """What decides a trial's privacy, read as ``lightning-dp plan --config`` reads it (`_plan_config.read_config`)."""
     import yaml  # type: ignore[import-untyped]
 
@@ -235,7 +257,9 @@ def _privacy(config: Mapping[str, Any], folder: Path, units: Callable[[Any], int
     delta = dp.delta if dp.delta is not None else default_delta(units(dp))
     noise = dp.noise or ConstantNoise(1.0)
     schedule = noise.scaled(dp.noise_scales[0])
-    return _Privacy(TrialPlan(float(rate), dp.max_steps, schedule), dp.unit, float(delta), dp.mechanism, noise)  # type: ignore[arg-type]
+    score_noise = None if released is None else float(released.noise_multiplier)
+    plan = TrialPlan(float(rate), dp.max_steps, schedule, score_noise)
+    return _Privacy(plan, dp.unit, float(delta), dp.mechanism, noise)  # type: ignore[arg-type]
 
 
 def _with_noise(config: Mapping[str, Any], privacy: _Privacy, factor: float, folder: Path) -> dict[str, Any]:
@@ -255,7 +279,8 @@ def _digest(value: Any) -> str:
 
 
 def _search_digest(spec: SearchSpec) -> str:
-    return _digest([spec.total_epsilon, spec.mean, spec.shape, spec.metric, spec.mode, repr(spec.space)])
+    parts: list[Any] = [spec.total_epsilon, spec.mean, spec.shape, spec.metric, spec.mode, repr(spec.space)]
+    return _digest(parts if spec.released is None else [*parts, spec.released.to_dict()])
 
 
 def _write_atomically(path: Path, state: Mapping[str, Any]) -> None:
@@ -293,6 +318,33 @@ class TrialOutcome:
 TrialRunner = Callable[[Path, Path], TrialOutcome]
 
 
+#: A trial folder's copy of how its score is released (read by the trial: `released_score`).
+RELEASED_FILE = "released_score.json"
+
+
+def released_score(folder: Path) -> ReleasedScore | None:
+    """How the trial in ``folder`` must release its validation score; None when its validation data are public."""
+    path = Path(folder) / RELEASED_FILE
+    return ReleasedScore.from_dict(json.loads(path.read_text())) if path.is_file() else None
+
+
+def _check_score_fits(spec: SearchSpec, base: _Privacy) -> None:
+    """Refuses a released score that alone (without any training) costs the whole search's ε or more."""
+    if spec.released is None:
+        return
+    alone = PrivacyLedger(base.unit, base.delta)
+    alone.record(spec.released.event)
+    epsilon = search_epsilon(alone, spec.mean, spec.shape)
+    if epsilon >= spec.total_epsilon:
+        raise _refuse(
+            f"the released score alone (noise_multiplier={spec.released.noise_multiplier}) costs the search "
+            f"ε = {epsilon:.3g} at δ = {base.delta:.3g} over E[K] = {spec.mean:g} trials, not under the total "
+            f"ε = {spec.total_epsilon:g}: no training noise would be left.",
+            "raise score.noise_multiplier (and score.patients: more validation patients keep the score useful), "
+            "raise total_epsilon, or score on public validation patients.",
+        )
+
+
 def _fresh_state(
     config: Mapping[str, Any],
     spec: SearchSpec,
@@ -300,7 +352,8 @@ def _fresh_state(
     generator: np.random.Generator,
     units: Callable[[Any], int],
 ) -> dict[str, Any]:
-    base = _privacy(config, folder / "trials", units)
+    base = _privacy(config, folder / "trials", units, spec.released)
+    _check_score_fits(spec, base)
     c0 = base_factor(base.plan, base.unit, base.delta, spec.total_epsilon, spec.mean, spec.shape)
     base_ledger = trial_ledger(base.plan, c0, base.unit, base.delta)
     count = draw_trials(spec.mean, spec.shape, generator)
@@ -309,7 +362,7 @@ def _fresh_state(
         params = sample_params(spec.space, generator)
         trial_folder = folder / "trials" / f"{index:03d}"
         trial_config = apply_params(config, params)
-        privacy = _privacy(trial_config, trial_folder, units)
+        privacy = _privacy(trial_config, trial_folder, units, spec.released)
         # The base run itself keeps c₀ (its curve is the base curve); another q or length gets the noise under it.
         same = privacy.plan == base.plan
         factor = c0 if same else covering_factor(privacy.plan, base_ledger, base.unit, base.delta)
@@ -317,6 +370,8 @@ def _fresh_state(
         check_covered(planned, base_ledger, index)
         written = _with_noise(trial_config, privacy, factor, trial_folder)
         _write_yaml(trial_folder / "config.yaml", written)
+        if spec.released is not None:
+            (trial_folder / RELEASED_FILE).write_text(json.dumps({**spec.released.to_dict(), "metric": spec.metric}))
         trials.append(
             {
                 "index": index,
@@ -351,7 +406,12 @@ def _fresh_state(
             "ledger": base_ledger.state_dict(),
         },
         "search_ledger": ledger.state_dict(),
-        "score": {"metric": spec.metric, "mode": spec.mode, "validation": "public"},
+        "score": {
+            "metric": spec.metric,
+            "mode": spec.mode,
+            "validation": "public" if spec.released is None else "private_released",
+            **({} if spec.released is None else {"released": spec.released.to_dict()}),
+        },
         "trials": trials,
         "best": None,
     }
@@ -395,8 +455,13 @@ def _run_one(state: dict[str, Any], trial: dict[str, Any], folder: Path, runner:
     trial["steps_run"] = outcome.ledger.steps
     trial["epsilon"] = RDPAccountant().epsilon(outcome.ledger)
     metric, mode = state["score"]["metric"], state["score"]["mode"]
+    released = state["score"].get("released")
     if metric not in outcome.scores:
         trial["error"] = f"no {metric!r} among the validation metrics {sorted(outcome.scores)}"
+    elif released is not None and not ReleasedScore.from_dict(released).charged(outcome.ledger):
+        # A score on private validation patients that its trial did not charge once is never looked at.
+        trial["error"] = "its private validation score was not released through ReleasedScore.release (not charged)"
+        return [trial_folder]
     best = state["best"]
     score = outcome.scores.get(metric, math.nan)
     if _better(score, None if best is None else best["score"], mode):
@@ -425,6 +490,18 @@ def _publish_best(state: Mapping[str, Any], folder: Path) -> None:
     (target / "scores.json").write_text(json.dumps(best["scores"], indent=1))
 
 
+def _scored_on(score: Mapping[str, Any]) -> str:
+    released = score.get("released")
+    if released is None:
+        return f"the validation data scoring each trial ({score['metric']}, declared public by the user)"
+    low, high = released["range"]
+    return (
+        f"nothing private: each trial's {score['metric']} on private validation patients is released by the trial "
+        f"(each patient's score clipped to [{low:g}, {high:g}], Gaussian noise z = {released['noise_multiplier']:g} "
+        f"on the sum, divided by {released['patients']}) and charged in its ε"
+    )
+
+
 def report(state: Mapping[str, Any]) -> dict[str, Any]:
     """The search's privacy report: the total ε beside each trial's ε, K, the distribution, what was public."""
     total = RDPAccountant().epsilon(_ledger(state["search_ledger"]))
@@ -440,7 +517,7 @@ def report(state: Mapping[str, Any]) -> dict[str, Any]:
         "distribution": state["distribution"],
         "trials_drawn": state["trials_drawn"],
         "trials_run": sum(t["status"] != "pending" for t in state["trials"]),
-        "public": f"the validation data scoring each trial ({state['score']['metric']}, declared public by the user)",
+        "public": _scored_on(state["score"]),
         "base": {k: state["base"][k] for k in ("sample_rate", "steps", "noise_multiplier_first", "noise_factor")},
         "trials": [
             {k: t[k] for k in ("index", "params", "sample_rate", "steps", "noise_multiplier_first", "planned_epsilon")}

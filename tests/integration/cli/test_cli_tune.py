@@ -11,7 +11,7 @@ import pytest
 import torch
 import yaml
 
-from lightning_dp.accounting import PrivacyLedger, RDPAccountant
+from lightning_dp.accounting import GaussianEvent, PrivacyLedger, RDPAccountant
 from lightning_dp.cli import main
 from lightning_dp.tuning import tune
 
@@ -73,3 +73,24 @@ def test_tune_from_python(tmp_path: Path) -> None:
     assert report["trials_drawn"] == 1 and report["best"]["index"] == 0
     kept = yaml.safe_load((tmp_path / "search" / "best" / "config.yaml").read_text())
     assert kept["trainer"]["callbacks"][0]["init_args"]["noise_schedule"]["class_path"].endswith("ConstantNoise")
+
+
+def test_tune_on_private_validation_patients_releases_each_score_under_its_charge(tmp_path: Path) -> None:
+    space = yaml.safe_load(_space(tmp_path, mean=1.5).read_text())
+    space["score"] = {"metric": "val/acc", "validation": "private_released", "noise_multiplier": 2.0, "patients": 2}
+    report = tune(_tiny_config(tmp_path), space, tmp_path / "search", seed=0)  # K = 1
+    (trial,) = report["trial_status"]
+    assert trial["status"] == "done" and trial["error"] is None, trial
+    assert set(report["best"]["scores"]) == {"val/acc"}
+    # The trial's ε holds the score's Gaussian beside the training the checkpoint's ledger holds.
+    state = torch.load(tmp_path / "search" / "best" / "model.ckpt", weights_only=False)
+    privacy = next(v for k, v in state["callbacks"].items() if "P3SGD" in k)
+    training = PrivacyLedger("patient", 1e-5)
+    training.load_state_dict(privacy["ledger"])
+    with_score = training.copy()
+    with_score.record(GaussianEvent(2.0))
+    assert trial["epsilon"] == pytest.approx(RDPAccountant().epsilon(with_score))
+    assert trial["epsilon"] > RDPAccountant().epsilon(training)
+    # No validation loop read the private patients during the fit: no val/ metric in the trial's logs.
+    logs = b"".join(p.read_bytes() for p in (tmp_path / "search" / "trials").rglob("events.out.tfevents*"))
+    assert logs and b"val/" not in logs

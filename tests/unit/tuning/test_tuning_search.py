@@ -38,6 +38,13 @@ SPACE: dict[str, Any] = {
         "trainer.callbacks.P3SGD.init_args.sample_rate": [0.05, 0.1],
     },
 }
+RELEASED: dict[str, Any] = {
+    "metric": "val/acc",
+    "validation": "private_released",
+    "noise_multiplier": 4.0,
+    "patients": 50,
+    "range": [0, 1],
+}
 SEED = 3  # K = 6 trials with this seed (checked below)
 
 
@@ -154,7 +161,13 @@ def test_a_folder_of_another_search_is_not_resumed(tmp_path: Path) -> None:
     ("change", "match"),
     [
         ({"score": {"metric": "val/acc", "mode": "max"}}, "score.validation=None: a score computed on private"),
-        ({"score": {"metric": "val/acc", "validation": "private_released"}}, "privately released score .* not built"),
+        ({"score": {"metric": "val/acc", "validation": "private_released"}}, "needs \\['noise_multiplier', 'pat"),
+        ({"score": {**RELEASED, "noise_multiplier": 0}}, "score.noise_multiplier=0 must be"),
+        ({"score": {**RELEASED, "patients": 0}}, "score.patients=0 must be an integer"),
+        ({"score": {**RELEASED, "range": [1, 0]}}, "must have low < high"),
+        ({"score": {**RELEASED, "range": [0]}}, "must be two numbers"),
+        ({"score": {**RELEASED, "validation": "public"}}, "go with validation: private_released"),
+        ({"score": {**RELEASED, "noise_multiplier": 0.3}}, "the released score alone .* costs the search"),
         ({"score": {"metric": "val/acc", "mode": "best", "validation": "public"}}, "score.mode='best'"),
         ({"total_epsilon": 0}, "total_epsilon=0"),
         ({"total_epsilon": None}, "total_epsilon=None"),

@@ -1,0 +1,129 @@
+"""A private search scored on private validation patients: each trial releases its score (`ReleasedScore`) under its
+own charge, and the search's bound is taken on the trial's whole curve (training + score).
+
+Reference for the ε: dp-accounting 0.6's RDP accountant on RepeatAndSelect(Compose(training, Gaussian(z_s))) at
+integer orders (where both libraries' curves agree to ~1e-9: relative tolerance 1e-6). The noise's std is measured
+over 20,000 releases: the sample std's relative standard error is 1/√(2·20,000) = 0.5 %, the tolerance 3 % (6 sd).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import yaml
+from dp_accounting import dp_event
+from dp_accounting.rdp import rdp_privacy_accountant as dp_rdp
+
+from lightning_dp.accounting import GaussianEvent, PrivacyLedger, RDPAccountant
+from lightning_dp.accounting.rdp import DEFAULT_ORDERS
+from lightning_dp.accounting.repeat_select import search_ledger
+from lightning_dp.schedules import ConstantNoise
+from lightning_dp.tuning import tune
+from lightning_dp.tuning.privacy import TrialPlan, base_factor, trial_ledger
+from lightning_dp.tuning.score import ReleasedScore
+from lightning_dp.tuning.search import TrialOutcome, released_score
+
+CONFIG = Path(__file__).resolve().parents[3] / "configs" / "p3sgd_tune_synthetic.yaml"
+DELTA = 1e-5
+INTEGER_ORDERS = DEFAULT_ORDERS[np.round(DEFAULT_ORDERS) == DEFAULT_ORDERS]
+RELEASED = {"metric": "val/acc", "validation": "private_released", "noise_multiplier": 3.0, "patients": 40}
+SEARCH: dict[str, Any] = {
+    "total_epsilon": 4.0,
+    "trials": {"mean": 6, "distribution": "geometric"},
+    "score": RELEASED,
+    "space": {"model.init_args.lr": {"log_uniform": [0.01, 1.0]}},
+}
+SEED = 3  # K = 6 trials with this seed
+
+
+def _reference(z: float, z_score: float, mean: float, shape: float) -> float:
+    step = dp_event.PoissonSampledDpEvent(0.1, dp_event.GaussianDpEvent(z))
+    trial = dp_event.ComposedDpEvent([dp_event.SelfComposedDpEvent(step, 60), dp_event.GaussianDpEvent(z_score)])
+    accountant = dp_rdp.RdpAccountant(orders=list(INTEGER_ORDERS))
+    accountant.compose(dp_event.RepeatAndSelectDpEvent(trial, mean, shape))
+    return float(accountant.get_epsilon(DELTA))
+
+
+@pytest.mark.parametrize(("mean", "shape"), [(10.0, 1.0), (5.0, math.inf)])
+def test_the_search_is_charged_for_the_released_scores_as_dp_accounting_says(mean: float, shape: float) -> None:
+    scored, public = TrialPlan(0.1, 60, ConstantNoise(1.0), score_noise=3.0), TrialPlan(0.1, 60, ConstantNoise(1.0))
+    factor = base_factor(scored, "patient", DELTA, 4.0, mean, shape)
+    trial = trial_ledger(scored, factor, "patient", DELTA)
+    assert trial.entries[-1] == (GaussianEvent(3.0), 1), "the score is charged once, after the steps"
+    search = search_ledger(trial, mean, shape)
+    assert 4.0 * (1 - 1e-3) <= RDPAccountant().epsilon(search) <= 4.0
+    at_integers = RDPAccountant(orders=INTEGER_ORDERS).epsilon(search)
+    assert at_integers == pytest.approx(_reference(factor, 3.0, mean, shape), rel=1e-6)
+    # The score costs training noise: the same search scored on public data trains with less.
+    assert factor > base_factor(public, "patient", DELTA, 4.0, mean, shape)
+
+
+def test_one_patient_moves_the_release_by_at_most_the_range_over_the_count() -> None:
+    score = ReleasedScore(noise_multiplier=2.0, patients=40, low=0.0, high=1.0)
+    others = {f"p{i}": float(v) for i, v in enumerate(np.random.default_rng(0).uniform(0, 1, 39))}
+    for crafted in (7.0, -3.0, math.inf, -math.inf, math.nan, 1.0):  # out of range, infinite, NaN
+        ledger = PrivacyLedger("patient", DELTA)
+        without = score.release(others, ledger, np.random.default_rng(1))
+        with_it = score.release({**others, "canary": crafted}, ledger, np.random.default_rng(1))
+        assert abs(with_it - without) <= score.sensitivity / 40 + 1e-12, crafted
+    assert math.isfinite(with_it)
+
+
+def test_the_noise_is_the_charged_gaussian_and_fresh() -> None:
+    score = ReleasedScore(noise_multiplier=2.0, patients=10, low=0.0, high=0.5)
+    ledger = PrivacyLedger("patient", DELTA)
+    rng = np.random.default_rng(5)
+    draws = np.array([score.release({"a": 0.2, "b": 0.3}, ledger, rng) for _ in range(20_000)])
+    assert ledger.entries == ((GaussianEvent(2.0), 20_000),), "every release charged, one Gaussian each"
+    expected_std = 2.0 * 0.5 / 10
+    assert draws.mean() == pytest.approx(0.05, abs=4 * expected_std / math.sqrt(20_000))
+    assert draws.std() == pytest.approx(expected_std, rel=0.03)
+    # Without a generator the noise comes from the OS: two releases of the same scores differ.
+    first, second = (score.release({"a": 0.2}, PrivacyLedger("patient", DELTA)) for _ in range(2))
+    assert first != second
+
+
+def _trial(charge: bool) -> Any:
+    def run(config: Path, folder: Path) -> TrialOutcome:
+        parsed = yaml.safe_load(config.read_text())
+        z = parsed["trainer"]["callbacks"][0]["init_args"]["noise_schedule"]["init_args"]["multiplier"]
+        ledger = trial_ledger(TrialPlan(0.1, 60, ConstantNoise(1.0)), z, "patient", DELTA)
+        release = released_score(folder)
+        assert release is not None and release.noise_multiplier == 3.0
+        lr = parsed["model"]["init_args"]["lr"]
+        per_patient = {p: 1 - abs(math.log(lr / 0.1)) / 5 for p in range(40)}
+        value = release.release(per_patient, ledger if charge else ledger.copy(), np.random.default_rng(0))
+        return TrialOutcome("done", {"val/acc": value}, ledger, None)
+
+    return run
+
+
+def test_a_search_on_private_validation_keeps_only_charged_scores(tmp_path: Path) -> None:
+    report = tune(CONFIG, SEARCH, tmp_path / "charged", seed=SEED, run_trial=_trial(charge=True))
+    assert report["trials_drawn"] == 6 and report["best"] is not None
+    assert 4.0 * (1 - 1e-3) <= report["epsilon"] <= 4.0
+    assert "released by the trial" in report["public"] and "z = 3" in report["public"]
+    assert all(t["error"] is None and t["epsilon"] <= report["epsilon_per_trial"] * (1 + 1e-6) for t in
+               report["trial_status"])  # fmt: skip
+    # A trial that returns a private score without charging it is never looked at.
+    refused = tune(CONFIG, SEARCH, tmp_path / "uncharged", seed=SEED, run_trial=_trial(charge=False))
+    assert refused["best"] is None
+    assert all("not charged" in t["error"] for t in refused["trial_status"])
+
+
+def test_a_search_file_without_a_released_score_writes_none_for_the_trials(tmp_path: Path) -> None:
+    public = {**SEARCH, "score": {"metric": "val/acc", "validation": "public"}}
+    seen: list[object] = []
+
+    def run(config: Path, folder: Path) -> TrialOutcome:
+        seen.append(released_score(folder))
+        z = yaml.safe_load(config.read_text())["trainer"]["callbacks"][0]["init_args"]["noise_schedule"]["init_args"]
+        ledger = trial_ledger(TrialPlan(0.1, 60, ConstantNoise(1.0)), z["multiplier"], "patient", DELTA)
+        return TrialOutcome("done", {"val/acc": 0.5}, ledger, None)
+
+    tune(CONFIG, public, tmp_path, seed=SEED, run_trial=run)
+    assert seen == [None] * 6
