@@ -18,7 +18,7 @@ from numpy.typing import NDArray
 from torch import Tensor
 from torch.utils.data import Dataset
 
-from lightning_dp.data.manifest import ManifestRow, describe_range, load_image
+from lightning_dp.data.manifest import ManifestRow, describe_range, in_unit_range, load_image
 from lightning_dp.data.patients import PatientGroups, require_rows
 from lightning_dp.errors import PrivacyConfigError
 
@@ -247,7 +247,7 @@ def _check_in_memory_image(array: NDArray[np.generic], index: int) -> NDArray[np
         )
     if is_float:
         array = array.astype(np.float32)
-        if not np.isfinite(array).all() or array.min() < 0.0 or array.max() > 1.0:
+        if not in_unit_range(array):
             raise PrivacyConfigError(
                 f"`PatientImageDataset.from_arrays(images=...)`: float images must have finite values in [0, 1], "
                 f"found {describe_range(array)} at index {index}. "

@@ -418,7 +418,7 @@ def load_image(path: Union[str, os.PathLike[str]]) -> NDArray[np.generic]:
         if array.dtype == np.uint8:
             return np.ascontiguousarray(array)
         image = np.ascontiguousarray(array, dtype=np.float32)
-        if not np.isfinite(image).all() or image.min() < 0.0 or image.max() > 1.0:
+        if not in_unit_range(image):
             raise DataError(
                 f"{where}: a float image must have finite values in [0, 1], found "
                 f"{describe_range(image)}. HINT: scale it (e.g. divide by 255) "
@@ -448,6 +448,16 @@ def describe_range(array: NDArray[np.generic]) -> str:
     return f"range [{float(array.min()):g}, {float(array.max()):g}]"
 
 
+def in_unit_range(array: NDArray[np.generic]) -> bool:
+    """Whether every value is finite and in [0, 1]: what a float image must hold (`describe_range` says what not).
+
+    Example:
+        >>> in_unit_range(np.array([0.0, 1.0])), in_unit_range(np.array([0.5, 2.0])), in_unit_range(np.array([np.nan]))
+        (True, False, False)
+    """
+    return bool(np.isfinite(array).all() and array.min() >= 0.0 and array.max() <= 1.0)
+
+
 def _pil_to_array(image: Image.Image) -> NDArray[np.generic]:
     # np.array, not np.asarray: an array over a Pillow image's buffer is read-only, and torch.from_numpy warns
     # ("The given NumPy array is not writable") on a one-channel image, whose C×H×W view needs no copy.
@@ -461,7 +471,7 @@ def _pil_to_array(image: Image.Image) -> NDArray[np.generic]:
         return (values / 65535.0).astype(np.float32)[:, :, None]
     if image.mode == "F":
         values32 = np.array(image, dtype=np.float32)
-        if not np.isfinite(values32).all() or values32.min() < 0.0 or values32.max() > 1.0:
+        if not in_unit_range(values32):
             raise ValueError("a 32-bit float image must have values in [0, 1]")
         return values32[:, :, None]
     return np.array(image.convert("RGB"), dtype=np.uint8)

@@ -49,6 +49,7 @@ from lightning_dp.data.errors import DataError
 from lightning_dp.data.manifest import (
     ManifestFormat,
     describe_range,
+    in_unit_range,
     manifest_files,
     read_patient_id,
     read_split,
@@ -341,7 +342,7 @@ def _image_tensor(array: NDArray[Any], intensity_range: tuple[float, float] | No
         if not (np.issubdtype(array.dtype, np.floating) or np.issubdtype(array.dtype, np.integer)):
             raise DataError(f"{where}: the image must hold numbers, found dtype {array.dtype}. HINT: re-export it.")
         array = np.asarray(array, dtype=np.float32)
-        if not np.isfinite(array).all() or array.min() < 0.0 or array.max() > 1.0:
+        if not in_unit_range(array):
             raise DataError(
                 f"{where}: the image must be uint8 or have finite values in [0, 1], found {describe_range(array)} "
                 f"(dtype {array.dtype}). HINT: set intensity_range=(low, high) to map a fixed window to [0, 1], "
