@@ -335,7 +335,7 @@ def _check_score_fits(spec: SearchSpec, base: _Privacy) -> None:
     alone = PrivacyLedger(base.unit, base.delta)
     alone.record(spec.released.event)
     epsilon = search_epsilon(alone, spec.mean, spec.shape)
-    if epsilon >= spec.total_epsilon:
+    if epsilon >= spec.total_epsilon * (1 - 1e-3):  # the calibration needs room below the total for the training
         raise _refuse(
             f"the released score alone (noise_multiplier={spec.released.noise_multiplier}) costs the search "
             f"ε = {epsilon:.3g} at δ = {base.delta:.3g} over E[K] = {spec.mean:g} trials, not under the total "
