@@ -127,3 +127,11 @@ def test_a_search_file_without_a_released_score_writes_none_for_the_trials(tmp_p
 
     tune(CONFIG, public, tmp_path, seed=SEED, run_trial=run)
     assert seen == [None] * 6
+
+
+def test_the_shipped_private_score_search_file_reads() -> None:
+    from lightning_dp.tuning.search import read_search
+
+    shipped = CONFIG.parent / "search" / "p3sgd_tune_space_private_score.yaml"
+    spec = read_search(yaml.safe_load(shipped.read_text()), yaml.safe_load(CONFIG.read_text()))
+    assert spec.released == ReleasedScore(noise_multiplier=4.0, patients=8, low=0.0, high=1.0)
