@@ -62,15 +62,7 @@ from lightning_dp.training.trainer_checks import (
 )
 from lightning_dp.training.weight_averaging import averages_weights
 
-__all__ = [
-    "EPSILON_KEY",
-    "PAPER_EPSILON_KEY",
-    "DPAccountantName",
-    "DPCallback",
-    "FitState",
-    "default_delta",
-    "state_digest",
-]
+__all__ = ["EPSILON_KEY", "PAPER_EPSILON_KEY", "DPAccountantName", "DPCallback", "default_delta", "state_digest"]
 
 DPAccountantName = Literal["rdp", "prv"]
 #: Logged metrics that do not change during a fit: logged at its first step only.
@@ -79,7 +71,7 @@ _CONSTANT_KEYS = ("privacy/delta", "privacy/expected_batch_size")
 
 @dataclass
 class FitState:
-    """What a DP callback holds while the Trainer runs it, and only then: made new by setup, dropped at fit teardown.
+    """What a DP callback holds while a Trainer runs it: made new by setup (any stage), dropped at the fit's teardown.
 
     Resetting the scratch of a fit is making a new one. What outlives a fit stays on the callback: its arguments, the
     ledger, release, sampler and step counter (a checkpoint saved after fit reads them), the report, the budget and
@@ -120,6 +112,12 @@ class DPCallback(pl.Callback):
     `_release_inputs`, `_abort_step`, `_end_step`, `_after_step`), `_extra_state`/`_load_extra_state` and
     `_report_extra`. The step itself, `_private_step`, is the same for both: budget → clip → sum over ranks →
     release (noise and charge, in one call) → count → log.
+
+    Both take ``adapt_threads`` (default True): on CPU, each step runs on the cores other processes left free since
+    the previous step (never more threads than torch's setting; `lightning_dp.training.threads.ThreadGovernor`):
+    threads beyond the free cores wait on each other at every kernel (a P3SGD round measured 9x slower with one core
+    taken). False keeps torch's setting: the thread count changes float round-off, so runs on a machine whose load
+    varies agree bit for bit only with False.
     """
 
     mechanism: ClassVar[str]

@@ -154,11 +154,8 @@ class DPSGD(DPCallback):
             gradient is the mean of its K views' gradients, and that mean is clipped to C. **Privacy is
             unchanged**: every sample still adds one clipped contribution of norm ≤ C at the same Poisson rate,
             so the accountant charges the same ε as with K = 1 (the views cost compute, not privacy).
-        adapt_threads: on CPU, run each step on the cores other processes left free since the previous step
-            (never more threads than torch's setting; `lightning_dp.training.threads.ThreadGovernor`): threads beyond
-            the free cores wait on each other at every kernel (a P3SGD round measured 9x slower with one core taken).
-            False keeps torch's setting: the thread count changes float round-off, so runs on a machine whose load
-            varies agree bit for bit only with False.
+        adapt_threads: on CPU, run each step on the cores other processes left free (`DPCallback` says how and
+            why); False keeps torch's setting, for runs that must agree bit for bit on a machine whose load varies.
 
     Example:
         >>> DPSGD(clip_norm=1.0, noise_multiplier=1.1, batch_size=64)

@@ -149,11 +149,8 @@ class P3SGD(DPCallback):
             docstring; ``round_path`` says which ran). ``False`` (default): train patient by patient.
         vectorize_batch_size: the most images in one batched pass (whole patients; a patient with more images
             gets a pass of its own), or in one stacked local step. Bounds the memory of the vectorized round.
-        adapt_threads: on CPU, run each step on the cores other processes left free since the previous step
-            (never more threads than torch's setting; `lightning_dp.training.threads.ThreadGovernor`): threads beyond
-            the free cores wait on each other at every kernel (a P3SGD round measured 9x slower with one core taken).
-            False keeps torch's setting: the thread count changes float round-off, so runs on a machine whose load
-            varies agree bit for bit only with False.
+        adapt_threads: on CPU, run each step on the cores other processes left free (`DPCallback` says how and
+            why); False keeps torch's setting, for runs that must agree bit for bit on a machine whose load varies.
 
     Example:
         >>> P3SGD(sample_rate=0.1, clip_norm=5.0, noise_scales=(3.0, 1.0), selection_epsilon=0.316, loss_bound=3.0)
