@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import math
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal, get_args
 
 import pytorch_lightning as pl
@@ -68,6 +69,41 @@ DPAccountantName = Literal["rdp", "prv"]
 _CONSTANT_KEYS = ("privacy/delta", "privacy/expected_batch_size")
 
 
+@dataclass
+class FitState:
+    """What a DP callback holds while a Trainer runs it: made new by setup (any stage), dropped at the fit's teardown.
+
+    Resetting the scratch of a fit is making a new one. What outlives a fit stays on the callback: its arguments, the
+    ledger, release, sampler and step counter (a checkpoint saved after fit reads them), the report, the budget and
+    whether it stopped the run, and what a previous fit trained. `DPSGD` and `P3SGD` add their fields in a subclass.
+    """
+
+    #: Set up by Trainer.validate / test / predict: the callback does nothing but watch the loss (see setup). Kept
+    #: after their teardown, like the next field.
+    evaluating: bool = False
+    #: A non-finite validation or test loss was warned about in this fit (or test run): warned once.
+    warned_nonfinite_loss: bool = False
+    #: The constants of `_CONSTANT_KEYS` were logged in this fit.
+    logged_constants: bool = False
+    #: From setup until a checkpoint reaches on_load_checkpoint (an error reading the file comes in between).
+    reading: bool = False
+    #: The callback logs its own sanitized metrics now (the module's log filter lets them through).
+    logging: bool = False
+    #: The callback's training loader, and what setup set on the module and datamodule (undone at teardown).
+    loader: DataLoader[Any] | None = None
+    patched: list[tuple[Any, str]] = field(default_factory=list)
+    #: The module's own training_step (its class's): setup routes the module's through the private step.
+    original_training_step: Callable[..., Any] | None = None
+    #: The number of privacy units N of the training data, and the run's planned length (for the report).
+    units: int | None = None
+    planned_run: int | None = None
+    #: The Trainer's log_every_n_steps while this callback has it at 1 (`training.logged_metrics.log_every_step`).
+    user_log_every: int | None = None
+    #: Denormals are flushed to zero (by this callback), and the CPU thread governor (see on_fit_start).
+    flushing: bool = False
+    governor: ThreadGovernor | None = None
+
+
 class DPCallback(pl.Callback):
     """Base class of the DP training callbacks (`P3SGD`, `DPSGD`); not used directly.
 
@@ -76,10 +112,18 @@ class DPCallback(pl.Callback):
     `_release_inputs`, `_abort_step`, `_end_step`, `_after_step`), `_extra_state`/`_load_extra_state` and
     `_report_extra`. The step itself, `_private_step`, is the same for both: budget → clip → sum over ranks →
     release (noise and charge, in one call) → count → log.
+
+    Both take ``adapt_threads`` (default True): on CPU, each step runs on the cores other processes left free since
+    the previous step (never more threads than torch's setting; `lightning_dp.training.threads.ThreadGovernor`):
+    threads beyond the free cores wait on each other at every kernel (a P3SGD round measured 9x slower with one core
+    taken). False keeps torch's setting: the thread count changes float round-off, so runs on a machine whose load
+    varies agree bit for bit only with False.
     """
 
     mechanism: ClassVar[str]
     unit: ClassVar[PrivacyUnit]
+    #: The class of `_fit` (a subclass adds its own fields).
+    _fit_type: ClassVar[type[FitState]] = FitState
     format_version: ClassVar[int] = 1
     #: The private diagnostics of a step: (units in it, fraction clipped, mean norm, non-finite units).
     diagnostic_names: ClassVar[tuple[str, str, str, str]]
@@ -123,9 +167,7 @@ class DPCallback(pl.Callback):
         self.log_private_diagnostics = log_private_diagnostics
         self.name = name
         self.flush_denormal = flush_denormal
-        self._flushing = False
         self.adapt_threads = adapt_threads
-        self._governor: ThreadGovernor | None = None
         # What Lightning says of the callbacks' own set-up, which does not apply to it: the step loader is an
         # IterableDataset with a length on purpose (no DistributedSampler; each worker loads whole steps of its own),
         # and a checkpoint taken after a private step holds what it should, the released state.
@@ -133,9 +175,8 @@ class DPCallback(pl.Callback):
             WarningWindow("Your `IterableDataset` has `__len__` defined"),
             WarningWindow("Using ModelCheckpoint with manual optimization and every_n_train_steps"),
         ]
+        #: The thread governor's first limit was said (once per callback, not per fit).
         self._told_threads = False
-        #: The constants of `_CONSTANT_KEYS` were logged in this fit.
-        self._logged_constants = False
         #: Private steps taken (P3SGD calls them rounds); the ledger has one event per step.
         self.steps = 0
         self.ledger: PrivacyLedger | None = None
@@ -145,25 +186,13 @@ class DPCallback(pl.Callback):
         self.accepted_ledger: PrivacyLedger | None = None
         self.report: dict[str, Any] | None = None
         self._budget: PrivacyBudget | None = None
+        #: The PrivacyBudget stopped training (final: reported, and kept after the fit).
         self._stopped_by_budget = False
-        self._loader: DataLoader[Any] | None = None
-        self._patched: list[tuple[Any, str]] = []
-        self._original_training_step: Callable[..., Any] | None = None
-        self._logging = False
         #: Steps a previous fit of this callback charged (and its ledgers); a new fit must resume from a checkpoint.
         self._trained_steps = 0
         self._trained_ledgers: tuple[PrivacyLedger | None, PrivacyLedger | None] = (None, None)
-        #: From setup until a checkpoint reaches on_load_checkpoint (an error reading the file comes in between).
-        self._reading = False
-        #: A non-finite validation or test loss was warned about in this fit (or test run): warned once.
-        self._warned_nonfinite_loss = False
-        #: Set up by Trainer.validate / test / predict: the callback does nothing but watch the loss (see setup).
-        self._evaluating = False
-        #: The number of privacy units N of the training data, and the run's planned length (for the report).
-        self._units: int | None = None
-        self._planned_run: int | None = None
-        #: The Trainer's log_every_n_steps while this callback has it at 1 (`training.logged_metrics.log_every_step`).
-        self._user_log_every: int | None = None
+        #: The scratch of the current fit (`FitState`): a new one at setup, an empty one after teardown.
+        self._fit = self._fit_type()
         #: The noise the planned run will add, against its signal and weights (computed before the first step).
         self.preflight: NoisePreflight | None = None
 
@@ -174,6 +203,15 @@ class DPCallback(pl.Callback):
 
     def attach_budget(self, budget: PrivacyBudget) -> None:
         self._budget = budget
+
+    @property
+    def _original_training_step(self) -> Callable[..., Any] | None:
+        """The module's own training_step during fit (`FitState.original_training_step`; read by tests)."""
+        return self._fit.original_training_step
+
+    @_original_training_step.setter
+    def _original_training_step(self, value: Callable[..., Any] | None) -> None:
+        self._fit.original_training_step = value
 
     # ------------------------------------------------------------------ what subclasses provide
     def _prepare(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> int:
@@ -291,7 +329,7 @@ class DPCallback(pl.Callback):
 
     def _planned_length(self, trainer: pl.Trainer) -> int | None:
         """The steps the Trainer is set to run (the calibrated length, max_steps, or max_epochs × steps per epoch)."""
-        return planned_length(trainer, self.planned_steps, self._loader)
+        return planned_length(trainer, self.planned_steps, self._fit.loader)
 
     def _calibrate(self, schedule: NoiseSchedule, rate: float, steps: int, delta: float) -> NoiseSchedule:
         """``schedule`` scaled so that ``steps`` steps of this callback's step end at ε ≤ target_epsilon.
@@ -307,13 +345,11 @@ class DPCallback(pl.Callback):
     # ------------------------------------------------------------------ setup and teardown
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self._warned_nonfinite_loss = False
-        self._logged_constants = False
         # validate / test / predict train nothing and charge nothing: no take-over, and a checkpoint's privacy state
         # is neither required nor restored (on_load_checkpoint, load_state_dict), so that the config a model was
         # trained with evaluates it, from a training checkpoint or from a `publishable_checkpoint` alike.
-        self._evaluating = stage != "fit"
-        if self._evaluating:
+        self._fit = fit = self._fit_type(evaluating=stage != "fit")
+        if fit.evaluating:
             return
         others = [cb for cb in trainer.callbacks if isinstance(cb, DPCallback) and cb is not self]  # type: ignore[attr-defined]
         if others:
@@ -349,19 +385,18 @@ class DPCallback(pl.Callback):
                 f"per {self.unit}."
             )
         self.accepted_ledger = PrivacyLedger(self.unit, delta) if self.acceptance.can_reject else None
-        self._loader = self._build(trainer, pl_module, seeds)
-        self._units = units
-        self._planned_run = self._planned_length(trainer)
-        warn_calibrated_debug_run(trainer, self.mechanism, self.target_epsilon, self._planned_run)
+        fit.loader = loader = self._build(trainer, pl_module, seeds)
+        fit.units = units
+        fit.planned_run = self._planned_length(trainer)
+        warn_calibrated_debug_run(trainer, self.mechanism, self.target_epsilon, fit.planned_run)
         assert self.release is not None
         self.acceptance.seed(seeds[2])
         self.private_step = PrivateStep(self.release, self.acceptance)
-        loader = self._loader
         owner = trainer.datamodule if getattr(trainer, "datamodule", None) is not None else pl_module  # type: ignore[attr-defined]
         self._patch(owner, "train_dataloader", lambda: loader)
         pl_module.automatic_optimization = False
         pl_module.__dict__["_lightning_dp_step"] = True  # manual optimization is ours, not the user's
-        self._original_training_step = pl_module.training_step
+        fit.original_training_step = pl_module.training_step
 
         def private_step(batch: Any, batch_idx: int, *args: Any, **kwargs: Any) -> None:
             if self._stopped_by_budget:  # the budget's stop is final, whatever keeps the loop going
@@ -371,20 +406,21 @@ class DPCallback(pl.Callback):
             self._private_step(trainer, pl_module, batch)
 
         self._patch(pl_module, "training_step", private_step)
-        install_log_filter(trainer, pl_module, self.mechanism, lambda: self._logging, self._patch)
+        install_log_filter(trainer, pl_module, self.mechanism, lambda: fit.logging, self._patch)
         user_log_every = log_every_step(trainer, self.state_key)
         if user_log_every is not None:
-            self._user_log_every = user_log_every
-        self._reading = True
+            fit.user_log_every = user_log_every
+        fit.reading = True
 
     def _public_loss(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> float:
         """The mean training loss over the datamodule's public_dataloader() at the current weights (eval mode)."""
-        assert self._original_training_step is not None
-        return public_loss(trainer, pl_module, self._original_training_step, self.mechanism)
+        step = self._fit.original_training_step
+        assert step is not None
+        return public_loss(trainer, pl_module, step, self.mechanism)
 
     def _patch(self, owner: Any, attribute: str, value: Any) -> None:
         setattr(owner, attribute, value)
-        self._patched.append((owner, attribute))
+        self._fit.patched.append((owner, attribute))
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -393,19 +429,20 @@ class DPCallback(pl.Callback):
         # Noised weights can drive activations and gradients into denormal floats, which x86 CPUs
         # compute up to ~10x slower; flushing them to zero changes results by < 1e-38.
         if self.flush_denormal and trainer.strategy.root_device.type == "cpu":
-            self._flushing = torch.set_flush_denormal(True)
+            self._fit.flushing = torch.set_flush_denormal(True)
         if self.adapt_threads and trainer.strategy.root_device.type == "cpu":
-            self._governor = ThreadGovernor()
+            self._fit.governor = ThreadGovernor()
 
     def _follow_free_cores(self) -> None:
         """Runs the next step on the CPU cores other processes left free (see `lightning_dp.training.threads`)."""
-        if self._governor is None:
+        governor = self._fit.governor
+        if governor is None:
             return
-        threads = self._governor.adjust()
-        if threads < self._governor.limit and not self._told_threads:
+        threads = governor.adjust()
+        if threads < governor.limit and not self._told_threads:
             self._told_threads = True
             rank_zero_info(
-                f"{self.state_key}: other processes used {self._governor.others:.1f} of {self._governor.cores} CPU "
+                f"{self.state_key}: other processes used {governor.others:.1f} of {governor.cores} CPU "
                 f"cores: steps run on {threads} thread(s) while they do (threads beyond the free cores wait on each "
                 "other: a P3SGD round measured 9x slower). adapt_threads=False keeps torch's setting."
             )
@@ -413,19 +450,20 @@ class DPCallback(pl.Callback):
     def _stop_flushing(self) -> None:
         for window in self._quiet:
             window.close()
-        if self._flushing:
+        fit = self._fit
+        if fit.flushing:
             torch.set_flush_denormal(False)
-            self._flushing = False
-        if self._governor is not None:
-            self._governor.restore()
-            self._governor = None
+            fit.flushing = False
+        if fit.governor is not None:
+            fit.governor.restore()
+            fit.governor = None
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         # Lightning calls no teardown hook after an exception: undo what setup patched into the module and the
         # datamodule here, or a retry in the same process would train through this fit's stale loader and step.
-        self.teardown(trainer, pl_module, "fit")
-        reading, self._reading = self._reading, False
+        reading = self._fit.reading
+        self.teardown(trainer, pl_module, "fit")  # drops the fit's state (reading with it)
         path = trainer.ckpt_path  # set by Lightning just before it reads the file
         # Lightning keeps the loaded checkpoint private: empty while the file has not been read.
         loaded = getattr(getattr(trainer, "_checkpoint_connector", None), "_loaded_checkpoint", None)
@@ -442,13 +480,12 @@ class DPCallback(pl.Callback):
         self._stop_flushing()
         if stage != "fit":
             return
-        while self._patched:
-            owner, attribute = self._patched.pop()
+        fit, self._fit = self._fit, self._fit_type()
+        while fit.patched:
+            owner, attribute = fit.patched.pop()
             delattr(owner, attribute)  # the instance attribute; the class's method shows through again
-        self._original_training_step = None
-        if self._user_log_every is not None:
-            trainer.log_every_n_steps = self._user_log_every  # type: ignore[attr-defined]
-            self._user_log_every = None
+        if fit.user_log_every is not None:
+            trainer.log_every_n_steps = fit.user_log_every  # type: ignore[attr-defined]
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -461,8 +498,8 @@ class DPCallback(pl.Callback):
                 "for a new model."
             )
         refuse_batch_norm_reset(trainer, pl_module, self.mechanism)
-        assert self._loader is not None
-        check_loader_in_use(trainer, self._loader, self.mechanism)
+        assert self._fit.loader is not None
+        check_loader_in_use(trainer, self._fit.loader, self.mechanism)
 
     def _run_preflight(self, pl_module: pl.LightningModule) -> None:
         """Says (and, when the noise will drown the model, warns) how loud the planned run's noise is.
@@ -470,7 +507,7 @@ class DPCallback(pl.Callback):
         Public numbers only: the configuration, N, the initial weights. Skipped for a run of unknown length.
         """
         assert self.release is not None and self.ledger is not None
-        steps = self._planned_run
+        steps = self._fit.planned_run
         if not steps or self._accounting_mode() == "paper":
             return
         expected, tensors, step_size = self._preflight_inputs(pl_module)
@@ -518,12 +555,12 @@ class DPCallback(pl.Callback):
         What is reported is public: the metric's name, that its value is not finite, and the step count. The
         evaluation data is held out, not the private training data.
         """
-        if self._warned_nonfinite_loss:
+        if self._fit.warned_nonfinite_loss:
             return
         bad = nonfinite_losses(trainer)
         if not bad:
             return
-        self._warned_nonfinite_loss = True
+        self._fit.warned_nonfinite_loss = True
         steps = self.ledger.steps if self.ledger is not None else 0
         rank_zero_warn(
             f"{self.state_key}: the {stage} loss {bad} is NaN or infinite after {steps} private steps: the model's "
@@ -573,10 +610,10 @@ class DPCallback(pl.Callback):
         # through LightningModule.log a value is logged again at every later step), and whether a step was accepted
         # only where a rule can reject one.
         constants = {key: metrics.pop(key) for key in _CONSTANT_KEYS if key in metrics}
-        if not self._logged_constants and pl_module.trainer.is_global_zero:
+        if not self._fit.logged_constants and pl_module.trainer.is_global_zero:
             for logger in pl_module.trainer.loggers:
                 logger.log_metrics(constants, step=max(0, pl_module.trainer.global_step - 1))  # the step ε is logged at
-        self._logged_constants = True
+        self._fit.logged_constants = True
         if not self.acceptance.can_reject:
             metrics.pop("privacy/accepted", None)
         if self.log_private_diagnostics:
@@ -591,7 +628,7 @@ class DPCallback(pl.Callback):
         ε is logged once, to the logger and the progress bar alike: a second, progress-bar-only key would
         be a second series in TensorBoard (Lightning sends every ``log(..., logger=True)`` to the logger).
         """
-        self._logging = True
+        self._fit.logging = True
         try:
             key = self._epsilon_key()
             rest = {name: value for name, value in metrics.items() if name != key}
@@ -599,7 +636,7 @@ class DPCallback(pl.Callback):
             pl_module.log(key, metrics[key], prog_bar=True, **options)
             pl_module.log_dict(rest, prog_bar=False, **options)
         finally:
-            self._logging = False
+            self._fit.logging = False
 
     # ------------------------------------------------------------------ end of run
     @override
@@ -625,8 +662,8 @@ class DPCallback(pl.Callback):
             }
         if self._budget is not None and self._budget.stop_reason:
             extra["stop_reason"] = self._budget.stop_reason
-        extra["num_units"] = self._units
-        extra["planned_steps"] = self._planned_run
+        extra["num_units"] = self._fit.units
+        extra["planned_steps"] = self._fit.planned_run
         calibrated = self.planned_steps
         if calibrated is not None and self.ledger.steps < calibrated and not self._stopped_by_budget:
             target = self.target_epsilon
@@ -675,8 +712,8 @@ class DPCallback(pl.Callback):
     def on_load_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
-        self._reading = False
-        if self._evaluating:
+        self._fit.reading = False
+        if self._fit.evaluating:
             return
         if not checkpoint.get("callbacks", {}).get(self.state_key):
             raise PrivacyStateError(
@@ -700,7 +737,7 @@ class DPCallback(pl.Callback):
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        if self._evaluating:
+        if self._fit.evaluating:
             return  # evaluation charges nothing: this callback's ledger (if it trained) stays what it trained
         if self.ledger is None or self.release is None:
             raise PrivacyStateError(

@@ -20,7 +20,7 @@ that mean is clipped to C. The sample, the sensitivity C and so the ε are those
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import pytorch_lightning as pl
@@ -31,7 +31,7 @@ from typing_extensions import override
 
 from lightning_dp.acceptance import StepAcceptance
 from lightning_dp.accounting import PrivacyLedger, calibrate_noise_multiplier
-from lightning_dp.callbacks.base import DPAccountantName, DPCallback
+from lightning_dp.callbacks.base import DPAccountantName, DPCallback, FitState
 from lightning_dp.errors import (
     PrivacyConfigError,
     PrivacyStateError,
@@ -80,6 +80,27 @@ class _Step:
 
     buffers: BufferSnapshot
     secret: int
+
+
+@dataclass
+class _DPSGDFit(FitState):
+    """What DPSGD holds during one fit, besides what every DP callback does (`FitState`)."""
+
+    #: The training dataset and the loader it came with (its collate_fn and worker settings are reused).
+    dataset: Any = None
+    source_loader: DataLoader[Any] | None = None
+    #: The steps' logical batches (their first step follows the step counter).
+    batches: PoissonBatches | None = None
+    #: q, from batch_size / N or sample_rate.
+    rate: float | None = None
+    #: The parameters the per-sample engine covers (by id; it is rebuilt when they change).
+    trainable: frozenset[int] = frozenset()
+    #: BatchNorm layers in eval mode when training started (checked to stay so at every step).
+    eval_batch_norms: list[torch.nn.Module] = field(default_factory=list)
+    fp16: bool = False
+    float64: bool = False
+    #: The check that the first chunk's samples are computed independently, until it has run.
+    first_chunk_check: IndependenceCheck | None = None
 
 
 class DPSGD(DPCallback):
@@ -133,11 +154,8 @@ class DPSGD(DPCallback):
             gradient is the mean of its K views' gradients, and that mean is clipped to C. **Privacy is
             unchanged**: every sample still adds one clipped contribution of norm ≤ C at the same Poisson rate,
             so the accountant charges the same ε as with K = 1 (the views cost compute, not privacy).
-        adapt_threads: on CPU, run each step on the cores other processes left free since the previous step
-            (never more threads than torch's setting; `lightning_dp.training.threads.ThreadGovernor`): threads beyond
-            the free cores wait on each other at every kernel (a P3SGD round measured 9x slower with one core taken).
-            False keeps torch's setting: the thread count changes float round-off, so runs on a machine whose load
-            varies agree bit for bit only with False.
+        adapt_threads: on CPU, run each step on the cores other processes left free (`DPCallback` says how and
+            why); False keeps torch's setting, for runs that must agree bit for bit on a machine whose load varies.
 
     Example:
         >>> DPSGD(clip_norm=1.0, noise_multiplier=1.1, batch_size=64)
@@ -147,6 +165,8 @@ class DPSGD(DPCallback):
     mechanism = "DPSGD"
     unit = "sample"
     diagnostic_names = ("batch_size", "clipped_fraction", "mean_per_sample_norm", "nonfinite_samples")
+    _fit_type = _DPSGDFit
+    _fit: _DPSGDFit
 
     def __init__(
         self,
@@ -216,14 +236,6 @@ class DPSGD(DPCallback):
         self.clipper: PerSampleClipper | None = None
         self.converted_layers: list[str] = []
         self.planned_steps: int | None = None
-        self._dataset: Any = None
-        self._source_loader: DataLoader[Any] | None = None
-        self._batches: PoissonBatches | None = None
-        self._fp16 = False
-        self._float64 = False
-        self._first_chunk_check: IndependenceCheck | None = None
-        self._rate_used: float | None = None
-        self._eval_batch_norms: list[torch.nn.Module] = []
 
     def __repr__(self) -> str:
         noise = (
@@ -245,16 +257,17 @@ class DPSGD(DPCallback):
     def _prepare(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> int:
         loader, dataset = map_style_training_data(trainer, pl_module, self.batch_size)
         num_samples = len(dataset)
-        self._dataset, self._source_loader = dataset, loader
+        fit = self._fit
+        fit.dataset, fit.source_loader = dataset, loader
         # A BatchNorm in eval mode with running statistics (the frozen backbone of DP transfer learning, or one whose
         # affine alone is fine-tuned) mixes nothing and keeps its public statistics; it is kept, and checked to stay
         # in eval mode at every step.
-        self._eval_batch_norms = [m for m in pl_module.modules() if is_eval_batch_norm(m)]
-        if self._eval_batch_norms and getattr(trainer.strategy, "_layer_sync", None) is not None:
+        fit.eval_batch_norms = [m for m in pl_module.modules() if is_eval_batch_norm(m)]
+        if fit.eval_batch_norms and getattr(trainer.strategy, "_layer_sync", None) is not None:
             # Trainer(sync_batchnorm=True) replaces every BatchNorm by a new SyncBatchNorm module after this hook: the
             # per-sample engine would watch the old modules, and their affine parameters would receive noise only.
             raise PrivacyConfigError(
-                f"`DPSGD`: Trainer(sync_batchnorm=True) with {len(self._eval_batch_norms)} BatchNorm layer(s) kept in "
+                f"`DPSGD`: Trainer(sync_batchnorm=True) with {len(fit.eval_batch_norms)} BatchNorm layer(s) kept in "
                 "eval mode: SyncBatchNorm would replace them after DPSGD has hooked them, and their trainable affine "
                 "parameters would get noise without their gradient. Synchronizing batch statistics is also "
                 "pointless in eval mode. HINT: leave sync_batchnorm off (eval-mode BatchNorm uses its fixed running "
@@ -290,10 +303,9 @@ class DPSGD(DPCallback):
 
     def _new_release(self, ledger: PrivacyLedger, seed: int, schedule: NoiseSchedule | None = None) -> GaussianRelease:
         schedule = schedule or self._schedule
-        assert schedule is not None and self._rate_used is not None
-        return GaussianRelease(
-            ledger, clip_norm=self.clip_norm, sample_rate=self._rate_used, schedule=schedule, seed=seed
-        )
+        rate = self._fit.rate
+        assert schedule is not None and rate is not None
+        return GaussianRelease(ledger, clip_norm=self.clip_norm, sample_rate=rate, schedule=schedule, seed=seed)
 
     def _calibrated(self, rate: float, steps: int, delta: float) -> NoiseSchedule:
         """The schedule whose ε over the planned ``steps`` is at most target_epsilon (its start z₀ calibrated)."""
@@ -306,10 +318,11 @@ class DPSGD(DPCallback):
         return self._calibrate(self._schedule or ConstantNoise(1.0), rate, steps, delta)
 
     def _build(self, trainer: pl.Trainer, pl_module: pl.LightningModule, seeds: list[int]) -> DataLoader[Any]:
-        assert self.ledger is not None and self._source_loader is not None
-        num_samples = len(self._dataset)
+        fit = self._fit
+        assert self.ledger is not None and fit.source_loader is not None
+        num_samples = len(fit.dataset)
         rate = check_sample_rate("DPSGD", self._rate(num_samples))
-        self._rate_used = rate
+        fit.rate = rate
         steps_per_epoch = self.steps_per_epoch or max(1, round(1 / rate))
         if self.target_epsilon is not None:
             self.planned_steps = self._planned_steps(trainer, steps_per_epoch)
@@ -322,11 +335,11 @@ class DPSGD(DPCallback):
         )
         self.release = self._new_release(self.ledger, seeds[1])
         self.clipper = PerSampleClipper(pl_module, self.clip_norm, self.loss_reduction)
-        self._trained = self._trainable_ids(pl_module)
-        self._fp16 = str(trainer.precision) in _FP16
-        source = self._source_loader
-        self._batches = PoissonBatches(
-            self._dataset,
+        fit.trainable = self._trainable_ids(pl_module)
+        fit.fp16 = str(trainer.precision) in _FP16
+        source = fit.source_loader
+        fit.batches = PoissonBatches(
+            fit.dataset,
             self.sampler,
             steps_per_epoch,
             self.max_physical_batch_size,
@@ -345,12 +358,13 @@ class DPSGD(DPCallback):
                 "timeout": source.timeout,
             }
         return DataLoader(
-            self._batches, batch_size=None, collate_fn=identity_collate, pin_memory=source.pin_memory, **workers
+            fit.batches, batch_size=None, collate_fn=identity_collate, pin_memory=source.pin_memory, **workers
         )
 
     def _warn_if_views_are_identical(self) -> None:
         """Warns if two fetches of training sample 0 are equal (no random transform: K identical views)."""
-        first, second = tensor_leaves(self._dataset[0]), tensor_leaves(self._dataset[0])
+        dataset = self._fit.dataset
+        first, second = tensor_leaves(dataset[0]), tensor_leaves(dataset[0])
         if first and len(first) == len(second) and all(torch.equal(a, b) for a, b in zip(first, second)):
             views = self.augmentation_multiplicity
             rank_zero_warn(
@@ -363,12 +377,12 @@ class DPSGD(DPCallback):
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        fit = self._fit
         super().teardown(trainer, pl_module, stage)
         if stage == "fit" and self.clipper is not None:
             self.clipper.remove()
-        if stage == "fit" and self._first_chunk_check is not None:
-            self._first_chunk_check.close()
-            self._first_chunk_check = None
+        if stage == "fit" and fit.first_chunk_check is not None:
+            fit.first_chunk_check.close()
 
     @staticmethod
     def _trainable_ids(module: torch.nn.Module) -> frozenset[int]:
@@ -380,7 +394,7 @@ class DPSGD(DPCallback):
         A parameter the engine does not know would otherwise be trained on its raw, un-clipped gradient.
         """
         current = self._trainable_ids(pl_module)
-        if current == self._trained:
+        if current == self._fit.trainable:
             return
         problems = validate_model(pl_module)
         if problems:
@@ -393,7 +407,7 @@ class DPSGD(DPCallback):
         assert self.clipper is not None
         self.clipper.remove()
         self.clipper = PerSampleClipper(pl_module, self.clip_norm, self.loss_reduction)
-        self._trained = current
+        self._fit.trainable = current
         rank_zero_info(f"DPSGD: the trainable parameters changed; per-sample clipping now covers {len(current)}.")
 
     # ------------------------------------------------------------------ checks before training
@@ -407,15 +421,16 @@ class DPSGD(DPCallback):
                 f"{len(optimizers)}. HINT: DPSGD hands the noisy gradient to that optimizer (SGD, Adam, ...)."
             )
         self._sync_clipper(pl_module)
-        assert self._original_training_step is not None and self._source_loader is not None
-        self._first_chunk_check, self._float64 = start_checks(
+        fit = self._fit
+        assert fit.original_training_step is not None and fit.source_loader is not None
+        fit.first_chunk_check, fit.float64 = start_checks(
             pl_module,
             [trainer],
-            self._original_training_step,
+            fit.original_training_step,
             self._loss,
             self.loss_reduction,
-            self._dataset,
-            self._source_loader.collate_fn,
+            fit.dataset,
+            fit.source_loader.collate_fn,
             lambda batch: pl_module.transfer_batch_to_device(batch, pl_module.device, 0),
         )
         self._run_preflight(pl_module)
@@ -435,8 +450,8 @@ class DPSGD(DPCallback):
     # ------------------------------------------------------------------ the step
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        assert self._batches is not None
-        self._batches.first_step = self.steps  # the loader's epoch continues the step counter
+        assert self._fit.batches is not None
+        self._fit.batches.first_step = self.steps  # the loader's epoch continues the step counter
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -453,12 +468,13 @@ class DPSGD(DPCallback):
 
     def _begin_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: LogicalBatch) -> _Step:
         assert self.ledger is not None and self.release is not None and self.sampler is not None
-        assert self.clipper is not None and self._original_training_step is not None
-        if batch.chunks and self._first_chunk_check is not None:  # once, on the first real chunk
-            check, self._first_chunk_check = self._first_chunk_check, None
+        fit = self._fit
+        assert self.clipper is not None and fit.original_training_step is not None
+        if batch.chunks and fit.first_chunk_check is not None:  # once, on the first real chunk
+            check, fit.first_chunk_check = fit.first_chunk_check, None
             rows = min(self.max_physical_batch_size, batch.size) * self.augmentation_multiplicity
-            check_first_chunk(check, type(pl_module).__name__, batch.chunks[0], rows, self._float64)
-        thawed = [m for m in self._eval_batch_norms if not is_eval_batch_norm(m)]
+            check_first_chunk(check, type(pl_module).__name__, batch.chunks[0], rows, fit.float64)
+        thawed = [m for m in fit.eval_batch_norms if not is_eval_batch_norm(m)]
         if thawed:
             raise UnsupportedModelError(
                 f"`DPSGD`: {len(thawed)} BatchNorm layer(s) of {type(pl_module).__name__} were frozen (eval mode, "
@@ -481,7 +497,7 @@ class DPSGD(DPCallback):
     ) -> tuple[torch.Tensor, ClipStats]:
         assert self.clipper is not None
         stats = ClipStats()
-        scale = [_INITIAL_LOSS_SCALE if self._fp16 else 1.0]
+        scale = [_INITIAL_LOSS_SCALE if self._fit.fp16 else 1.0]
         try:
             for k, chunk in enumerate(batch.chunks):
                 first = k * self.max_physical_batch_size
@@ -546,8 +562,8 @@ class DPSGD(DPCallback):
         With augmentation multiplicity K a sample's loss is the mean of its K views' losses (one per sample). The
         forward passes draw from a secret stream of the step (eval mode rarely draws any).
         """
-        assert self._original_training_step is not None
-        step = self._original_training_step
+        step = self._fit.original_training_step
+        assert step is not None
         views = self.augmentation_multiplicity
         losses = []
         with eval_mode(pl_module), streams.unit("forward"):
@@ -582,8 +598,8 @@ class DPSGD(DPCallback):
         never from the publicly seeded generators. A retry starts the streams afresh: every sample draws what it
         drew in the first attempt, whether or not another sample's overflow forced the retry.
         """
-        assert self.clipper is not None and self._original_training_step is not None
-        step = self._original_training_step
+        step = self._fit.original_training_step
+        assert self.clipper is not None and step is not None
         secret, keys = units
         while True:
             streams = UnitStreams(secret, "step", pl_module.device)
@@ -649,7 +665,7 @@ class DPSGD(DPCallback):
                 f"({recorded.steps} steps); a rolled-back counter would reuse Poisson samples. HINT: resume from an "
                 "unmodified checkpoint."
             )
-        sampler, batches = self.sampler, self._batches
+        sampler, batches = self.sampler, self._fit.batches
 
         def assign() -> None:
             sampler.seed = seed

@@ -22,12 +22,12 @@ import pytorch_lightning as pl
 import torch
 from pytorch_lightning.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
-from torch.utils.data import DataLoader, default_collate
+from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lightning_dp.acceptance import StepAcceptance
 from lightning_dp.accounting import PrivacyLedger
-from lightning_dp.callbacks.base import DPCallback
+from lightning_dp.callbacks.base import DPCallback, FitState
 from lightning_dp.errors import PrivacyWarning
 from lightning_dp.sampling.patients import PoissonPatientSampler
 from lightning_dp.sampling.randomness import UnitStreams, unit_seed
@@ -66,6 +66,26 @@ class _Round:
     theta: Tensor
     other: list[Tensor]
     secret: int
+
+
+@dataclass
+class _P3SGDFit(FitState):
+    """What P3SGD holds during one fit, besides what every DP callback does (`FitState`)."""
+
+    #: The training images by patient: the sampler draws positions k; the k-th patient's id keys its own random
+    #: streams (augmentation, dropout, image order).
+    data: PatientData | None = None
+    #: The released parameters and buffers of the model as one vector, and the round's kept workspaces.
+    state: ModelState | None = None
+    #: What a round works on (from on_train_start), and the vectorized round in use (None: the loop).
+    parts: RoundParts | None = None
+    round: PatientRound | None = None
+    #: The secret seed of the patients' random streams (the sampler's secret seed), and this round's secret drawn
+    #: from it and the round's number: it seeds every patient's streams (not the other patients sampled).
+    units_seed: int | None = None
+    round_secret: int | None = None
+    #: The parameter of the no-op optimizer that advances Lightning's step counter (see `_build`).
+    tick: torch.nn.Parameter | None = None
 
 
 class P3SGD(DPCallback):
@@ -129,11 +149,8 @@ class P3SGD(DPCallback):
             docstring; ``round_path`` says which ran). ``False`` (default): train patient by patient.
         vectorize_batch_size: the most images in one batched pass (whole patients; a patient with more images
             gets a pass of its own), or in one stacked local step. Bounds the memory of the vectorized round.
-        adapt_threads: on CPU, run each step on the cores other processes left free since the previous step
-            (never more threads than torch's setting; `lightning_dp.training.threads.ThreadGovernor`): threads beyond
-            the free cores wait on each other at every kernel (a P3SGD round measured 9x slower with one core taken).
-            False keeps torch's setting: the thread count changes float round-off, so runs on a machine whose load
-            varies agree bit for bit only with False.
+        adapt_threads: on CPU, run each step on the cores other processes left free (`DPCallback` says how and
+            why); False keeps torch's setting, for runs that must agree bit for bit on a machine whose load varies.
 
     Example:
         >>> P3SGD(sample_rate=0.1, clip_norm=5.0, noise_scales=(3.0, 1.0), selection_epsilon=0.316, loss_bound=3.0)
@@ -143,6 +160,8 @@ class P3SGD(DPCallback):
     mechanism = "P3SGD"
     unit = "patient"
     diagnostic_names = ("patients_in_round", "clipped_fraction", "mean_update_norm", "nonfinite_updates")
+    _fit_type = _P3SGDFit
+    _fit: _P3SGDFit
 
     def __init__(
         self,
@@ -199,20 +218,6 @@ class P3SGD(DPCallback):
         self.sampler: PoissonPatientSampler | None = None
         self.selection_counts = [0] * len(self.noise_scales)
         self.nonfinite_updates = 0
-        self._dataset: Any = None
-        #: The training images by patient: the sampler draws positions k; the k-th patient's id keys its own random
-        #: streams (augmentation, dropout, image order).
-        self._data: PatientData | None = None
-        #: What a round works on (during fit), and the vectorized round in use (None: the loop).
-        self._parts: RoundParts | None = None
-        self._round: PatientRound | None = None
-        #: The secret seed of the patients' random streams (the sampler's secret seed), and this round's secret drawn
-        #: from it and the round's number: it seeds every patient's streams (not the other patients sampled).
-        self._units_seed: int | None = None
-        self._round_secret: int | None = None
-        self._state: ModelState | None = None
-        self._tick: torch.nn.Parameter | None = None
-        self._collate: Callable[[list[Any]], Any] = default_collate
         #: Why rounds do not take one batched pass (None while they do, or before fit); see round_path.
         self.vectorize_fallback: str | None = None
         #: How this fit's rounds compute their patients' updates: "batched" (one local step: per-patient gradients in
@@ -240,6 +245,23 @@ class P3SGD(DPCallback):
     def planned_rounds(self, value: int | None) -> None:
         self.planned_steps = value
 
+    # This fit's round state under its former names (tests and benchmarks read them; `_P3SGDFit`).
+    @property
+    def _state(self) -> ModelState | None:
+        return self._fit.state
+
+    @property
+    def _parts(self) -> RoundParts | None:
+        return self._fit.parts
+
+    @property
+    def _round(self) -> PatientRound | None:
+        return self._fit.round
+
+    @_round.setter
+    def _round(self, value: PatientRound | None) -> None:
+        self._fit.round = value
+
     def __repr__(self) -> str:
         return (
             f"P3SGD(sample_rate={self.sample_rate}, clip_norm={self.clip_norm}, noise_scales={self.noise_scales}, "
@@ -248,17 +270,17 @@ class P3SGD(DPCallback):
 
     # ------------------------------------------------------------------ setup
     def _prepare(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> int:
-        self._dataset = patient_training_data(trainer)
-        self._collate = training_collate(trainer)
+        dataset = patient_training_data(trainer)
+        collate = training_collate(trainer)
         # Trainer(sync_batchnorm=True) converts BatchNorm when the strategy wraps the model, after this hook: read
         # the strategy's layer-sync plugin (Lightning keeps it private; on_train_start checks the converted layers too).
         refuse_sync_batchnorm(pl_module, requested=getattr(trainer.strategy, "_layer_sync", None) is not None)
-        groups, keys = patient_groups(self._dataset)
-        self._data = PatientData(
-            self._dataset,
+        groups, keys = patient_groups(dataset)
+        self._fit.data = PatientData(
+            dataset,
             groups,
             keys,
-            self._collate,
+            collate,
             lambda batch: pl_module.transfer_batch_to_device(batch, pl_module.device, 0),
         )
         return len(groups)
@@ -270,10 +292,11 @@ class P3SGD(DPCallback):
         return self.settings.release(ledger, seed, schedule or self._schedule)
 
     def _build(self, trainer: pl.Trainer, pl_module: pl.LightningModule, seeds: list[int]) -> DataLoader[Any]:
+        fit = self._fit
         assert self.ledger is not None
-        assert self._data is not None
-        self.sampler = PoissonPatientSampler(len(self._data.groups), self.sample_rate, seed=seeds[0])
-        self._units_seed = seeds[0]
+        assert fit.data is not None
+        self.sampler = PoissonPatientSampler(len(fit.data.groups), self.sample_rate, seed=seeds[0])
+        fit.units_seed = seeds[0]
         rounds = self.rounds_per_epoch or max(1, round(1 / self.sample_rate))
         if self.target_epsilon is not None:
             self.planned_steps = self._planned_steps(trainer, rounds)
@@ -283,7 +306,7 @@ class P3SGD(DPCallback):
         elif trainer.max_steps is not None and trainer.max_steps > 0:
             self.noise_schedule.multipliers(trainer.max_steps)  # a bad multiplier anywhere in the run: an error now
         self.release = self._new_release(self.ledger, seeds[1])
-        self._state = ModelState(pl_module, self.release_buffers, self.variance_floor)
+        fit.state = ModelState(pl_module, self.release_buffers, self.variance_floor)
         if self.accounting == "paper":
             rank_zero_warn(
                 "P3SGD(accounting='paper') reproduces the paper's ε, which is NOT a differential-privacy guarantee.",
@@ -297,51 +320,52 @@ class P3SGD(DPCallback):
 
     def _tick_optimizer(self, pl_module: pl.LightningModule) -> Callable[[], torch.optim.Optimizer]:
         def configure_optimizers() -> torch.optim.Optimizer:
-            self._tick = torch.nn.Parameter(torch.zeros(1, device=pl_module.device))
-            return torch.optim.SGD([self._tick], lr=0.0)
+            self._fit.tick = tick = torch.nn.Parameter(torch.zeros(1, device=pl_module.device))
+            return torch.optim.SGD([tick], lr=0.0)
 
         return configure_optimizers
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_train_start(trainer, pl_module)
-        assert self._state is not None and self._data is not None and self._original_training_step is not None
+        fit = self._fit
+        assert fit.state is not None and fit.data is not None and fit.original_training_step is not None
         local = LocalSGD(
             self.local_lr, self.local_batch_size, self.local_epochs, self.local_momentum, self.local_weight_decay
         )
-        self._parts = RoundParts(
-            pl_module, self._state, self._original_training_step, self._data, local, self.clip_norm
-        )
+        fit.parts = RoundParts(pl_module, fit.state, fit.original_training_step, fit.data, local, self.clip_norm)
         refuse_sync_batchnorm(pl_module)
-        check_returns_loss(self._parts)
+        check_returns_loss(fit.parts)
         self._setup_vectorized(trainer, pl_module)
         self._run_preflight(pl_module)
 
     def _preflight_inputs(self, pl_module: pl.LightningModule) -> tuple[float, list[Tensor], float | None]:
-        assert self.sampler is not None and self._state is not None
-        return self.sampler.expected_count, self._state.params + self._state.float_buffers, self.server_lr
+        state = self._fit.state
+        assert self.sampler is not None and state is not None
+        return self.sampler.expected_count, state.params + state.float_buffers, self.server_lr
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit":
             self._close_round()
-            self._parts = None
-            if self._state is not None:
-                self._state.drop_workspaces()
-        super().teardown(trainer, pl_module, stage)
+            if self._fit.state is not None:
+                self._fit.state.drop_workspaces()
+        super().teardown(trainer, pl_module, stage)  # drops the fit's state
 
     # ------------------------------------------------------------------ the round (training/patient_rounds.py)
     def _close_round(self) -> None:
-        if self._round is not None:
-            self._round.close()
-            self._round = None
+        fit = self._fit
+        if fit.round is not None:
+            fit.round.close()
+            fit.round = None
 
     def _setup_vectorized(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Picks how a round computes its patients' updates (`choose_round`), and says (once) how."""
-        assert self._parts is not None
+        fit = self._fit
+        assert fit.parts is not None
         self._close_round()
-        choice = choose_round(self._parts, self.vectorize, self.vectorize_batch_size, share=[trainer])
-        self._round = None if isinstance(choice.round, LoopRound) else choice.round
+        choice = choose_round(fit.parts, self.vectorize, self.vectorize_batch_size, share=[trainer])
+        fit.round = None if isinstance(choice.round, LoopRound) else choice.round
         self._announce(choice.reason, stacked=choice.note)
 
     def _announce(self, reason: str | None, stacked: str | None = None) -> None:
@@ -356,8 +380,9 @@ class P3SGD(DPCallback):
 
     def _streams(self, purpose: str) -> UnitStreams:
         """Fresh streams of this round's patients for ``purpose``, seeded from the round's secret."""
-        assert self._round_secret is not None and self._parts is not None
-        return self._parts.streams(self._round_secret, purpose)
+        fit = self._fit
+        assert fit.round_secret is not None and fit.parts is not None
+        return fit.parts.streams(fit.round_secret, purpose)
 
     @torch.no_grad()
     def _round_loss(
@@ -369,56 +394,59 @@ class P3SGD(DPCallback):
         ``vectorize_batch_size`` (patient by patient otherwise). The selection clips this mean to [0, C_o], so its
         sensitivity to one patient is C_o however the images are batched.
         """
-        assert self._state is not None and self._parts is not None
-        self._state.load(theta, add=update, alpha=self.server_lr)
+        fit = self._fit
+        assert fit.state is not None and fit.parts is not None
+        fit.state.load(theta, add=update, alpha=self.server_lr)
         chunk = self.vectorize_batch_size if self.vectorize == "auto" else None
         return round_loss(
-            self._parts, patients, self._streams("score"), chunk, lambda t: trainer.strategy.reduce(t, reduce_op="sum")
+            fit.parts, patients, self._streams("score"), chunk, lambda t: trainer.strategy.reduce(t, reduce_op="sum")
         )
 
     # ------------------------------------------------------------------ the round's parts (the sequence: DPCallback)
     def _begin_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> _Round:
+        fit = self._fit
         assert self.ledger is not None and self.sampler is not None and self.release is not None
-        assert self._state is not None and self._parts is not None
-        state = self._state
+        assert fit.state is not None and fit.parts is not None
+        state = fit.state
         state.refresh()  # what a round releases follows requires_grad and train/eval modes
         patients = self.sampler.sample().tolist()
         mine = patients[trainer.global_rank :: trainer.world_size]
         # The round's secret: every patient's image order, augmentation and dropout are drawn from streams keyed by it
         # and the patient's id (sampling.randomness), never from the global generators that seed_everything seeds. It
         # is a function of the secret seed and the round's number alone, not of the patients sampled before.
-        assert self._units_seed is not None
-        self._round_secret = unit_seed(self._units_seed, "p3sgd-round", self.steps)
+        assert fit.units_seed is not None
+        fit.round_secret = secret = unit_seed(fit.units_seed, "p3sgd-round", self.steps)
         # θ_t and the clipped sum live in kept workspaces: fresh model-sized vectors cost page faults every round.
         theta, other = state.vector(out=state.workspace("theta")), state.snapshot_other_buffers()
-        if self._round is not None:
-            problem = model_reason(self._parts, self._round)  # modes and trainable parameters can change during fit
+        if fit.round is not None:
+            problem = model_reason(fit.parts, fit.round)  # modes and trainable parameters can change during fit
             if problem is not None:
                 self._close_round()
                 self._announce(problem)
-        return _Round(mine, theta, other, self._round_secret)
+        return _Round(mine, theta, other, secret)
 
     def _clip(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, step: _Round
     ) -> tuple[Tensor, ClipStats]:
-        assert self._state is not None and self._parts is not None
+        fit = self._fit
+        assert fit.state is not None and fit.parts is not None
         start = (step.theta, step.other)
-        clipped_sum = self._state.workspace("clipped_sum").zero_()
+        clipped_sum = fit.state.workspace("clipped_sum").zero_()
         with torch.enable_grad():
             # A vectorized round that cannot run this round (its pass drew random numbers, a batch did not stack) adds
             # nothing and the loop re-does it from fresh streams; nothing is said (it depends on the patients sampled).
             stats = None
-            if self._round is not None:
+            if fit.round is not None:
                 self.vectorized_rounds += 1
-                stats = self._round.add_clipped(step.patients, clipped_sum, step.secret, start)
+                stats = fit.round.add_clipped(step.patients, clipped_sum, step.secret, start)
             if stats is None:
-                stats = LoopRound(self._parts).add_clipped(step.patients, clipped_sum, step.secret, start)
-        self._state.load(*start)
+                stats = LoopRound(fit.parts).add_clipped(step.patients, clipped_sum, step.secret, start)
+        fit.state.load(*start)
         return clipped_sum, stats
 
     def _target(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: _Round) -> ModelStateTarget:
-        assert self._state is not None
-        return ModelStateTarget(self._state, step.theta, step.other, self.server_lr)
+        assert self._fit.state is not None
+        return ModelStateTarget(self._fit.state, step.theta, step.other, self.server_lr)
 
     def _normalizer(self) -> float:
         assert self.sampler is not None
@@ -427,7 +455,7 @@ class P3SGD(DPCallback):
     def _release_inputs(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, step: _Round
     ) -> dict[str, Any]:
-        parts = self._parts
+        parts = self._fit.parts
         assert parts is not None
 
         def loss_of(update: Tensor) -> float:
@@ -442,15 +470,16 @@ class P3SGD(DPCallback):
     def _abort_step(self, step: _Round) -> None:
         # A corrupt image, an OOM or Ctrl-C mid-round: the model goes back to θ_t, so that no patient's raw (unclipped,
         # un-noised) change stays in it for a checkpoint to save.
-        assert self._state is not None
-        self._state.load(step.theta, step.other)
+        assert self._fit.state is not None
+        self._fit.state.load(step.theta, step.other)
 
     def _end_step(self, step: _Round) -> None:
-        assert self._state is not None
-        self._round_secret = None
-        self._state.wipe_workspaces()  # a patient's raw change and the un-noised sum do not outlive the round
-        if isinstance(self._round, BatchedRound):
-            self._round.reset()  # nor does the batched path's un-noised gradient sum
+        fit = self._fit
+        assert fit.state is not None
+        fit.round_secret = None
+        fit.state.wipe_workspaces()  # a patient's raw change and the un-noised sum do not outlive the round
+        if isinstance(fit.round, BatchedRound):
+            fit.round.reset()  # nor does the batched path's un-noised gradient sum
 
     def _after_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, result: StepResult, stats: ClipStats
@@ -458,8 +487,9 @@ class P3SGD(DPCallback):
         self.selection_counts[result.released.selected] += 1
         self.nonfinite_updates += stats.nonfinite
         # Advances Lightning's step counter (the tick optimizer changes nothing).
-        assert self._tick is not None
-        self._tick.grad = torch.zeros_like(self._tick)
+        tick = self._fit.tick
+        assert tick is not None
+        tick.grad = torch.zeros_like(tick)
         self._step_optimizers(trainer, pl_module)
 
     def _public_metrics(self, result: StepResult) -> dict[str, float]:

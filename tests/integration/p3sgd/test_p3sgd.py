@@ -245,11 +245,13 @@ def test_no_patients_raw_change_or_unnoised_sum_is_kept_after_a_round(tmp_path: 
     outlives it in memory."""
     cb = _p3sgd(vectorize=vectorize, local_batch_size=64)
     seen: list[tuple[bool, ...]] = []
+    states: list[Any] = []
 
     class Probe(pl.Callback):
         def on_train_batch_end(self, *args: Any) -> None:
             state = cb._state
             assert state is not None
+            states.append(state)
             kept = [state.workspace("change"), state.workspace("clipped_sum")]
             if isinstance(cb._round, BatchedRound):
                 kept.append(cb._round.clipper.flat_sum)
@@ -260,4 +262,5 @@ def test_no_patients_raw_change_or_unnoised_sum_is_kept_after_a_round(tmp_path: 
     assert cb.round_path == ("loop" if vectorize is False else "batched")
     assert seen == [(False,) * (2 if vectorize is False else 3)] * 3
     assert cb.rounds == 3 and cb.nonfinite_updates == 0
-    assert cb._state is not None and not cb._state._workspaces, "the end of the fit frees the kept vectors"
+    assert not states[-1]._workspaces, "the end of the fit frees the kept vectors"
+    assert cb._state is None, "and drops the fit's state"
