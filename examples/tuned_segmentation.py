@@ -25,92 +25,55 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
-import json
 import statistics
-import time
 from pathlib import Path
 from typing import Any
 
 import pytorch_lightning as pl
-import torch
 import yaml  # type: ignore[import-untyped]
 from _shared import quiet_lightning
 from segmentation_benchmark import _load, _stack, _test_dice, _trainer, p3sgd, pretrain, say, silhouettes
 from torch import Tensor
-from tuned_vs_hand_tuned import _instantiate
+from tuned_vs_hand_tuned import compare, fit_config, p3sgd_trial, print_table, search_file
 
 from lightning_dp.callbacks import P3SGD
-from lightning_dp.tuning import tune
-from lightning_dp.tuning.search import TrialOutcome, TrialRunner
-
-_START = time.time()
+from lightning_dp.tuning.search import TrialRunner
 
 
 def _config(args: argparse.Namespace) -> dict[str, Any]:
-    """The hand-tuned route as a `lightning-dp fit` config: what tune reads its q, length, data and space from."""
-    return {
-        "trainer": {
-            "accelerator": "cpu",
-            "devices": 1,
-            "max_steps": args.rounds,
-            "callbacks": [
-                {
-                    "class_path": "lightning_dp.callbacks.P3SGD",
-                    "init_args": {
-                        "sample_rate": args.sample_rate,
-                        "clip_norm": args.clip_norm,
-                        "local_lr": args.local_lr,
-                        "local_epochs": args.local_epochs,
-                        "local_batch_size": args.images_per_patient,
-                        "target_epsilon": 1.0,  # replaced by tune's calibration
-                    },
-                }
-            ],
-        },
-        "model": {
-            "class_path": "lightning_dp.models.SegmentationModule",
-            "init_args": {
-                "arch": "monai_unet",
-                "in_channels": 3,
-                "monai_channels": list(args.channels),
-                "monai_res_units": 1,
-                "loss": "bce_dice",
-                "threshold_grid": None,
-                "trainable": ["norm"],
-            },
-        },
-        "data": {  # the private site exactly as `silhouettes` builds it: tune counts its training patients
-            "class_path": "lightning_dp.data.SyntheticSilhouettesDataModule",
-            "init_args": {
-                "root": f"{args.data}/hospital_b_{args.private_patients}x{args.images_per_patient}_{args.size}",
-                "num_patients": args.private_patients,
-                "images_per_patient": args.images_per_patient,
-                "image_size": args.size,
-                "seed": 0,
-                "split_seed": 0,
-                "batch_size": 32,
-                "val_fraction": 0.1,
-                "test_fraction": 0.2,
-                "public_fraction": 0.1,
-                "site": "hospital_b",
-            },
+    model = {
+        "class_path": "lightning_dp.models.SegmentationModule",
+        "init_args": {
+            "arch": "monai_unet",
+            "in_channels": 3,
+            "monai_channels": list(args.channels),
+            "monai_res_units": 1,
+            "loss": "bce_dice",
+            "threshold_grid": None,
+            "trainable": ["norm"],
         },
     }
+    data = {  # the private site exactly as `silhouettes` builds it: tune counts its training patients
+        "class_path": "lightning_dp.data.SyntheticSilhouettesDataModule",
+        "init_args": {
+            "root": f"{args.data}/hospital_b_{args.private_patients}x{args.images_per_patient}_{args.size}",
+            "num_patients": args.private_patients,
+            "images_per_patient": args.images_per_patient,
+            "image_size": args.size,
+            "seed": 0,
+            "split_seed": 0,
+            "batch_size": 32,
+            "val_fraction": 0.1,
+            "test_fraction": 0.2,
+            "public_fraction": 0.1,
+            "site": "hospital_b",
+        },
+    }
+    return fit_config(args, args.images_per_patient, model, data)
 
 
 def _space(args: argparse.Namespace, epsilon: float) -> dict[str, Any]:
-    """The search file: the total ε, E[K] geometric trials, the public validation score, the space."""
-    callback = "trainer.callbacks.P3SGD.init_args"
-    return {
-        "total_epsilon": epsilon,
-        "trials": {"mean": args.trials_mean, "distribution": "geometric"},
-        "score": {"metric": "val/dice", "mode": "max", "validation": "public"},
-        "space": {
-            f"{callback}.clip_norm": {"log_uniform": [0.03, 3.0]},
-            f"{callback}.local_lr": {"log_uniform": [0.01, 1.0]},
-            "model.init_args.trainable": [["norm"], ["decoder"], ["all"]],
-        },
-    }
+    return search_file(args, epsilon, "val/dice", [["norm"], ["decoder"], ["all"]])
 
 
 def trial_runner(
@@ -124,29 +87,19 @@ def trial_runner(
     """Runs a trial's config as the benchmark runs its P3SGD route: from the public weights, on the private training
     patients; scores it by Dice on the public validation patients."""
 
-    def run(config: Path, folder: Path) -> TrialOutcome:
-        trial = yaml.safe_load(config.read_text())
-        init = dict(trial["trainer"]["callbacks"][0]["init_args"])
-        init["noise_schedule"] = _instantiate(init["noise_schedule"])  # tune's calibrated noise
-        trainable = trial["model"]["init_args"]["trainable"]
-        index = int(folder.name)
+    def fit(init: dict[str, Any], trainable: list[str], steps: int, folder: Path, index: int) -> tuple[Any, P3SGD]:
         pl.seed_everything(seed, verbose=False)
         model = _load(args, weights, trainable)
         dp = P3SGD(**init, seed=20_000 + 100 * seed + index)  # reproducible noise for the benchmark only
         with contextlib.redirect_stdout(io.StringIO()):
-            _trainer(str(folder), [dp], max_steps=trial["trainer"]["max_steps"]).fit(model, private)
-        assert dp.ledger is not None
-        score = _test_dice(model, validation)
-        checkpoint = folder / "model.pt"
-        torch.save({"trainable": trainable, "state_dict": model.state_dict()}, checkpoint)
-        log.append({"index": index, "val": score, "epsilon": dp.accountant.epsilon(dp.ledger)})
-        say(
-            f"        trial {index}: C = {init['clip_norm']:.3g}, local lr = {init['local_lr']:.3g}, "
-            f"{'+'.join(trainable)}, z = {init['noise_schedule'].at(0):.2f}: val Dice {score:.3f}"
-        )
-        return TrialOutcome("done", {"val/dice": score}, dp.ledger.copy(), checkpoint)
+            _trainer(str(folder), [dp], max_steps=steps).fit(model, private)
+        return model, dp
 
-    return run
+    return p3sgd_trial(fit, lambda model: _test_dice(model, validation), "val/dice", _dice, log)
+
+
+def _dice(value: float) -> str:
+    return f"Dice {value:.3f}"
 
 
 def _cell(values: list[float]) -> str:
@@ -206,58 +159,27 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     }
     scores = results["public_model"]
     say(f"public model: test Dice {scores['test']:.3f}, validation {scores['val']:.3f}")
-    for epsilon in args.epsilons:
-        for seed in args.seeds:
-            model, info = p3sgd(args, weights, private, ["norm"], epsilon, seed)
-            hand = {"test": _test_dice(model, test), "val": _test_dice(model, validation), **info}
-            results["hand_tuned"].append({"epsilon_target": epsilon, "seed": seed, **hand})
-            say(f"ε = {epsilon:g}, seed {seed}: hand-tuned test Dice {hand['test']:.3f} (ε = {hand['epsilon']:.2f})")
-            started, log = time.time(), []  # type: ignore[var-annotated]
-            runner = trial_runner(args, weights, private, validation, seed, log)
-            folder = out / "searches" / f"eps{epsilon:g}_seed{seed}"
-            with contextlib.redirect_stderr(io.StringIO()):  # tune says it reads N from the data module
-                report = tune(config_path, _space(args, epsilon), folder, seed=seed, run_trial=runner)
-            best = torch.load(folder / "best" / "model.ckpt")
-            model = _load(args, best["state_dict"], best["trainable"])
-            row = {
-                "epsilon_target": epsilon,
-                "seed": seed,
-                "epsilon": report["epsilon"],
-                "epsilon_per_trial": report["epsilon_per_trial"],
-                "trials": report["trials_drawn"],
-                "best": report["best"],
-                "val": report["best"]["scores"]["val/dice"],
-                "test": _test_dice(model, test),
-                "noise_multiplier": report["base"]["noise_multiplier_first"],
-                "seconds": time.time() - started,
-                "trial_log": log,
-            }
-            results["tuned"].append(row)
-            say(
-                f"ε = {epsilon:g}, seed {seed}: tuned (K = {row['trials']}, each trial ε ≤ "
-                f"{row['epsilon_per_trial']:.2f}, search ε = {row['epsilon']:.2f}) best {row['best']['params']}: "
-                f"val Dice {row['val']:.3f}, test Dice {row['test']:.3f} ({row['seconds']:.0f} s)"
-            )
-            (out / "results.json").write_text(json.dumps(results, indent=1))
 
-    results["seconds"] = time.time() - _START
-    (out / "results.json").write_text(json.dumps(results, indent=1))
+    def hand(epsilon: float, seed: int) -> dict[str, Any]:
+        model, info = p3sgd(args, weights, private, ["norm"], epsilon, seed)
+        return {"test": _test_dice(model, test), "val": _test_dice(model, validation), **info}
+
+    compare(
+        args,
+        results,
+        config_path,
+        _space,
+        hand=hand,
+        runner=lambda seed, log: trial_runner(args, weights, private, validation, seed, log),
+        test_best=lambda best: _test_dice(_load(args, best["state_dict"], best["trainable"]), test),
+        metric="val/dice",
+        show=_dice,
+    )
     print(
         f"\nTest Dice on {len(test[0])} test images of the private site, {n_train} private training patients, "
         f"{args.rounds} rounds, seeds {args.seeds} (public model: {results['public_model']['test']:.3f})"
     )
-    print(f"{'total ε':>8} {'hand-tuned (its run ε)':>24} {'tuned: test':>16} {'tuned: val':>16} {'K':>10}")
-    for epsilon in args.epsilons:
-        hand_tests = [r["test"] for r in results["hand_tuned"] if r["epsilon_target"] == epsilon]
-        rows = [r for r in results["tuned"] if r["epsilon_target"] == epsilon]
-        print(
-            f"{epsilon:8g} {_cell(hand_tests):>24} {_cell([r['test'] for r in rows]):>16} "
-            f"{_cell([r['val'] for r in rows]):>16} {','.join(str(r['trials']) for r in rows):>10}"
-        )
-    print(
-        "The hand-tuned route's ε is its own run's: the pilot runs on the test patients that chose its C, rate and "
-        "group are not counted (its real cost is unknown and larger)."
-    )
+    print_table(results, args.epsilons, _cell, "C")
     return results
 
 

@@ -30,6 +30,7 @@ import io
 import json
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -48,67 +49,101 @@ from lightning_dp.tuning.search import TrialOutcome, TrialRunner
 _START = time.time()
 
 
+def fit_config(
+    args: argparse.Namespace, local_batch_size: int, model: dict[str, Any], data: dict[str, Any]
+) -> dict[str, Any]:
+    """The hand-tuned P3SGD route as a `lightning-dp fit` config: what tune reads its q, length, data and space from."""
+    callback = {
+        "class_path": "lightning_dp.callbacks.P3SGD",
+        "init_args": {
+            "sample_rate": args.sample_rate,
+            "clip_norm": args.clip_norm,
+            "local_lr": args.local_lr,
+            "local_epochs": args.local_epochs,
+            "local_batch_size": local_batch_size,
+            "target_epsilon": 1.0,  # replaced by tune's calibration
+        },
+    }
+    trainer = {"accelerator": "cpu", "devices": 1, "max_steps": args.rounds, "callbacks": [callback]}
+    return {"trainer": trainer, "model": model, "data": data}
+
+
 def _config(args: argparse.Namespace, data_root: str) -> dict[str, Any]:
-    """The hand-tuned route as a `lightning-dp fit` config: what tune reads its q, length, data and space from."""
+    model = {
+        "class_path": "lightning_dp.models.ImageClassifier",
+        "init_args": {"arch": args.arch, "trainable": list(args.trainable)},
+    }
+    data = {  # the private site's data exactly as `synthetic_data` builds it: tune counts its training patients
+        "class_path": "lightning_dp.data.SyntheticPathologyDataModule",
+        "init_args": {
+            "root": data_root,
+            "num_patients": args.private_patients,
+            "patches_per_patient": args.patches,
+            "image_size": args.image_size,
+            "seed": 0,
+            "batch_size": 32,
+            "val_fraction": 0.0,
+            "test_fraction": 0.3,
+            "augment": False,
+            "site": "hospital_b",
+        },
+    }
+    return fit_config(args, 16, model, data)
+
+
+def search_file(args: argparse.Namespace, epsilon: float, metric: str, groups: list[list[str]]) -> dict[str, Any]:
+    """The search file: the total ε, E[K] geometric trials, the public validation score, the space (C, the local
+    rate, the released parameter group)."""
+    callback = "trainer.callbacks.P3SGD.init_args"
     return {
-        "trainer": {
-            "accelerator": "cpu",
-            "devices": 1,
-            "max_steps": args.rounds,
-            "callbacks": [
-                {
-                    "class_path": "lightning_dp.callbacks.P3SGD",
-                    "init_args": {
-                        "sample_rate": args.sample_rate,
-                        "clip_norm": args.clip_norm,
-                        "local_lr": args.local_lr,
-                        "local_epochs": args.local_epochs,
-                        "local_batch_size": 16,
-                        "target_epsilon": 1.0,  # replaced by tune's calibration
-                    },
-                }
-            ],
-        },
-        "model": {
-            "class_path": "lightning_dp.models.ImageClassifier",
-            "init_args": {"arch": args.arch, "trainable": list(args.trainable)},
-        },
-        "data": {  # the private site's data exactly as `synthetic_data` builds it: tune counts its training patients
-            "class_path": "lightning_dp.data.SyntheticPathologyDataModule",
-            "init_args": {
-                "root": data_root,
-                "num_patients": args.private_patients,
-                "patches_per_patient": args.patches,
-                "image_size": args.image_size,
-                "seed": 0,
-                "batch_size": 32,
-                "val_fraction": 0.0,
-                "test_fraction": 0.3,
-                "augment": False,
-                "site": "hospital_b",
-            },
+        "total_epsilon": epsilon,
+        "trials": {"mean": args.trials_mean, "distribution": "geometric"},
+        "score": {"metric": metric, "mode": "max", "validation": "public"},
+        "space": {
+            f"{callback}.clip_norm": {"log_uniform": [0.03, 3.0]},
+            f"{callback}.local_lr": {"log_uniform": [0.01, 1.0]},
+            "model.init_args.trainable": groups,
         },
     }
 
 
 def _space(args: argparse.Namespace, epsilon: float) -> dict[str, Any]:
-    """The search file: the total ε, E[K] geometric trials, the public validation score, the space."""
-    callback = "trainer.callbacks.P3SGD.init_args"
-    return {
-        "total_epsilon": epsilon,
-        "trials": {"mean": args.trials_mean, "distribution": "geometric"},
-        "score": {"metric": "val/acc", "mode": "max", "validation": "public"},
-        "space": {
-            f"{callback}.clip_norm": {"log_uniform": [0.03, 3.0]},
-            f"{callback}.local_lr": {"log_uniform": [0.01, 1.0]},
-            "model.init_args.trainable": [["norm", "head"], ["head"], ["norm"]],
-        },
-    }
+    return search_file(args, epsilon, "val/acc", [["norm", "head"], ["head"], ["norm"]])
 
 
 def _instantiate(spec: dict[str, Any]) -> Any:
     module, _, name = spec["class_path"].rpartition(".")
     return getattr(importlib.import_module(module), name)(**spec.get("init_args", {}))
+
+
+#: Trains one trial: (P3SGD's arguments, the released group, max_steps, the trial's folder, its index) → (model, P3SGD).
+TrialFit = Callable[[dict[str, Any], list[str], int, Path, int], tuple[pl.LightningModule, P3SGD]]
+
+
+def p3sgd_trial(
+    fit: TrialFit, score: Callable[[Any], float], metric: str, show: Callable[[float], str], log: list[dict[str, Any]]
+) -> TrialRunner:
+    """A trial runner: reads the trial's config as tune wrote it (its calibrated noise), trains it with ``fit``, scores
+    the model on the public validation data (``score``), saves it, and returns the callback's ledger."""
+
+    def run(config: Path, folder: Path) -> TrialOutcome:
+        trial = yaml.safe_load(config.read_text())
+        init = dict(trial["trainer"]["callbacks"][0]["init_args"])
+        init["noise_schedule"] = _instantiate(init["noise_schedule"])  # tune's calibrated noise
+        trainable, index = trial["model"]["init_args"]["trainable"], int(folder.name)
+        model, dp = fit(init, trainable, trial["trainer"]["max_steps"], folder, index)
+        assert dp.ledger is not None
+        value = score(model)
+        checkpoint = folder / "model.pt"
+        torch.save({"trainable": trainable, "state_dict": model.state_dict()}, checkpoint)
+        log.append({"index": index, "val": value, "epsilon": dp.accountant.epsilon(dp.ledger)})
+        say(
+            f"        trial {index}: C = {init['clip_norm']:.3g}, local lr = {init['local_lr']:.3g}, "
+            f"{'+'.join(trainable)}, z = {init['noise_schedule'].at(0):.2f}: val {show(value)}"
+        )
+        return TrialOutcome("done", {metric: value}, dp.ledger.copy(), checkpoint)
+
+    return run
 
 
 def trial_runner(
@@ -122,38 +157,90 @@ def trial_runner(
     """Runs a trial's config as the domain-shift example runs its P3SGD route: from the public weights, on the
     private training patients, with the example's weight averaging; scores it on the public validation cohort."""
 
-    def run(config: Path, folder: Path) -> TrialOutcome:
-        trial = yaml.safe_load(config.read_text())
-        init = dict(trial["trainer"]["callbacks"][0]["init_args"])
-        init["noise_schedule"] = _instantiate(init["noise_schedule"])  # tune's calibrated noise
-        trainable = trial["model"]["init_args"]["trainable"]
-        index = int(folder.name)
+    def fit(init: dict[str, Any], trainable: list[str], steps: int, folder: Path, index: int) -> tuple[Any, P3SGD]:
         pl.seed_everything(seed, verbose=False)
         model = _model(args, weights, trainable)
         dp = P3SGD(**init, seed=10_000 + 100 * seed + index)  # reproducible noise for the benchmark only
         callbacks: list[pl.Callback] = [dp, ReleasedWeightAveraging(decay=args.ema)] if args.ema > 0 else [dp]
         with contextlib.redirect_stdout(io.StringIO()):
-            cpu_trainer(callbacks, max_steps=trial["trainer"]["max_steps"], default_root_dir=str(folder)).fit(
-                model, private
-            )
-        assert dp.ledger is not None
-        score = 100.0 * evaluate_accuracy(model, validation)
-        checkpoint = folder / "model.pt"
-        torch.save({"trainable": trainable, "state_dict": model.state_dict()}, checkpoint)
-        log.append({"index": index, "val": score, "epsilon": dp.accountant.epsilon(dp.ledger)})
-        say(
-            f"        trial {index}: C_u = {init['clip_norm']:.3g}, local lr = {init['local_lr']:.3g}, "
-            f"{'+'.join(trainable)}, z = {init['noise_schedule'].at(0):.2f}: val {score:.1f} %"
-        )
-        return TrialOutcome("done", {"val/acc": score}, dp.ledger.copy(), checkpoint)
+            cpu_trainer(callbacks, max_steps=steps, default_root_dir=str(folder)).fit(model, private)
+        return model, dp
 
-    return run
+    return p3sgd_trial(fit, lambda model: 100.0 * evaluate_accuracy(model, validation), "val/acc", _percent, log)
+
+
+def _percent(value: float) -> str:
+    return f"{value:.1f} %"
 
 
 def _mean_std(values: list[float]) -> str:
     if len(values) < 2:
         return f"{values[0]:.1f}"
     return f"{statistics.fmean(values):.1f} ± {statistics.stdev(values):.1f}"
+
+
+def compare(
+    args: argparse.Namespace,
+    results: dict[str, Any],
+    config_path: Path,
+    space: Callable[[argparse.Namespace, float], dict[str, Any]],
+    hand: Callable[[float, int], dict[str, Any]],
+    runner: Callable[[int, list[dict[str, Any]]], TrialRunner],
+    test_best: Callable[[dict[str, Any]], float],
+    metric: str,
+    show: Callable[[float], str],
+) -> None:
+    """For each total ε and seed: the hand-tuned route (``hand``), then a private search over ``space`` whose best trial
+    is tested once (``test_best`` of its saved checkpoint); rows appended to ``results`` and written to --out."""
+    out = Path(args.out)
+    for epsilon in args.epsilons:
+        for seed in args.seeds:
+            hand_row = hand(epsilon, seed)
+            results["hand_tuned"].append({"epsilon_target": epsilon, "seed": seed, **hand_row})
+            say(f"ε = {epsilon:g}, seed {seed}: hand-tuned {show(hand_row['test'])} (ε = {hand_row['epsilon']:.2f})")
+            started, log = time.time(), []  # type: ignore[var-annotated]
+            folder = out / "searches" / f"eps{epsilon:g}_seed{seed}"
+            with contextlib.redirect_stderr(io.StringIO()):  # tune says it reads N from the data module
+                report = tune(config_path, space(args, epsilon), folder, seed=seed, run_trial=runner(seed, log))
+            row = {
+                "epsilon_target": epsilon,
+                "seed": seed,
+                "epsilon": report["epsilon"],
+                "epsilon_per_trial": report["epsilon_per_trial"],
+                "trials": report["trials_drawn"],
+                "best": report["best"],
+                "val": report["best"]["scores"][metric],
+                "test": test_best(torch.load(folder / "best" / "model.ckpt")),
+                "noise_multiplier": report["base"]["noise_multiplier_first"],
+                "seconds": time.time() - started,
+                "trial_log": log,
+            }
+            results["tuned"].append(row)
+            say(
+                f"ε = {epsilon:g}, seed {seed}: tuned (K = {row['trials']}, each trial ε ≤ "
+                f"{row['epsilon_per_trial']:.2f}, search ε = {row['epsilon']:.2f}) best {row['best']['params']}: "
+                f"val {show(row['val'])}, test {show(row['test'])} ({row['seconds']:.0f} s)"
+            )
+            (out / "results.json").write_text(json.dumps(results, indent=1))
+    results["seconds"] = time.time() - _START
+    (out / "results.json").write_text(json.dumps(results, indent=1))
+
+
+def print_table(results: dict[str, Any], epsilons: list[float], cell: Callable[[list[float]], str], clip: str) -> None:
+    """The hand-tuned and the tuned rows per total ε (mean ± std over seeds), and what the hand-tuned ε leaves out."""
+    print(f"{'total ε':>8} {'hand-tuned (its run ε)':>24} {'tuned: test':>16} {'tuned: val':>16} {'K':>10}")
+    for epsilon in epsilons:
+        hand_tests = [r["test"] for r in results["hand_tuned"] if r["epsilon_target"] == epsilon]
+        rows = [r for r in results["tuned"] if r["epsilon_target"] == epsilon]
+        print(
+            f"{epsilon:8g} {cell(hand_tests):>24} {cell([r['test'] for r in rows]):>16} "
+            f"{cell([r['val'] for r in rows]):>16} {','.join(str(r['trials']) for r in rows):>10}"
+        )
+    print(
+        f"The hand-tuned route's ε is its own run's: the pilot runs on the test patients that chose its {clip}, rate "
+        "and group are not counted (its real cost is unknown and larger)."
+    )
+    print(f"({results['seconds']:.0f} s)")
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -215,59 +302,28 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     config_path.write_text(yaml.safe_dump(_config(args, private_root), sort_keys=False))
 
     results: dict[str, Any] = {"args": vars(args), "n_train": n_train, "hand_tuned": [], "tuned": []}
-    for epsilon in args.epsilons:
-        for seed in args.seeds:
-            hand = private_fine_tune(args, weights, private, epsilon, seed)
-            results["hand_tuned"].append({"epsilon_target": epsilon, "seed": seed, **hand})
-            say(f"ε = {epsilon:g}, seed {seed}: hand-tuned {hand['test']:.1f} % (ε = {hand['epsilon']:.2f})")
-            started, log = time.time(), []  # type: ignore[var-annotated]
-            runner = trial_runner(args, weights, private, validation, seed, log)
-            folder = out / "searches" / f"eps{epsilon:g}_seed{seed}"
-            with contextlib.redirect_stderr(io.StringIO()):  # tune says it reads N from the data module
-                report = tune(config_path, _space(args, epsilon), folder, seed=seed, run_trial=runner)
-            best = torch.load(folder / "best" / "model.ckpt")
-            model = _model(args, None, best["trainable"])
-            model.load_state_dict(best["state_dict"])
-            row = {
-                "epsilon_target": epsilon,
-                "seed": seed,
-                "epsilon": report["epsilon"],
-                "epsilon_per_trial": report["epsilon_per_trial"],
-                "trials": report["trials_drawn"],
-                "best": report["best"],
-                "val": report["best"]["scores"]["val/acc"],
-                "test": _accuracy(model, private),
-                "noise_multiplier": report["base"]["noise_multiplier_first"],
-                "seconds": time.time() - started,
-                "trial_log": log,
-            }
-            results["tuned"].append(row)
-            say(
-                f"ε = {epsilon:g}, seed {seed}: tuned (K = {row['trials']}, each trial ε ≤ "
-                f"{row['epsilon_per_trial']:.2f}, search ε = {row['epsilon']:.2f}) best {row['best']['params']}: "
-                f"val {row['val']:.1f} %, test {row['test']:.1f} % ({row['seconds']:.0f} s)"
-            )
-            (out / "results.json").write_text(json.dumps(results, indent=1))
 
-    results["seconds"] = time.time() - _START
-    (out / "results.json").write_text(json.dumps(results, indent=1))
+    def test_best(best: dict[str, Any]) -> float:
+        model = _model(args, None, best["trainable"])
+        model.load_state_dict(best["state_dict"])
+        return _accuracy(model, private)
+
+    compare(
+        args,
+        results,
+        config_path,
+        _space,
+        hand=lambda epsilon, seed: private_fine_tune(args, weights, private, epsilon, seed),
+        runner=lambda seed, log: trial_runner(args, weights, private, validation, seed, log),
+        test_best=test_best,
+        metric="val/acc",
+        show=_percent,
+    )
     print(
         f"\nTest accuracy % on {private.test_dataset.num_patients} test patients of the private site, "
         f"{n_train} private training patients, {args.rounds} rounds, seeds {args.seeds}"
     )
-    print(f"{'total ε':>8} {'hand-tuned (its run ε)':>24} {'tuned: test':>14} {'tuned: val':>12} {'K':>10}")
-    for epsilon in args.epsilons:
-        hand_tests = [r["test"] for r in results["hand_tuned"] if r["epsilon_target"] == epsilon]
-        rows = [r for r in results["tuned"] if r["epsilon_target"] == epsilon]
-        print(
-            f"{epsilon:8g} {_mean_std(hand_tests):>24} {_mean_std([r['test'] for r in rows]):>14} "
-            f"{_mean_std([r['val'] for r in rows]):>12} {','.join(str(r['trials']) for r in rows):>10}"
-        )
-    print(
-        "The hand-tuned route's ε is its own run's: the pilot runs on the test patients that chose its C_u, rate and "
-        "group are not counted (its real cost is unknown and larger)."
-    )
-    print(f"({results['seconds']:.0f} s)")
+    print_table(results, args.epsilons, _mean_std, "C_u")
     return results
 
 
