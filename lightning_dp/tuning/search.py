@@ -147,6 +147,12 @@ def _score(raw: Any) -> tuple[str, Literal["max", "min"], ReleasedScore | None]:
     mode = raw.get("mode", "max")
     if mode not in ("max", "min"):
         raise _refuse(f"score.mode={mode!r} must be max or min.", "max for accuracy or Dice, min for a loss.")
+    if validation == "private_released" and mode != "max":
+        raise _refuse(
+            "score.mode=min with validation: private_released: the released score is the mean of the module's "
+            "sample_scores (accuracy, Dice: higher is better), whatever the metric's name.",
+            "mode: max.",
+        )
     allowed = {"metric", "mode", "validation"} | (RELEASED_KEYS if validation == "private_released" else set())
     unknown = set(raw) - allowed
     if unknown:
@@ -254,7 +260,9 @@ def _privacy(
             "set trainer.max_steps.",
         )
     rate = dp.sample_rate if dp.sample_rate is not None else (dp.batch_size or 0) / units(dp)
-    delta = dp.delta if dp.delta is not None else default_delta(units(dp))
+    # With a released score the validation patients are protected too: the default δ counts them.
+    counted = units(dp) + (0 if released is None else released.patients)
+    delta = dp.delta if dp.delta is not None else default_delta(counted)
     noise = dp.noise or ConstantNoise(1.0)
     schedule = noise.scaled(dp.noise_scales[0])
     score_noise = None if released is None else float(released.noise_multiplier)
@@ -269,6 +277,8 @@ def _with_noise(config: Mapping[str, Any], privacy: _Privacy, factor: float, fol
     args.pop("target_epsilon", None)
     key = "noise_multiplier" if privacy.mechanism == "DPSGD" else "noise_schedule"
     args[key] = _schedule_spec(privacy.noise.scaled(factor), number=privacy.mechanism == "DPSGD")
+    if privacy.plan.score_noise is not None:  # the search's δ, which counts the validation patients, in every trial
+        args.setdefault("delta", privacy.delta)
     out.setdefault("trainer", {})["default_root_dir"] = str(folder)
     return out
 
@@ -318,14 +328,34 @@ class TrialOutcome:
 TrialRunner = Callable[[Path, Path], TrialOutcome]
 
 
-#: A trial folder's copy of how its score is released (read by the trial: `released_score`).
-RELEASED_FILE = "released_score.json"
+#: A trial folder's copy of how it is scored (public validation, or released: read by the trial, `released_score`).
+SCORE_FILE = "score.json"
+
+
+def trial_score(folder: Path) -> dict[str, Any]:
+    """How the trial in ``folder`` is scored: ``{"metric", "validation", ["released"]}``.
+
+    Read from the trial's own file, else from its search's state (a search started before the file existed); never
+    assumed public.
+
+    Raises:
+        PrivacyStateError: neither says how the trial is scored.
+    """
+    path, state = Path(folder) / SCORE_FILE, Path(folder).parent.parent / "search_state.json"
+    if path.is_file():
+        return dict(json.loads(path.read_text()))
+    if state.is_file():
+        return dict(json.loads(state.read_text())["score"])
+    raise PrivacyStateError(
+        f"`{OWNER}`: {folder} has no {SCORE_FILE} and no search state above it: whether its validation patients are "
+        "public is unknown, so it is not scored. HINT: run trials through tune, which writes it."
+    )
 
 
 def released_score(folder: Path) -> ReleasedScore | None:
     """How the trial in ``folder`` must release its validation score; None when its validation data are public."""
-    path = Path(folder) / RELEASED_FILE
-    return ReleasedScore.from_dict(json.loads(path.read_text())) if path.is_file() else None
+    released = trial_score(folder).get("released")
+    return None if released is None else ReleasedScore.from_dict(released)
 
 
 def _check_score_fits(spec: SearchSpec, base: _Privacy) -> None:
@@ -338,11 +368,22 @@ def _check_score_fits(spec: SearchSpec, base: _Privacy) -> None:
     if epsilon >= spec.total_epsilon * (1 - 1e-3):  # the calibration needs room below the total for the training
         raise _refuse(
             f"the released score alone (noise_multiplier={spec.released.noise_multiplier}) costs the search "
-            f"ε = {epsilon:.3g} at δ = {base.delta:.3g} over E[K] = {spec.mean:g} trials, not under the total "
-            f"ε = {spec.total_epsilon:g}: no training noise would be left.",
+            f"ε = {epsilon:.4f} at δ = {base.delta:.3g} over E[K] = {spec.mean:g} trials, not under the total "
+            f"ε = {spec.total_epsilon:g} with room for training (0.1 %): no training noise would be left.",
             "raise score.noise_multiplier (and score.patients: more validation patients keep the score useful), "
             "raise total_epsilon, or score on public validation patients.",
         )
+
+
+def _score_state(spec: SearchSpec) -> dict[str, Any]:
+    if spec.released is None:
+        return {"metric": spec.metric, "mode": spec.mode, "validation": "public"}
+    return {
+        "metric": spec.metric,
+        "mode": spec.mode,
+        "validation": "private_released",
+        "released": spec.released.to_dict(),
+    }
 
 
 def _fresh_state(
@@ -370,8 +411,7 @@ def _fresh_state(
         check_covered(planned, base_ledger, index)
         written = _with_noise(trial_config, privacy, factor, trial_folder)
         _write_yaml(trial_folder / "config.yaml", written)
-        if spec.released is not None:
-            (trial_folder / RELEASED_FILE).write_text(json.dumps({**spec.released.to_dict(), "metric": spec.metric}))
+        (trial_folder / SCORE_FILE).write_text(json.dumps(_score_state(spec)))
         trials.append(
             {
                 "index": index,
@@ -406,12 +446,7 @@ def _fresh_state(
             "ledger": base_ledger.state_dict(),
         },
         "search_ledger": ledger.state_dict(),
-        "score": {
-            "metric": spec.metric,
-            "mode": spec.mode,
-            "validation": "public" if spec.released is None else "private_released",
-            **({} if spec.released is None else {"released": spec.released.to_dict()}),
-        },
+        "score": _score_state(spec),
         "trials": trials,
         "best": None,
     }
@@ -451,25 +486,28 @@ def _run_one(state: dict[str, Any], trial: dict[str, Any], folder: Path, runner:
         trial["status"], trial["error"] = "crashed", f"{type(err).__name__}: {message}"
         return [trial_folder]
     check_covered(outcome.ledger, base, trial["index"])
-    trial["status"] = outcome.status
-    trial["steps_run"] = outcome.ledger.steps
-    trial["epsilon"] = RDPAccountant().epsilon(outcome.ledger)
     metric, mode = state["score"]["metric"], state["score"]["mode"]
     released = state["score"].get("released")
-    if metric not in outcome.scores:
-        trial["error"] = f"no {metric!r} among the validation metrics {sorted(outcome.scores)}"
-    elif released is not None and not ReleasedScore.from_dict(released).charged(outcome.ledger):
-        # A score on private validation patients that its trial did not charge once is never looked at.
-        trial["error"] = "its private validation score was not released through ReleasedScore.release (not charged)"
-        return [trial_folder]
+    scores = dict(outcome.scores)
+    trial["status"] = outcome.status
+    trial["steps_run"] = outcome.ledger.steps - (released is not None)  # the score's release is no training step
+    trial["epsilon"] = RDPAccountant().epsilon(outcome.ledger)
+    if metric not in scores:
+        trial["error"] = f"no {metric!r} among the validation metrics {sorted(scores)}"
+    elif released is not None:
+        if not ReleasedScore.from_dict(released).charged(outcome.ledger):
+            # A score on private validation patients that its trial did not charge once is never looked at.
+            trial["error"] = "its private validation score was not released through ReleasedScore.release (not charged)"
+            return [trial_folder]
+        scores = {metric: scores[metric]}  # the released score only: other metrics of private patients are dropped
     best = state["best"]
-    score = outcome.scores.get(metric, math.nan)
+    score = scores.get(metric, math.nan)
     if _better(score, None if best is None else best["score"], mode):
         previous = None if best is None else best["index"]
         state["best"] = {
             "index": trial["index"],
             "score": score,
-            "scores": outcome.scores,
+            "scores": scores,
             "checkpoint": None if outcome.checkpoint is None else str(outcome.checkpoint.relative_to(folder)),
         }
         return [] if previous is None else [folder / "trials" / f"{previous:03d}"]

@@ -47,8 +47,9 @@ def run_trial(config: Path, folder: Path) -> TrialOutcome:
     except SystemExit as err:  # jsonargparse exits on a config it cannot parse: a crash of this trial, not the search
         raise RuntimeError(f"the trial's config {config} could not be parsed (exit status {err.code})") from err
     trainer, model = cli.trainer, cli.model
-    released = released_score(folder)
+    released = released_score(folder)  # never assumed public: refuses a trial folder that does not say
     if released is not None:  # private validation patients: no validation loop reads them during the fit
+        _scorer(model)  # refused before training, not after
         trainer.limit_val_batches = 0
         trainer.num_sanity_val_steps = 0
     trainer.fit(model, datamodule=cli.datamodule)
@@ -71,28 +72,59 @@ def run_trial(config: Path, folder: Path) -> TrialOutcome:
 
 
 def _metric(folder: Path) -> str:
-    import json
+    from lightning_dp.tuning.search import trial_score
 
-    from lightning_dp.tuning.search import RELEASED_FILE
-
-    return str(json.loads((folder / RELEASED_FILE).read_text())["metric"])
+    return str(trial_score(folder)["metric"])
 
 
-@torch.no_grad()
-def unit_scores(model: Any, datamodule: Any, unit: str) -> dict[Any, float]:
-    """Each validation unit's mean of ``model.sample_scores(batch)`` over ``datamodule.val_dataloader()``.
-
-    A unit is a patient (the batch's last item) for patient-level DP, a sample for sample-level DP.
-
-    Raises:
-        PrivacyConfigError: the module has no ``sample_scores``, or patient-level batches carry no patients.
-    """
+def _scorer(model: Any) -> Any:
     scorer = getattr(model, "sample_scores", None)
     if not callable(scorer):
         raise PrivacyConfigError(
             f"`lightning-dp tune`: a privately released score needs {type(model).__name__}.sample_scores(batch), one "
             "score per sample. HINT: ImageClassifier and SegmentationModule have it; add it to your module, or score "
             "on public validation patients."
+        )
+    return scorer
+
+
+def _refuse(what: str, hint: str) -> PrivacyConfigError:
+    return PrivacyConfigError(f"`lightning-dp tune`: {what} HINT: {hint}")
+
+
+def _patient_ids(batch: Any, n: int) -> list[int]:
+    """The batch's patients (its last item) as integers; refuses what is not one whole number per sample."""
+    ids = batch[-1] if isinstance(batch, (list, tuple)) and len(batch) >= 3 else None
+    if not isinstance(ids, torch.Tensor) or ids.numel() != n:
+        raise _refuse(
+            "a patient-level released score needs validation batches (inputs, targets, patients) with one patient per "
+            "sample.",
+            "the library's patient datamodules yield them.",
+        )
+    as_float = ids.reshape(-1).double()
+    if not bool(torch.all(torch.isfinite(as_float) & (as_float == as_float.round()))):
+        raise _refuse("the validation batches' patients are not whole numbers.", "patients as integer indices.")
+    return [int(v) for v in ids.reshape(-1).long().tolist()]
+
+
+@torch.no_grad()
+def unit_scores(model: Any, datamodule: Any, unit: str) -> dict[Any, float]:
+    """Each validation unit's mean of ``model.sample_scores(batch)`` over ``datamodule.val_dataloader()``.
+
+    A unit is a patient (the batch's last item, checked against ``val_dataset.patient_to_indices``: every patient's
+    samples and nothing else) for patient-level DP, a sample for sample-level DP. One score per sample.
+
+    Raises:
+        PrivacyConfigError: no ``sample_scores``; not one score per sample; patient-level batches whose patients are
+            missing, not whole numbers, or not the validation dataset's patients with their samples.
+    """
+    scorer = _scorer(model)
+    groups = getattr(getattr(datamodule, "val_dataset", None), "patient_to_indices", None)
+    if unit == "patient" and groups is None:
+        raise _refuse(
+            "a patient-level released score needs the validation dataset's patient_to_indices, to check which samples "
+            "are one patient's.",
+            "the library's patient datamodules (val_dataset) have it.",
         )
     was_training = model.training
     model.eval()
@@ -101,19 +133,30 @@ def unit_scores(model: Any, datamodule: Any, unit: str) -> dict[Any, float]:
     seen = 0
     try:
         for batch in datamodule.val_dataloader():
-            if unit == "patient" and not (isinstance(batch, (list, tuple)) and len(batch) >= 3):
-                raise PrivacyConfigError(
-                    "`lightning-dp tune`: a patient-level released score needs validation batches (inputs, targets, "
-                    "patients). HINT: the library's patient datamodules yield them."
-                )
+            n = len(batch[0])
             device = next(model.parameters()).device
             moved = [b.to(device) if isinstance(b, torch.Tensor) else b for b in batch]
-            values = scorer(moved).detach().double().cpu().reshape(-1).tolist()
-            ids = batch[-1].reshape(-1).tolist() if unit == "patient" else range(seen, seen + len(values))
-            for key, value in zip(ids, values, strict=True):
+            values = scorer(moved).detach().double().cpu().reshape(-1)
+            if values.numel() != n:
+                raise _refuse(
+                    f"{type(model).__name__}.sample_scores returned {values.numel()} values for a batch of {n} "
+                    "samples.",
+                    "one score per sample (shape (B,)).",
+                )
+            ids = _patient_ids(batch, n) if unit == "patient" else range(seen, seen + n)
+            for key, value in zip(ids, values.tolist(), strict=True):
                 sums[key] += value
                 counts[key] += 1
-            seen += len(values)
+            seen += n
     finally:
         model.train(was_training)
+    if groups is not None and unit == "patient":
+        expected = {int(p): len(indices) for p, indices in groups.items() if len(indices)}
+        if dict(counts) != expected:
+            raise _refuse(
+                f"the validation batches hold {len(counts)} patients with {sum(counts.values())} samples, "
+                f"val_dataset.patient_to_indices {len(expected)} with {sum(expected.values())}: the batches' last "
+                "item is not the patient of each sample.",
+                "batches (inputs, targets, patients) from the library's patient datamodules.",
+            )
     return {key: sums[key] / counts[key] for key in sums}

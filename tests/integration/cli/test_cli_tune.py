@@ -91,6 +91,7 @@ def test_tune_on_private_validation_patients_releases_each_score_under_its_charg
     with_score.record(GaussianEvent(2.0))
     assert trial["epsilon"] == pytest.approx(RDPAccountant().epsilon(with_score))
     assert trial["epsilon"] > RDPAccountant().epsilon(training)
+    assert trial["steps_run"] == training.steps == report["trials"][0]["steps"]  # the release is no training step
     # No validation loop read the private patients during the fit: no val/ metric in the trial's logs.
     logs = b"".join(p.read_bytes() for p in (tmp_path / "search" / "trials").rglob("events.out.tfevents*"))
     assert logs and b"val/" not in logs

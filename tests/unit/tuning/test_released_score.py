@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 import yaml
 from dp_accounting import dp_event
 from dp_accounting.rdp import rdp_privacy_accountant as dp_rdp
@@ -135,3 +136,69 @@ def test_the_shipped_private_score_search_file_reads() -> None:
     shipped = CONFIG.parent / "search" / "p3sgd_tune_space_private_score.yaml"
     spec = read_search(yaml.safe_load(shipped.read_text()), yaml.safe_load(CONFIG.read_text()))
     assert spec.released == ReleasedScore(noise_multiplier=4.0, patients=8, low=0.0, high=1.0)
+
+
+class _Scored(torch.nn.Module):
+    """Scores a sample by its first feature; ``per_class`` returns two scores per sample (wrong on purpose)."""
+
+    def __init__(self, per_class: bool = False) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(1))
+        self.per_class = per_class
+
+    def sample_scores(self, batch: Any) -> torch.Tensor:
+        x = batch[0][:, 0]
+        return torch.stack([x, x], 1) if self.per_class else x
+
+
+class _Validation:
+    """Validation batches (x, y, last): ``last`` is the patient of each sample unless told otherwise."""
+
+    def __init__(self, patients: list[int], last: list[float] | None = None) -> None:
+        self.patients = torch.tensor(patients)
+        self.last = self.patients if last is None else torch.tensor(last)
+        indices: dict[int, list[int]] = {}
+        for i, p in enumerate(patients):
+            indices.setdefault(p, []).append(i)
+        self.val_dataset = type("Groups", (), {"patient_to_indices": indices})()
+
+    def val_dataloader(self) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        x = torch.linspace(0, 1, len(self.patients)).unsqueeze(1)
+        y = torch.zeros(len(self.patients))
+        return [(x[i : i + 3], y[i : i + 3], self.last[i : i + 3]) for i in range(0, len(self.patients), 3)]
+
+
+def test_unit_scores_average_each_patient_across_batches_and_refuse_what_is_not_one_per_sample() -> None:
+    from lightning_dp.errors import PrivacyConfigError
+    from lightning_dp.tuning.trial import unit_scores
+
+    patients = [0, 0, 1, 1, 1, 2, 2]  # patient 1 straddles two batches of 3
+    scores = unit_scores(_Scored(), _Validation(patients), "patient")
+    x = torch.linspace(0, 1, 7).tolist()
+    assert scores == pytest.approx({0: (x[0] + x[1]) / 2, 1: (x[2] + x[3] + x[4]) / 3, 2: (x[5] + x[6]) / 2})
+    assert len(unit_scores(_Scored(), _Validation(patients), "sample")) == 7
+    with pytest.raises(PrivacyConfigError, match="returned 6 values for a batch of 3"):
+        unit_scores(_Scored(per_class=True), _Validation(patients), "sample")
+    # The batches' last item is a slice index, not the patient: one patient would count as several.
+    with pytest.raises(PrivacyConfigError, match="not the patient of each sample"):
+        unit_scores(_Scored(), _Validation(patients, last=[0, 1, 0, 1, 2, 0, 1]), "patient")
+    with pytest.raises(PrivacyConfigError, match="not whole numbers"):
+        unit_scores(_Scored(), _Validation(patients, last=[0, 0, 1, 1, 1, float("nan"), 2]), "patient")
+
+
+def test_a_trial_folder_that_does_not_say_how_it_is_scored_is_not_scored(tmp_path: Path) -> None:
+    from lightning_dp.errors import PrivacyStateError
+
+    with pytest.raises(PrivacyStateError, match="whether its validation patients are public is unknown"):
+        released_score(tmp_path / "trials" / "000")
+
+
+def test_a_private_search_keeps_only_the_released_score(tmp_path: Path) -> None:
+    def run(config: Path, folder: Path) -> TrialOutcome:
+        outcome = _trial(charge=True)(config, folder)
+        return TrialOutcome("done", {**outcome.scores, "val/acc_raw": 0.7, "val/loss": 0.1}, outcome.ledger, None)
+
+    report = tune(CONFIG, SEARCH, tmp_path, seed=SEED, run_trial=run)
+    assert set(report["best"]["scores"]) == {"val/acc"}
+    assert "val/acc_raw" not in (tmp_path / "search_state.json").read_text()
+    assert all(t["steps_run"] == 60 for t in report["trial_status"]), "the score's release is not a training step"

@@ -167,6 +167,7 @@ def test_a_folder_of_another_search_is_not_resumed(tmp_path: Path) -> None:
         ({"score": {**RELEASED, "range": [1, 0]}}, "must have low < high"),
         ({"score": {**RELEASED, "range": [0]}}, "must be two numbers"),
         ({"score": {**RELEASED, "validation": "public"}}, "go with validation: private_released"),
+        ({"score": {**RELEASED, "mode": "min"}}, "score.mode=min with validation: private_released"),
         ({"score": {**RELEASED, "noise_multiplier": 0.3}}, "the released score alone .* costs the search"),
         ({"score": {"metric": "val/acc", "mode": "best", "validation": "public"}}, "score.mode='best'"),
         ({"total_epsilon": 0}, "total_epsilon=0"),
