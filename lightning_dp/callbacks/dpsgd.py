@@ -58,6 +58,7 @@ from lightning_dp.training.checks import (
     IndependenceCheck,
     check_first_chunk,
     eval_mode,
+    independence,
     loss_tensor,
     start_checks,
     take,
@@ -423,7 +424,7 @@ class DPSGD(DPCallback):
         self._sync_clipper(pl_module)
         fit = self._fit
         assert fit.original_training_step is not None and fit.source_loader is not None
-        fit.first_chunk_check, fit.float64 = start_checks(
+        found = independence(
             pl_module,
             [trainer],
             fit.original_training_step,
@@ -433,6 +434,7 @@ class DPSGD(DPCallback):
             fit.source_loader.collate_fn,
             lambda batch: pl_module.transfer_batch_to_device(batch, pl_module.device, 0),
         )
+        fit.first_chunk_check, fit.float64 = start_checks(found, type(pl_module).__name__, self.loss_reduction)
         self._run_preflight(pl_module)
 
     def _preflight_inputs(self, pl_module: pl.LightningModule) -> tuple[float, list[torch.Tensor], float | None]:

@@ -519,17 +519,8 @@ def independence(
     raise AssertionError("unreachable: the last copy either returns or raises")  # pragma: no cover
 
 
-def start_checks(
-    module: Any,
-    share: Iterable[object],
-    training_step: Callable[..., Any],
-    loss_of: Callable[[Any], Tensor],
-    loss_reduction: LossReduction,
-    dataset: Any,
-    collate: Callable[[list[Any]], Any],
-    to_device: Callable[[Any], Any],
-) -> tuple[IndependenceCheck, bool]:
-    """DPSGD's start-up check (`independence`), a failure raised as DPSGD's error.
+def start_checks(found: Independence, model_name: str, loss_reduction: LossReduction) -> tuple[IndependenceCheck, bool]:
+    """DPSGD's start-up check: what `independence` found, a failure raised as DPSGD's error.
 
     Run once more on the first real chunk before the first release (`check_first_chunk`).
 
@@ -540,7 +531,6 @@ def start_checks(
         PrivacyConfigError: the loss's reduction is not the declared one.
         UnsupportedModelError: a check failed (`refuse_cause`), or ``collate`` mixes samples.
     """
-    found = independence(module, share, training_step, loss_of, loss_reduction, dataset, collate, to_device)
     if found.failure == "collate":
         raise UnsupportedModelError(
             "`DPSGD`: the training DataLoader's collate_fn does not collate samples one by one: collating a "
@@ -554,7 +544,7 @@ def start_checks(
             f"`DPSGD(loss_reduction={loss_reduction!r})`: training_step's loss is the {found.reduction} of the "
             f"per-sample losses, not their {loss_reduction}. HINT: DPSGD(loss_reduction={found.reduction!r})."
         )
-    refuse_cause(type(module).__name__, found.failure)
+    refuse_cause(model_name, found.failure)
     assert found.check is not None
     return found.check, found.float64
 
