@@ -80,10 +80,10 @@ def _metric(folder: Path) -> str:
 def _scorer(model: Any) -> Any:
     scorer = getattr(model, "sample_scores", None)
     if not callable(scorer):
-        raise PrivacyConfigError(
-            f"`lightning-dp tune`: a privately released score needs {type(model).__name__}.sample_scores(batch), one "
-            "score per sample. HINT: ImageClassifier and SegmentationModule have it; add it to your module, or score "
-            "on public validation patients."
+        raise _refuse(
+            f"a privately released score needs {type(model).__name__}.sample_scores(batch), one score per sample.",
+            "ImageClassifier and SegmentationModule have it; add it to your module, or score on public validation "
+            "patients.",
         )
     return scorer
 
