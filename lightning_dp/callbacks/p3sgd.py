@@ -34,20 +34,10 @@ from lightning_dp.sampling.randomness import UnitStreams, unit_seed
 from lightning_dp.sanitization import ModelState, Release
 from lightning_dp.sanitization.per_sample import ClipStats
 from lightning_dp.schedules import NoiseSchedule
+from lightning_dp.training import patient_rounds
 from lightning_dp.training.evaluation import check_returns_loss, patient_losses, round_loss
 from lightning_dp.training.manual_optimization import StepTicks
 from lightning_dp.training.p3sgd_settings import P3SGDSettings
-from lightning_dp.training.patient_rounds import (
-    BatchedRound,
-    LocalSGD,
-    LoopRound,
-    PatientData,
-    PatientRound,
-    RoundParts,
-    choose_round,
-    model_reason,
-    patient_groups,
-)
 from lightning_dp.training.step import ModelStateTarget, StepResult
 from lightning_dp.training.trainer_checks import (
     patient_training_data,
@@ -74,12 +64,12 @@ class _P3SGDFit(FitState):
 
     #: The training images by patient: the sampler draws positions k; the k-th patient's id keys its own random
     #: streams (augmentation, dropout, image order).
-    data: PatientData | None = None
+    data: patient_rounds.PatientData | None = None
     #: The released parameters and buffers of the model as one vector, and the round's kept workspaces.
     state: ModelState | None = None
     #: What a round works on (from on_train_start), and the vectorized round in use (None: the loop).
-    parts: RoundParts | None = None
-    round: PatientRound | None = None
+    parts: patient_rounds.RoundParts | None = None
+    round: patient_rounds.PatientRound | None = None
     #: The secret seed of the patients' random streams (the sampler's secret seed), and this round's secret drawn
     #: from it and the round's number: it seeds every patient's streams (not the other patients sampled).
     units_seed: int | None = None
@@ -251,15 +241,15 @@ class P3SGD(DPCallback):
         return self._fit.state
 
     @property
-    def _parts(self) -> RoundParts | None:
+    def _parts(self) -> patient_rounds.RoundParts | None:
         return self._fit.parts
 
     @property
-    def _round(self) -> PatientRound | None:
+    def _round(self) -> patient_rounds.PatientRound | None:
         return self._fit.round
 
     @_round.setter
-    def _round(self, value: PatientRound | None) -> None:
+    def _round(self, value: patient_rounds.PatientRound | None) -> None:
         self._fit.round = value
 
     def __repr__(self) -> str:
@@ -275,8 +265,8 @@ class P3SGD(DPCallback):
         # Trainer(sync_batchnorm=True) converts BatchNorm when the strategy wraps the model, after this hook: read
         # the strategy's layer-sync plugin (Lightning keeps it private; on_train_start checks the converted layers too).
         refuse_sync_batchnorm(pl_module, requested=getattr(trainer.strategy, "_layer_sync", None) is not None)
-        groups, keys = patient_groups(dataset)
-        self._fit.data = PatientData(
+        groups, keys = patient_rounds.patient_groups(dataset)
+        self._fit.data = patient_rounds.PatientData(
             dataset,
             groups,
             keys,
@@ -330,10 +320,12 @@ class P3SGD(DPCallback):
         super().on_train_start(trainer, pl_module)
         fit = self._fit
         assert fit.state is not None and fit.data is not None and fit.original_training_step is not None
-        local = LocalSGD(
+        local = patient_rounds.LocalSGD(
             self.local_lr, self.local_batch_size, self.local_epochs, self.local_momentum, self.local_weight_decay
         )
-        fit.parts = RoundParts(pl_module, fit.state, fit.original_training_step, fit.data, local, self.clip_norm)
+        fit.parts = patient_rounds.RoundParts(
+            pl_module, fit.state, fit.original_training_step, fit.data, local, self.clip_norm
+        )
         refuse_sync_batchnorm(pl_module)
         check_returns_loss(fit.parts)
         self._setup_vectorized(trainer, pl_module)
@@ -364,8 +356,8 @@ class P3SGD(DPCallback):
         fit = self._fit
         assert fit.parts is not None
         self._close_round()
-        choice = choose_round(fit.parts, self.vectorize, self.vectorize_batch_size, share=[trainer])
-        fit.round = None if isinstance(choice.round, LoopRound) else choice.round
+        choice = patient_rounds.choose_round(fit.parts, self.vectorize, self.vectorize_batch_size, share=[trainer])
+        fit.round = None if isinstance(choice.round, patient_rounds.LoopRound) else choice.round
         self._announce(choice.reason, stacked=choice.note)
 
     def _announce(self, reason: str | None, stacked: str | None = None) -> None:
@@ -419,7 +411,8 @@ class P3SGD(DPCallback):
         # θ_t and the clipped sum live in kept workspaces: fresh model-sized vectors cost page faults every round.
         theta, other = state.vector(out=state.workspace("theta")), state.snapshot_other_buffers()
         if fit.round is not None:
-            problem = model_reason(fit.parts, fit.round)  # modes and trainable parameters can change during fit
+            # Modes and trainable parameters can change during fit.
+            problem = patient_rounds.model_reason(fit.parts, fit.round)
             if problem is not None:
                 self._close_round()
                 self._announce(problem)
@@ -440,7 +433,7 @@ class P3SGD(DPCallback):
                 self.vectorized_rounds += 1
                 stats = fit.round.add_clipped(step.patients, clipped_sum, step.secret, start)
             if stats is None:
-                stats = LoopRound(fit.parts).add_clipped(step.patients, clipped_sum, step.secret, start)
+                stats = patient_rounds.LoopRound(fit.parts).add_clipped(step.patients, clipped_sum, step.secret, start)
         fit.state.load(*start)
         return clipped_sum, stats
 
@@ -478,7 +471,7 @@ class P3SGD(DPCallback):
         assert fit.state is not None
         fit.round_secret = None
         fit.state.wipe_workspaces()  # a patient's raw change and the un-noised sum do not outlive the round
-        if isinstance(fit.round, BatchedRound):
+        if isinstance(fit.round, patient_rounds.BatchedRound):
             fit.round.reset()  # nor does the batched path's un-noised gradient sum
 
     def _after_step(
