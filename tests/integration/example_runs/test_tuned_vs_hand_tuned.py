@@ -60,4 +60,9 @@ def test_tuned_segmentation_charges_the_search_at_the_total_epsilon(
     out = tmp_path / "out"
     results = example.main(["--quick", "--trials-mean", "3", "--data", str(tmp_path / "data"), "--out", str(out)])
     _check(results, out, capsys.readouterr().out, "val/dice", 1.0)
+    # The public model is kept where it scores higher on the public validation patients (no extra ε).
+    (kept,) = results["tuned_or_public"]
+    public, (tuned,) = results["public_model"], results["tuned"]
+    assert kept["public"] == (public["val"] > tuned["val"])
+    assert kept["test"] == (public["test"] if kept["public"] else tuned["test"])
     assert (tmp_path / "runs" / "segmentation_benchmark").is_dir()  # the benchmark's public-model cache, reused
