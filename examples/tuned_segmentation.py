@@ -16,7 +16,7 @@ whose cost no report shows (docs/results/segmentation.md). Here the same route h
 
 Output: a table on stdout and ``<out>/results.json`` (each search's report: K, each trial's ε and hyperparameters).
 
-Run:   .venv/bin/python examples/tuned_segmentation.py           (the benchmark's size: ~1.5 h on 2 CPU cores)
+Run:   .venv/bin/python examples/tuned_segmentation.py           (the benchmark's size: ~1 h on one CPU core)
        .venv/bin/python examples/tuned_segmentation.py --quick   (a smoke test)
 """
 
