@@ -65,6 +65,18 @@ def _model(args: argparse.Namespace, weights: dict[str, torch.Tensor] | None, tr
     return model
 
 
+def public_data(args: argparse.Namespace) -> SyntheticPathologyDataModule:
+    """The public site's patients (site 'reference', seed 100): what the public model is pre-trained on."""
+    return synthetic_data(
+        f"{args.data_root}/public_{args.public_patients}x{args.public_patches}_{args.image_size}",
+        args.public_patients,
+        args.public_patches,
+        seed=100,
+        test_fraction=0.1,
+        image_size=args.image_size,
+    )
+
+
 def pretrain(args: argparse.Namespace, public: SyntheticPathologyDataModule) -> dict[str, torch.Tensor]:
     """The public model (cached under --out: its key is every argument it depends on)."""
     size = f"{args.public_patients}x{args.public_patches}-{args.image_size}px"
@@ -204,14 +216,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"[1/5] data: {args.public_patients} public patients (site 'reference'), {args.private_patients} private "
         f"patients (site 'hospital_b'), {args.image_size} px"
     )
-    public = synthetic_data(
-        f"{args.data_root}/public_{args.public_patients}x{args.public_patches}_{args.image_size}",
-        args.public_patients,
-        args.public_patches,
-        seed=100,
-        test_fraction=0.1,
-        image_size=args.image_size,
-    )
+    public = public_data(args)
     private = synthetic_data(
         f"{args.data_root}/hospital_b_{args.private_patients}x{args.patches}_{args.image_size}",
         args.private_patients,

@@ -50,7 +50,7 @@ from typing import Any
 
 import torch
 from _shared import quiet_lightning, synthetic_data
-from domain_shift import pretrain, say
+from domain_shift import pretrain, public_data, say
 from flwr.app import Context
 from torch.utils.data import ConcatDataset, DataLoader
 
@@ -348,14 +348,7 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
 
     counts = ", ".join(f"{n} {c}" for n, c in zip(HOSPITALS, args.patients))
     say(f"[1/6] data: {args.public_patients} public patients (site 'reference'); patients per hospital: {counts}")
-    public = synthetic_data(
-        f"{args.data_root}/public_{args.public_patients}x{args.public_patches}_{args.image_size}",
-        args.public_patients,
-        args.public_patches,
-        seed=100,
-        test_fraction=0.1,
-        image_size=args.image_size,
-    )
+    public = public_data(args)
     hospitals: Hospitals = {
         name: synthetic_data(
             f"{args.data_root}/{name}_{count}x{args.patches}_{args.image_size}",

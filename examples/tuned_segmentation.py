@@ -26,7 +26,6 @@ import argparse
 import contextlib
 import io
 import json
-import statistics
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +34,7 @@ import yaml  # type: ignore[import-untyped]
 from _shared import quiet_lightning
 from segmentation_benchmark import _load, _stack, _test_dice, _trainer, p3sgd, pretrain, say, silhouettes
 from torch import Tensor
-from tuned_vs_hand_tuned import compare, fit_config, p3sgd_trial, print_table, search_file
+from tuned_vs_hand_tuned import compare, fit_config, mean_std, p3sgd_trial, print_table, search_file
 
 from lightning_dp.callbacks import P3SGD
 from lightning_dp.tuning.search import TrialRunner
@@ -104,9 +103,7 @@ def _dice(value: float) -> str:
 
 
 def _cell(values: list[float]) -> str:
-    if len(values) < 2:
-        return f"{values[0]:.3f}"
-    return f"{statistics.fmean(values):.3f} ± {statistics.stdev(values):.3f}"
+    return mean_std(values, digits=3)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

@@ -38,7 +38,7 @@ import pytorch_lightning as pl
 import torch
 import yaml  # type: ignore[import-untyped]
 from _shared import cpu_trainer, quiet_lightning, synthetic_data
-from domain_shift import _accuracy, _model, pretrain, private_fine_tune, say
+from domain_shift import _accuracy, _model, pretrain, private_fine_tune, public_data, say
 from torch.utils.data import ConcatDataset, DataLoader
 
 from lightning_dp.callbacks import P3SGD, ReleasedWeightAveraging, evaluate_accuracy
@@ -173,10 +173,11 @@ def _percent(value: float) -> str:
     return f"{value:.1f} %"
 
 
-def _mean_std(values: list[float]) -> str:
+def mean_std(values: list[float], digits: int = 1) -> str:
+    """``mean ± std`` over seeds (the value alone for one seed)."""
     if len(values) < 2:
-        return f"{values[0]:.1f}"
-    return f"{statistics.fmean(values):.1f} ± {statistics.stdev(values):.1f}"
+        return f"{values[0]:.{digits}f}"
+    return f"{statistics.fmean(values):.{digits}f} ± {statistics.stdev(values):.{digits}f}"
 
 
 def compare(
@@ -273,14 +274,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
-    public = synthetic_data(
-        f"{args.data_root}/public_{args.public_patients}x{args.public_patches}_{args.image_size}",
-        args.public_patients,
-        args.public_patches,
-        seed=100,
-        test_fraction=0.1,
-        image_size=args.image_size,
-    )
+    public = public_data(args)
     private_root = f"{args.data_root}/hospital_b_{args.private_patients}x{args.patches}_{args.image_size}"
     private = synthetic_data(
         private_root, args.private_patients, args.patches, seed=0, test_fraction=0.3, image_size=args.image_size,
@@ -323,7 +317,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"\nTest accuracy % on {private.test_dataset.num_patients} test patients of the private site, "
         f"{n_train} private training patients, {args.rounds} rounds, seeds {args.seeds}"
     )
-    print_table(results, args.epsilons, _mean_std, "C_u")
+    print_table(results, args.epsilons, mean_std, "C_u")
     return results
 
 
