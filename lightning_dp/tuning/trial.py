@@ -19,13 +19,16 @@ import torch
 
 from lightning_dp.callbacks.base import DPCallback
 from lightning_dp.errors import PrivacyConfigError, PrivacyStateError
-from lightning_dp.tuning.search import TrialOutcome, released_score
+from lightning_dp.tuning.score import ReleasedScore
+from lightning_dp.tuning.search import TrialOutcome, trial_score
 
 __all__ = ["run_trial"]
 
 
 def run_trial(config: Path, folder: Path) -> TrialOutcome:
-    """Trains ``config`` as ``fit`` would, validates the result once, saves its checkpoint in ``folder``.
+    """Trains ``config`` as ``fit`` would, saves its checkpoint in ``folder``, then scores it once.
+
+    The score: one validation on public validation data, or one released score on private validation patients.
 
     Raises:
         PrivacyStateError: the trained model has no DP training callback with a ledger (nothing was charged).
@@ -47,7 +50,8 @@ def run_trial(config: Path, folder: Path) -> TrialOutcome:
     except SystemExit as err:  # jsonargparse exits on a config it cannot parse: a crash of this trial, not the search
         raise RuntimeError(f"the trial's config {config} could not be parsed (exit status {err.code})") from err
     trainer, model = cli.trainer, cli.model
-    released = released_score(folder)  # never assumed public: refuses a trial folder that does not say
+    scoring = trial_score(folder)  # never assumed public: refuses a trial folder that does not say
+    released = None if scoring.get("released") is None else ReleasedScore.from_dict(scoring["released"])
     if released is not None:  # private validation patients: no validation loop reads them during the fit
         _scorer(model)  # refused before training, not after
         trainer.limit_val_batches = 0
@@ -66,15 +70,8 @@ def run_trial(config: Path, folder: Path) -> TrialOutcome:
         results = trainer.validate(model, datamodule=cli.datamodule, verbose=False)
         scores = {str(k): float(v) for k, v in (results[0] if results else {}).items()}
     else:
-        metric = _metric(folder)
-        scores = {metric: released.release(unit_scores(model, cli.datamodule, ledger.unit), ledger)}
+        scores = {str(scoring["metric"]): released.release(unit_scores(model, cli.datamodule, ledger.unit), ledger)}
     return TrialOutcome("stopped_by_budget" if stopped else "done", scores, ledger, checkpoint)
-
-
-def _metric(folder: Path) -> str:
-    from lightning_dp.tuning.search import trial_score
-
-    return str(trial_score(folder)["metric"])
 
 
 def _scorer(model: Any) -> Any:
