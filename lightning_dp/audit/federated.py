@@ -10,7 +10,7 @@ Before every round the "out" server is set to the "in" server's θ_t (the neighb
 same released model), so both rounds start from one θ_t and draw the same noise.
 
 The auditor observes every θ_t at the server and every message the server received (the sites' clipped sums S_w).
-Each world's release, brought back to its own public normalizer, D_w = (θ_{t+1} − θ_t)·q·N_w / server_lr, is
+Each world's release, brought back to the public normalizer, D_w = (θ_{t+1} − θ_t)·q·N / server_lr (N declared: the same in both worlds), is
 S_w + Z with the *same* Z in both worlds. Three checks, each stated per round:
 
 * **sensitivity**: the canary moves the release by at most C: ``moved`` = ‖D_in − D_out‖ / C ≤ 1 + tolerance (that
@@ -269,7 +269,9 @@ class FederatedAudit:
         return site
 
     def _server(self, world: str) -> FederatedServer:
-        patients = sum(len(set(p.tolist())) for _, _, p in self.sites.values()) + (world == "in")
+        # N is declared by the consortium before the data are counted: the same in both worlds (the canary's
+        # included), so the two releases have one normalizer and the only difference is the canary's sum.
+        patients = sum(len(set(p.tolist())) for _, _, p in self.sites.values()) + 1
         torch.manual_seed(self.seed)
         return FederatedServer(
             self.model(),
@@ -304,7 +306,7 @@ class FederatedAudit:
 
         servers = {w: self._server(w) for w in ("in", "out")}
         grids = {w: self._grid(w) for w in ("in", "out")}
-        normalizers = {w: s.sample_rate * s.num_patients for w, s in servers.items()}  # the public q·N of each world
+        normalizers = {w: s.normalizer for w, s in servers.items()}  # the public q·N (declared: equal in both worlds)
         clip = self.clip_norm
         moved, excess, site_moved, residuals, reported = [], [], [], [], []
         round_off = 0.0

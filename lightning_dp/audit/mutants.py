@@ -365,9 +365,9 @@ def _federated_normalizer_from_counts() -> Iterator[None]:
     counts: dict[str, int] = {}  # what each site sends beside its sum: its number of included patients
 
     def reply(f: Any) -> Any:
-        def mutated(self: Any, theta: Any, round_number: int) -> Any:
+        def mutated(self: Any, theta: Any, round_number: int, bound: Any = None) -> Any:
             counts[self.name] = len(self.patients_of_round(round_number))
-            return f(self, theta, round_number)
+            return f(self, theta, round_number, bound)
 
         return mutated
 

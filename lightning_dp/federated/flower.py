@@ -2,10 +2,12 @@
 
 The messages carry only what the mechanism allows to leave a site:
 
-* ``query`` (once, at start): the site's public name, patient count and sample rate, and, where the consortium shares
-  an id key, HMAC digests of its patient ids (to refuse ids two sites share, without the server seeing or testing them).
-* ``train`` (each round): θ_t and the round number in; the clipped sum out (``reply``), with the site's name and the
-  std of the noise share it added (public settings); no counts, losses or metrics.
+* ``query`` (once, at start): the site's public name, C and sample rate, and, where the consortium shares an id key,
+  HMAC digests of its patient ids (to refuse ids two sites share, without the server seeing or testing them). Not its
+  patient count: that is private (one patient changes it); the server's N is declared by the consortium.
+* ``train`` (each round): θ_t, the round number and the public bound N·C in; the clipped sum out (``reply``,
+  projected onto the ball of radius N·C), with the site's name and the std of the noise share it added (public
+  settings); no counts, losses or metrics.
 
 The server side is `run_rounds`, a plain function over a Flower ``Grid``: the ``ServerApp`` of `server_app` calls it
 on the deployment runtime's grid (``flwr run`` against ``flower-superlink`` and one ``flower-supernode`` per
@@ -111,13 +113,14 @@ def _secure_reply(site: Site, message: Message) -> Message:
         raise PrivacyConfigError(f"Site {site.name!r}: a fit message outside SecAgg+ would carry the sum in the clear.")
     fitins = compat.recorddict_to_fitins(message.content, keep_input=True)
     planned = float(fitins.config["planned_share"])
+    bound = fitins.config.get("reply_bound")
     if site.noise_std < planned * (1 - 1e-9):
         raise PrivacyConfigError(
             f"Site {site.name!r}: its noise share {site.noise_std:.6g} is below the server's plan {planned:.6g}. "
             "HINT: compute it with the consortium's settings (calibrated_multiplier with sites and min_shares)."
         )
     theta = torch.from_numpy(np.array(parameters_to_ndarrays(fitins.parameters)[0], copy=True))
-    noised = site.reply(theta, int(fitins.config["request"]))
+    noised = site.reply(theta, int(fitins.config["request"]), None if bound is None else float(bound))
     if float(noised.abs().max()) > float(fitins.config["clipping_range"]):
         raise PrivacyConfigError(f"Site {site.name!r}: SecAgg+'s coordinate clipping would remove this site's noise.")
     fitres = FitRes(
@@ -169,7 +172,6 @@ def site_app(
         facts = ConfigRecord(
             {
                 "name": site.name,
-                "num_patients": site.num_patients,
                 "sample_rate": site.sample_rate,
                 "clip_norm": site.parts.clip_norm,
             }
@@ -196,7 +198,10 @@ def site_app(
                 "(noise_std=0); it would send its un-noised sum. HINT: set the site's noise_std (share_std)."
             )
         theta = torch.from_numpy(_field(message, "theta", "theta").numpy().copy())
-        clipped_sum = site.reply(theta, int(_field(message, "round", "request")))
+        bound = _optional_field(message, "round", "reply_bound")
+        clipped_sum = site.reply(
+            theta, int(_field(message, "round", "request")), None if bound is None else float(bound)
+        )
         content = RecordDict(
             {
                 "clipped_sum": ArrayRecord({"clipped_sum": Array(clipped_sum.detach().cpu().numpy())}),
@@ -235,17 +240,15 @@ def _wait_for_sites(grid: Grid, sites: int, timeout: float) -> list[int]:
     return nodes
 
 
-def _hello(
-    grid: Grid, nodes: list[int], server: FederatedServer, timeout: float
-) -> tuple[dict[int, str], dict[str, int]]:
+def _hello(grid: Grid, nodes: list[int], server: FederatedServer, timeout: float) -> dict[int, str]:
     """Asks every site for its public facts and refuses a consortium the server cannot run (see `run_rounds`).
 
-    Returns the sites' names by node and their patient counts N_s (public: they bound each site's reply by N_s·C).
+    Returns the sites' names by node. No site's patient count is asked for: it is private, and N is the consortium's
+    declaration (the server's ``num_patients``), never checked against the data.
     """
     messages = [Message(RecordDict(), dst_node_id=node, message_type=HELLO) for node in nodes]
     replies = {reply.metadata.src_node_id: reply for reply in grid.send_and_receive(messages, timeout=timeout)}
     names: dict[int, str] = {}
-    counts: dict[str, int] = {}
     digests: dict[str, list[str]] = {}
     for node in nodes:
         reply = replies.get(node)
@@ -257,7 +260,7 @@ def _hello(
             )
         facts: Any = reply.content["site"]
         name = str(facts["name"])
-        if name in counts:
+        if name in names.values():
             raise FederatedStartError(f"two sites are named {name!r}. HINT: give each hospital its own name.")
         clip = float(facts.get("clip_norm", float("nan")))
         if clip != server.clip_norm:
@@ -272,18 +275,11 @@ def _hello(
                 f"{server.sample_rate:g}; the ledger would not describe the run. HINT: give every site the "
                 "consortium's sample rate."
             )
-        names[node], counts[name] = name, int(facts["num_patients"])
+        names[node] = name
         if "id_digests" in facts:
             digests[name] = list(facts["id_digests"])
-    total = sum(counts.values())
-    if total != server.num_patients:
-        raise FederatedStartError(
-            f"the sites hold {total} patients ({', '.join(f'{k}: {v}' for k, v in counts.items())}), but the server "
-            f"declares N = {server.num_patients}; the normalizer q·N and the ledger need the true N. HINT: set the "
-            "server's num_patients to the sum."
-        )
     if digests:
-        if len(digests) != len(counts):
+        if len(digests) != len(names):
             raise FederatedStartError(
                 "some sites sent patient-id digests and some did not. HINT: give every site the consortium's id key."
             )
@@ -298,13 +294,21 @@ def _hello(
                 "would be two units and the patient-level ε would not hold. HINT: link the records so that each "
                 "patient belongs to exactly one site, or rename ids that are different patients."
             )
-    return names, counts
+    return names
 
 
 def _field(message: Message, record: str, key: str) -> Any:
     """``message.content[record][key]`` (Flower's records are typed as a union of every value kind)."""
     content: Any = message.content
     return content[record][key]
+
+
+def _optional_field(message: Message, record: str, key: str) -> Any:
+    """``message.content[record][key]``, or None if the message has no such field."""
+    try:
+        return _field(message, record, key)
+    except KeyError:
+        return None
 
 
 def _declared_share(reply: Message) -> float | None:
@@ -349,13 +353,15 @@ def run_rounds(
     """The server's loop: start-up checks, then rounds until ``rounds`` are released (or the budget stops it).
 
     Start-up refuses, with one line naming the site (never a patient id): fewer than ``sites`` sites connected; a site
-    that fails to build (no patients, bad data); two sites with one name; patient counts that do not add up to the
-    server's N; a site's C or q unlike the ledger's; patient ids shared between sites (when the sites send digests).
+    that fails to build (no patients, bad data); two sites with one name; a site's C or q unlike the ledger's; patient
+    ids shared between sites (when the sites send digests). It never asks for the sites' patient counts: N is the
+    consortium's declaration (``server.num_patients``), fixed before the data are counted, and the normalizer q·N and
+    the bound N·C on a reply are the same whatever the sites hold.
 
     Each round is a new request (`FederatedServer.new_request`: the sites' coins are keyed by it) that sends θ_t to
     every site, waits at most ``round_timeout`` s, and releases once (`FederatedServer.round`): a site that errs,
-    times out, sends a malformed sum or (noise at the server) a sum heavier than N_s·C contributes nothing and the
-    round is charged as usual. The loop stops before a round the budget would not allow.
+    times out, sends a malformed sum or (noise at the server) a sum heavier than N·C contributes nothing and the round
+    is charged as usual (a site that clips its patients never sends one: it projects its sum onto that ball). The loop stops before a round the budget would not allow.
 
     With ``checkpoint``, the server's state (θ, ledger, counters; not the noise generator) is written atomically
     when a request goes out and after its replies are in. ``resume=True`` continues from it (an error if it is
@@ -386,8 +392,8 @@ def run_rounds(
             "HINT: resume=True to continue that run, or choose another path for a new one."
         )
     nodes = _wait_for_sites(grid, sites, start_timeout)
-    names, counts = _hello(grid, nodes, server, start_timeout)
-    bounds = {name: count * server.clip_norm for name, count in counts.items()}
+    names = _hello(grid, nodes, server, start_timeout)
+    bounds = {name: server.reply_bound for name in names.values()}  # public: the same N·C for every site
     logs: list[RoundLog] = []
     empty = 0
     while server.steps < rounds and server.allows_next_round():
@@ -442,7 +448,9 @@ def _plain_round(
     theta = server.theta().detach().cpu().numpy()
     content: dict[str, Any] = {
         "theta": ArrayRecord({"theta": Array(theta)}),
-        "round": ConfigRecord({"number": number, "request": request, "noise_at": server.noise_at}),
+        "round": ConfigRecord(
+            {"number": number, "request": request, "noise_at": server.noise_at, "reply_bound": server.reply_bound}
+        ),
     }
     messages = [
         Message(RecordDict(content), dst_node_id=node, message_type=TRAIN, group_id=str(request)) for node in names
@@ -631,5 +639,17 @@ class LocalGrid(Grid):
         return [self._outbox.pop(i) for i in message_ids if i in self._outbox]
 
     def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
-        """Pushes, then pulls: the sites answered synchronously."""
-        return self.pull_messages(self.push_messages(messages))
+        """Pushes, then pulls: the sites answered synchronously, each within ``timeout`` s or not at all.
+
+        As the deployment's grid, a reply that took a site longer than ``timeout`` seconds never arrives (the sites
+        answer one after the other here, and each is timed alone, as if they ran side by side).
+        """
+        ids: list[str] = []
+        for message in messages:
+            started = time.monotonic()
+            pushed = list(self.push_messages([message]))
+            if timeout is not None and time.monotonic() - started > timeout:
+                for late in pushed:
+                    self._outbox.pop(late, None)
+            ids += pushed
+        return self.pull_messages(ids)

@@ -81,8 +81,8 @@ class SecureSum:
 
     Args:
         clipping_range: every coordinate of a site's noised sum is clipped to ±this before quantization. ``None``
-            (default): max_s N_s·C + 12·σ_share, the least that never clips a site's noise in practice; a smaller
-            value is refused.
+            (default): N·C + 12·σ_share (N·C: the public bound every site projects its sum onto), the least that
+            never clips a site's noise in practice; a smaller value is refused.
         quantization_range: the levels of the quantization (Flower's default 2²²).
         timeout: seconds each of the protocol's four stages waits for the sites.
     """
@@ -96,11 +96,11 @@ class SecureSum:
         self.summed = 0  #: how many sites' vectors the last round's sum holds
 
     def least_range(self, server: FederatedServer, bounds: Mapping[int, float]) -> float:
-        """max_s N_s·C + 12·σ_share: no site's clipped sum is clipped, nor its noise but with probability ~1e-33."""
+        """max bound + 12·σ_share: no site's projected sum is clipped, nor its noise but with probability ~1e-33."""
         return max(bounds.values()) + 12.0 * server.share_std(server.steps)
 
     def __call__(self, grid: Grid, server: FederatedServer, bounds: Mapping[int, float], request: int) -> RoundOutcome:
-        """Runs the protocol for ``request`` over the nodes of ``bounds`` (node → N_s·C) and releases what it reveals.
+        """Runs the protocol for ``request`` over the nodes of ``bounds`` (node → N·C) and releases what it reveals.
 
         Nothing is released or charged if the protocol halts (too few sites finished it, or a site dropped before
         masking: Flower's unmask stage then asks the others for key shares they never received).
@@ -117,7 +117,7 @@ class SecureSum:
         if clipping_range < least:
             raise PrivacyConfigError(
                 f"SecureSum: clipping_range={clipping_range:g} would clip a site's noised sum (a site's coordinates "
-                f"reach N_s·C = {max(bounds.values()):g}, plus its noise share): its noise would be removed uncharged. "
+                f"reach N·C = {max(bounds.values()):g}, plus its noise share): its noise would be removed uncharged. "
                 f"HINT: clipping_range >= {least:g}, or None."
             )
         workflow = SecAggPlusWorkflow(
@@ -138,6 +138,7 @@ class SecureSum:
             "noise_at": "sites",
             "planned_share": server.share_std(server.steps),
             "clipping_range": clipping_range,
+            "reply_bound": server.reply_bound,
         }
         strategy = _OneRound(config)
         context = LegacyContext(

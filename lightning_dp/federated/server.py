@@ -123,7 +123,12 @@ class FederatedServer:
 
     Args:
         module: the model (the server's copy; its released tensors are θ).
-        num_patients: N, the total number of training patients over all sites (declared public, as in P3SGD).
+        num_patients: N, the consortium's number of training patients, **declared before the data are counted**
+            (e.g. the sum of the numbers the hospitals committed to in the consortium's protocol). The update is
+            divided by q·N and a reply may weigh at most N·C, whatever the sites actually hold: a normalizer that
+            followed the sites' counts would scale every released θ_t by a number one patient (or one hospital)
+            changes, a channel outside the noised sum. The sites' counts are never asked for; a site compares its
+            own count with its declaration locally (`Site`'s ``declared_patients``).
         sample_rate: q, each patient's probability of joining a round (every site uses it).
         clip_norm: C, the bound on one patient's update (every site clips to it).
         noise: z, the noise multiplier (a number or a `NoiseSchedule`); with ``target_epsilon`` the base that the
@@ -276,8 +281,13 @@ class FederatedServer:
 
     @property
     def normalizer(self) -> float:
-        """q·N, the public expected number of patients per round (never the private count)."""
+        """q·N with N declared: the public expected number of patients per round (never the private count)."""
         return self.sample_rate * self.num_patients
+
+    @property
+    def reply_bound(self) -> float:
+        """N·C, the most one site's reply may weigh (public): every site projects its clipped sum onto this ball."""
+        return self.num_patients * self.clip_norm
 
     def theta(self) -> Tensor:
         """θ_t to send to the sites."""
@@ -336,8 +346,9 @@ class FederatedServer:
         ``noise_std``): a reply without one, or with less than the planned share z_t·C/√m, is refused; the round is
         charged the noise of the shares that arrived.
 
-        ``bounds`` (noise at the server): the most a site's sum can weigh, N_s·C for its N_s patients (declared at
-        start): a heavier reply is refused (a site that does not clip to C would void the patient-level bound).
+        ``bounds`` (noise at the server): the most a site's sum may weigh, public (`run_rounds` gives every site
+        `reply_bound`, N·C, which an honest site's projected sum never exceeds): a heavier reply is refused (a site
+        that does not clip to C would void the patient-level bound). The refusal names the bound, not the reply's norm.
 
         Raises:
             PrivacyBudgetExceededError: the round would take ε above ``max_epsilon`` (nothing is released or charged).
@@ -354,9 +365,8 @@ class FederatedServer:
             problem = reply_problem(reply, theta.numel())
             if problem is None and self.noise_at == "server" and bounds is not None and name in bounds:
                 assert reply is not None
-                norm, most = float(reply.norm()), bounds[name] * (1 + 1e-4)
-                if norm > most:
-                    problem = f"norm {norm:.6g} above N_s·C = {bounds[name]:.6g}: the site does not clip to C"
+                if not float(reply.norm()) <= bounds[name] * (1 + 1e-4):
+                    problem = f"its sum weighs more than the bound {bounds[name]:.6g}: the site does not clip to C"
             if problem is None and self.noise_at == "sites":
                 problem, units = self._share_problem(None if shares is None else shares.get(name))
                 present += 0.0 if problem is not None else units

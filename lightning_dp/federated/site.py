@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import hmac
 import logging
@@ -13,7 +14,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import default_collate
 
-from lightning_dp.errors import PrivacyConfigError, check_sample_rate
+from lightning_dp.errors import PrivacyConfigError, check_count, check_sample_rate
 from lightning_dp.sampling.patients import PoissonPatientSampler, secure_seed
 from lightning_dp.sampling.randomness import unit_seed
 from lightning_dp.sanitization import ModelState
@@ -27,9 +28,13 @@ from lightning_dp.training.patient_rounds import (
     choose_round,
 )
 
-__all__ = ["Site"]
+__all__ = ["SITE_MAX_IMAGES", "Site"]
 
 _log = logging.getLogger(__name__)
+
+#: The most images one patient trains on in a round at a site whose local SGD sets no ``max_images``: a site's work
+#: per round must have a public bound, or one patient with many images could make it miss the server's deadline.
+SITE_MAX_IMAGES = 256
 
 
 class Site:
@@ -38,7 +43,9 @@ class Site:
     Args:
         name: the site's public name (it names the site in the server's messages).
         parts: the round's parts over this site's patients (`RoundParts`: the model, its `ModelState`, its
-            ``training_step``, the site's `PatientData`, the local SGD and C).
+            ``training_step``, the site's `PatientData`, the local SGD and C). A local SGD without ``max_images``
+            gets `SITE_MAX_IMAGES` (256): a patient's work in a round is always bounded by public numbers, so whether
+            the site answers before the server's deadline never depends on how many images one patient has.
         sample_rate: q, the probability that each of the site's patients joins a round (the same at every site).
         seed: the seed of the site's patient sampler and of its patients' random streams; ``None`` (default) draws
             one from the OS CSPRNG. It never leaves the site.
@@ -48,6 +55,10 @@ class Site:
             z·C/√m (`lightning_dp.federated.share_std`, from the consortium's public settings, never from the
             server's messages); drawn from the OS CSPRNG afresh for every reply. 0 (default): the server adds the
             noise.
+        declared_patients: the number of patients this site declared to the consortium (the consortium's N is the
+            sum of such declarations, fixed before the data are counted). Only compared with the site's own count,
+            with a warning in the site's log when they differ: the count never leaves the site and no run is refused
+            for it. None (default): nothing is compared.
 
     Example:
         >>> import torch
@@ -73,11 +84,24 @@ class Site:
         vectorize: Literal["auto", False] = False,
         images_per_pass: int = 256,
         noise_std: float = 0.0,
+        declared_patients: int | None = None,
     ) -> None:
         owner = f"Site({name!r})"
         if not parts.data.groups:
             raise PrivacyConfigError(f"`{owner}`: the site has no patients. HINT: check its manifest.")
+        if declared_patients is not None:
+            check_count(owner, "declared_patients", declared_patients, "this site's share of N.", minimum=1)
+            if declared_patients != len(parts.data.groups):
+                # For the hospital's own operator: the count stays here, and the consortium trains as declared.
+                _log.warning(
+                    "Site %r holds another number of training patients than the %d it declared; the consortium's "
+                    "normalizer uses the declared N (this note is for the hospital's operator only)",
+                    name,
+                    declared_patients,
+                )
         self.name = name
+        if parts.local.max_images is None:
+            parts = dataclasses.replace(parts, local=dataclasses.replace(parts.local, max_images=SITE_MAX_IMAGES))
         self.parts = parts
         self.sample_rate = check_sample_rate(owner, sample_rate)
         self.noise_std = float(noise_std)
@@ -100,6 +124,7 @@ class Site:
         seed: int | None = None,
         vectorize: Literal["auto", False] = False,
         noise_std: float = 0.0,
+        declared_patients: int | None = None,
     ) -> Site:
         """A site from the user's LightningModule and the hospital's patient DataModule, as `P3SGD` reads them.
 
@@ -136,11 +161,21 @@ class Site:
         collate = loader.collate_fn or default_collate
         data = PatientData(dataset, groups, keys, collate)
         parts = RoundParts(module, ModelState(module), module.training_step, data, local or LocalSGD(), clip_norm)
-        return cls(name, parts, sample_rate, seed=seed, vectorize=vectorize, noise_std=noise_std)
+        if declared_patients is None:
+            declared_patients = getattr(datamodule, "declared_num_patients", None)
+        return cls(
+            name,
+            parts,
+            sample_rate,
+            seed=seed,
+            vectorize=vectorize,
+            noise_std=noise_std,
+            declared_patients=declared_patients,
+        )
 
     @property
     def num_patients(self) -> int:
-        """N_s, the site's number of patients (public: the server's q·N sums them)."""
+        """N_s, the site's own number of patients: private (one patient changes it), it never leaves the site."""
         return len(self.parts.data.groups)
 
     def patients_of_round(self, round_number: int) -> list[int]:
@@ -167,13 +202,17 @@ class Site:
             hmac.new(key, f"{salt}/{pid}".encode(), hashlib.sha256).hexdigest() for pid in self.parts.data.keys
         )
 
-    def reply(self, theta: Tensor, round_number: int) -> Tensor:
+    def reply(self, theta: Tensor, round_number: int, bound: float | None = None) -> Tensor:
         """Σ over this round's included patients of clip_C(Δ_i), each Δ_i trained from ``theta`` on its own images.
 
         Args:
             theta: θ_t from the server (the model's released tensors, as `ModelState.vector` lays them out).
             round_number: the request's serial number (with the site's secret it keys the patients' coins and random
                 streams; the server numbers every request anew, so a re-run round samples afresh).
+            bound: the most a reply may weigh (the server's public N·C): the sum is projected onto the ball of this
+                radius before any noise share. A projection onto a ball moves two sums no further apart than they
+                were, so one patient still moves the reply by at most C, and the server never refuses a site whose
+                own count happens to be large (that refusal would follow the data). None: no projection.
 
         Returns:
             The clipped sum (plus the site's noise share, with ``noise_std``): a float32 vector the size of ``theta``.
@@ -204,6 +243,10 @@ class Site:
                 clipped_sum.zero_()
                 self._one_by_one(patients, clipped_sum, secret, start)
         state.load(*start)
+        if bound is not None:
+            norm = float(clipped_sum.double().norm())
+            if not norm <= bound:  # a non-finite sum cannot happen (each term is clipped), but would be zeroed
+                clipped_sum.mul_(bound / norm if math.isfinite(norm) else 0.0)
         if self.noise_std > 0:
             share = standard_normal(clipped_sum.numel(), torch.Generator().manual_seed(secure_seed()))
             clipped_sum.add_(share.view_as(clipped_sum).to(clipped_sum), alpha=self.noise_std)

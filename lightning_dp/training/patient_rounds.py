@@ -141,6 +141,13 @@ def patient_groups(dataset: Any) -> tuple[list[list[int]], list[Any]]:
 class LocalSGD:
     """One patient's local training: SGD over its images from θ_t, ``epochs`` passes of ``batch_size`` images.
 
+    ``max_images`` bounds one patient's work in a round, a public setting fixed before the data are seen: a patient
+    with more images trains on ``max_images`` of them, drawn afresh each round from the patient's own secret stream
+    (so a round's work is at most ``max_steps`` local steps per patient, whatever a patient holds). Its change is
+    clipped to C as any other's: the cap changes what one patient's update is made of, never its sensitivity. Across
+    hospitals it is what lets a deadline be set from public numbers (docs/federated.md, "Deadlines"); None (default):
+    every image, every round.
+
     Validated on creation (the errors name the argument as P3SGD spells it).
     """
 
@@ -149,6 +156,7 @@ class LocalSGD:
     epochs: int = 1
     momentum: float = 0.0
     weight_decay: float = 0.0
+    max_images: int | None = None
 
     def __post_init__(self) -> None:
         owner = "P3SGD"
@@ -161,6 +169,29 @@ class LocalSGD:
         check_in_interval(
             owner, "local_weight_decay", self.weight_decay, 0.0, 1.0, low_closed=True, high_closed=False, hint="1e-4."
         )
+        if self.max_images is not None:
+            check_count(owner, "local_max_images", self.max_images, "e.g. 64 images per patient per round.", minimum=1)
+
+    @property
+    def max_steps(self) -> int | None:
+        """The most local steps one patient takes in a round (public: from the settings alone); None if unbounded."""
+        if self.max_images is None:
+            return None
+        return self.epochs * -(-self.max_images // self.batch_size)
+
+    def size(self, images: int) -> int:
+        """How many of a patient's ``images`` it trains on in a round (``max_images`` at most)."""
+        return images if self.max_images is None else min(images, self.max_images)
+
+    def images(self, indices: Sequence[int], generator: torch.Generator) -> Tensor:
+        """The patient's images of this round: all of them, or ``max_images`` drawn from the patient's generator.
+
+        Nothing is drawn when the patient has at most ``max_images`` (the image orders then are the uncapped ones).
+        """
+        if self.max_images is not None and len(indices) > self.max_images:
+            picked = torch.randperm(len(indices), generator=generator)[: self.max_images].tolist()
+            return torch.as_tensor([indices[i] for i in picked])  # never the whole list: the work stays bounded
+        return torch.as_tensor(list(indices))
 
     def one_step_reason(self) -> str | None:
         """Why a patient's update is more than one plain SGD step (None if it is not, for a patient that fits a batch).
@@ -180,7 +211,7 @@ class LocalSGD:
         """Each unit's image order of each epoch, drawn from its own generator exactly as `train` draws them."""
         orders = []
         for indices, generator in zip(units, generators):
-            ix = torch.as_tensor(list(indices))
+            ix = self.images(indices, generator)
             orders.append([ix[torch.randperm(len(ix), generator=generator)] for _ in range(self.epochs)])
         return orders
 
@@ -194,7 +225,7 @@ class LocalSGD:
     ) -> None:
         """Local SGD over ``images`` (dataset indices) in ``params`` themselves; ``batch`` makes a batch of indices."""
         optimizer = torch.optim.SGD(params, lr=self.lr, momentum=self.momentum, weight_decay=self.weight_decay)
-        indices = torch.as_tensor(list(images))
+        indices = self.images(images, generator)
         number = 0
         for _ in range(self.epochs):
             order = indices[torch.randperm(len(indices), generator=generator)]
@@ -387,7 +418,9 @@ class BatchedRound(_VectorizedRound):
 
     def add_clipped(self, patients: Sequence[int], clipped_sum: Tensor, secret: int, start: Start) -> ClipStats | None:
         parts = self.parts
-        one_step = [p for p in patients if parts.data.size(p) <= parts.local.batch_size]
+        # A patient above max_images trains on a subset drawn from its generator: the loop draws it.
+        one_step_size = parts.local.size(parts.local.batch_size)  # min(batch_size, max_images)
+        one_step = [p for p in patients if parts.data.size(p) <= one_step_size]
         try:
             stats = self.add_one_step(one_step, clipped_sum, parts.streams(secret))
         except _DrewRandomNumbers:
@@ -395,7 +428,7 @@ class BatchedRound(_VectorizedRound):
             parts.state.load(*start)
             clipped_sum.zero_()
             return None
-        several = [p for p in patients if parts.data.size(p) > parts.local.batch_size]
+        several = [p for p in patients if parts.data.size(p) > one_step_size]
         return LoopRound(parts).add_clipped(several, clipped_sum, secret, start, stats)
 
     def add_one_step(self, patients: Sequence[int], clipped_sum: Tensor, streams: UnitStreams) -> ClipStats:
@@ -574,8 +607,8 @@ class StackedRound(_VectorizedRound):
         generators = [streams.generator(data.keys[p]) for p in patients]
         orders = dict(zip(patients, local.orders([data.groups[p] for p in patients], generators)))
         by_size: dict[int, list[int]] = {}
-        for patient in patients:
-            by_size.setdefault(data.size(patient), []).append(patient)
+        for patient in patients:  # the images each trains on this round (max_images at most)
+            by_size.setdefault(len(orders[patient][0]), []).append(patient)
         params = state.params
         for size, members in by_size.items():
             per_chunk = self.chunk_size(min(size, local.batch_size))
