@@ -100,6 +100,7 @@ class DPConfig:
         budget_epsilon: the PrivacyBudget's target ε, or None.
         max_steps: the Trainer's max_steps, or None.
         data: the config's data module spec, or None.
+        declared_units: N as the callback declares it (``num_patients``/``num_samples``), or None.
     """
 
     path: Path
@@ -118,6 +119,7 @@ class DPConfig:
     budget_epsilon: float | None
     max_steps: int | None
     data: Any = field(repr=False)
+    declared_units: int | None = None
 
     @property
     def unit(self) -> str:
@@ -198,6 +200,10 @@ def read_config(path: Path) -> DPConfig:
             "accounting: rigorous (the default).",
         )
     clip = check_finite_positive(mechanism, "clip_norm", args.get("clip_norm"), "e.g. 1.0.")
+    declared_key = "num_patients" if mechanism == "P3SGD" else "num_samples"
+    declared = args.get(declared_key)
+    if declared is not None:
+        check_count(mechanism, declared_key, declared, "the declared number of training units.", minimum=1)
     selection: tuple[float, float] | None = None
     if mechanism == "DPSGD":
         spec = args.get("noise_multiplier")
@@ -264,33 +270,41 @@ def read_config(path: Path) -> DPConfig:
         budget_epsilon=None if budget.get("target_epsilon") is None else float(budget["target_epsilon"]),
         max_steps=int(max_steps) if isinstance(max_steps, int) and max_steps > 0 else None,
         data=config.get("data") if isinstance(config, dict) else None,
+        declared_units=None if declared is None else int(declared),
     )
 
 
 def units_from_data(config: DPConfig) -> int:
-    """N of the config's data module, set up as fit would: training samples (DPSGD) or patients (P3SGD).
+    """N as fit reads it: declared, never counted (`lightning_dp.training.trainer_checks.declared_units`).
 
-    Imports the data module (torch, Lightning) and may generate synthetic data: seconds. Said on stderr.
+    The callback's ``num_patients`` / ``num_samples``, else the data module's ``declared_num_patients`` /
+    ``declared_num_samples`` (built, not set up: no data are generated or read), else a refusal: fit would refuse too.
+    Building the data module imports torch and Lightning: said on stderr.
     """
-    hint = "pass --units N (the training set's patients for P3SGD, samples for DPSGD)."
+    if config.declared_units is not None:
+        return config.declared_units
+    key = "num_patients" if config.mechanism == "P3SGD" else "num_samples"
+    hint = (
+        f"declare N in the config ({config.mechanism}'s init_args: {key}: N), the number fixed before the data are "
+        "counted, or pass --units N to plan."
+    )
     data = config.data
     if not (isinstance(data, dict) and "class_path" in data):
-        _refuse(config.path, "the config names no data module to read N, the training set's size, from.", hint)
+        _refuse(config.path, f"the config declares no N ({config.mechanism}({key}=…)) and names no data module.", hint)
     sys.stderr.write(
-        f"lightning-dp plan: reading N from {data['class_path']} as fit would (this imports torch and Lightning and "
-        "may generate synthetic data; --units N skips it)\n"
+        f"lightning-dp plan: reading the declared N of {data['class_path']} (this imports torch and Lightning; "
+        "--units N skips it)\n"
     )
     module = _instantiate(config.path, "data", data)
-    try:
-        module.prepare_data()
-        module.setup("fit")
-        if config.mechanism == "P3SGD":
-            return len(module.train_dataset.patient_to_indices)
-        return len(module.train_dataloader().dataset)
-    except Exception as err:  # noqa: BLE001 - any failure to build the data is reported with the hint
+    declared = getattr(module, f"declared_num_{config.unit}s", None)
+    if declared is None:
         _refuse(
-            config.path, f"could not set up {data['class_path']} to count its training {config.unit}s ({err}).", hint
+            config.path,
+            f"neither {config.mechanism}({key}=…) nor {data['class_path']} declares N, the number of training "
+            f"{config.unit}s; fit would refuse it too (N is never read off the data).",
+            hint,
         )
+    return int(declared)
 
 
 def _release_plan(

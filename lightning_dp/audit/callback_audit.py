@@ -259,9 +259,12 @@ class _Units(Dataset):
 
 
 class _Data(pl.LightningDataModule):
-    def __init__(self, dataset: _Units) -> None:
+    """A world's training data, with N declared as the auditor fixes it for every world (never the world's count)."""
+
+    def __init__(self, dataset: _Units, declared: int) -> None:
         super().__init__()
         self.train_dataset = dataset
+        self.declared_num_patients = self.declared_num_samples = declared
 
     def train_dataloader(self) -> DataLoader[Any]:
         return DataLoader(self.train_dataset, batch_size=len(self.train_dataset))
@@ -339,9 +342,19 @@ def check_units(owner: str, level: str, population: Sequence[Tensor], canary: Se
 
 
 def fit_world(
-    model: nn.Module, callback: Any, data: _Units, lr: float, steps: int, trainer_kwargs: dict[str, Any]
+    model: nn.Module,
+    callback: Any,
+    data: _Units,
+    lr: float,
+    steps: int,
+    trainer_kwargs: dict[str, Any],
+    declared: int,
 ) -> _Observer:
-    """Trains ``model`` on ``data`` with ``callback`` for ``steps`` steps, quietly; returns what was observed."""
+    """Trains ``model`` on ``data`` with ``callback`` for ``steps`` steps, quietly; returns what was observed.
+
+    ``declared`` is N as the world's datamodule declares it: the auditor gives every world the same N (neighbouring
+    data sets under one public declaration), so a callback that read N off the data would show in the releases.
+    """
     observer = _Observer()
     kwargs: dict[str, Any] = {
         "accelerator": "cpu",
@@ -362,7 +375,7 @@ def fit_world(
         with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
             warnings.filterwarnings("ignore", message=".*(workers|val_dataloader|litlogger|IterableDataset|LeafSpec).*")
             module = _Module(model, lr)
-            pl.Trainer(callbacks=[callback, observer], **kwargs).fit(module, datamodule=_Data(data))
+            pl.Trainer(callbacks=[callback, observer], **kwargs).fit(module, datamodule=_Data(data, declared))
     finally:
         for logger, level in zip(quiet, levels):
             logger.setLevel(level)
@@ -547,6 +560,12 @@ class CallbackAudit:
             )
 
     # ------------------------------------------------------------------ the two worlds
+    @property
+    def declared_units(self) -> int:
+        """N as both worlds declare it: the units of the world with the canary (the same number in both)."""
+        data = self._dataset(True)
+        return int(data.num_patients) if self.level == "patient" else len(data)
+
     def _dataset(self, with_canary: bool) -> _Units:
         x, y = self.population[0], self.population[1]
         w = torch.ones(len(y))
@@ -565,7 +584,7 @@ class CallbackAudit:
         model = self.model()
         callback = self.callback(self.seed + (1 if with_canary else 2))
         data = self._dataset(with_canary)
-        observer = fit_world(model, callback, data, self.lr, self.steps, self.trainer_kwargs)
+        observer = fit_world(model, callback, data, self.lr, self.steps, self.trainer_kwargs, self.declared_units)
         self._changed_state += observer.changed_state(model)
         if len(observer.thetas) != self.steps + 1:
             raise PrivacyConfigError(
@@ -638,8 +657,7 @@ class CallbackAudit:
         """
         assert observer.model is not None
         clip = float(callback.clip_norm)
-        units = data.num_patients if self.level == "patient" else len(data)
-        n = float(callback.sample_rate) * units  # the public normalizer q·N
+        n = float(callback.sample_rate) * self.declared_units  # the public normalizer q·N, N declared (both worlds)
         scale = float(callback.server_lr) if self.level == "patient" else -self.lr
         ys, norms, orthogonal, residuals = [], [], [], []
         for t in range(self.steps):

@@ -10,8 +10,8 @@ Before every round the "out" server is set to the "in" server's θ_t (the neighb
 same released model), so both rounds start from one θ_t and draw the same noise.
 
 The auditor observes every θ_t at the server and every message the server received (the sites' clipped sums S_w).
-Each world's release, brought back to the public normalizer, D_w = (θ_{t+1} − θ_t)·q·N / server_lr (N declared: the same in both worlds), is
-S_w + Z with the *same* Z in both worlds. Three checks, each stated per round:
+Each world's release, brought back to the public normalizer, D_w = (θ_{t+1} − θ_t)·q·N / server_lr (N declared: the
+same in both worlds), is S_w + Z with the *same* Z in both worlds. Three checks, each stated per round:
 
 * **sensitivity**: the canary moves the release by at most C: ``moved`` = ‖D_in − D_out‖ / C ≤ 1 + tolerance (that
   is, the two worlds' θ changes, each at its public normalizer, differ by at most server_lr·C/(q·N)); and by what

@@ -189,9 +189,10 @@ class SensitivityAudit:
         model = self.model()
         callback = self.callback(seed)  # the same seed in every world: the same noise Z and per-unit streams
         data = self._dataset(world)
-        observer = fit_world(model, callback, data, self.lr, 1, self.trainer_kwargs)
-        units = data.num_patients if self.level == "patient" else len(data)
-        n = float(callback.sample_rate) * units  # each world's public normalizer q·N
+        inside = self._dataset("in")  # N is declared once for the four worlds: the units of "in"
+        declared = int(inside.num_patients) if self.level == "patient" else len(inside)
+        observer = fit_world(model, callback, data, self.lr, 1, self.trainer_kwargs, declared)
+        n = float(callback.sample_rate) * declared  # the public normalizer q·N, the same in every world
         scale = float(callback.server_lr) if self.level == "patient" else -self.lr
         clip = float(callback.clip_norm)
         round_off = 2.0**-24 * float(observer.thetas[1].norm()) * n / abs(scale) / clip

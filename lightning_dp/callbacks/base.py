@@ -55,6 +55,7 @@ from lightning_dp.training.threads import ThreadGovernor
 from lightning_dp.training.trainer_checks import (
     check_loader_in_use,
     check_public_energy,
+    declared_units,
     refuse_batch_norm_reset,
     refuse_budget_conflicts,
     refuse_unsupported_trainer,
@@ -94,7 +95,8 @@ class FitState:
     patched: list[tuple[Any, str]] = field(default_factory=list)
     #: The module's own training_step (its class's): setup routes the module's through the private step.
     original_training_step: Callable[..., Any] | None = None
-    #: The number of privacy units N of the training data, and the run's planned length (for the report).
+    #: N, the declared number of privacy units (`declared_units`: never the data's count), and the run's planned
+    #: length (for the report).
     units: int | None = None
     planned_run: int | None = None
     #: The Trainer's log_every_n_steps while this callback has it at 1 (`training.logged_metrics.log_every_step`).
@@ -215,8 +217,20 @@ class DPCallback(pl.Callback):
 
     # ------------------------------------------------------------------ what subclasses provide
     def _prepare(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> int:
-        """Finds and checks the training data; returns the number of privacy units (for the default δ)."""
+        """Finds and checks the training data; returns the number of privacy units it holds (compared with N only)."""
         raise NotImplementedError
+
+    def _declared_argument(self) -> int | None:
+        """N as the callback's own argument declares it (``num_patients``, ``num_samples``); None: the datamodule's."""
+        raise NotImplementedError
+
+    @property
+    def num_units(self) -> int:
+        """N of the current fit: the declared number of training units (`declared_units`), never the data's count."""
+        units = self._fit.units
+        if units is None:
+            raise PrivacyStateError(f"`{self.state_key}`: N is known once fit has set the callback up.")
+        return units
 
     def _build(self, trainer: pl.Trainer, pl_module: pl.LightningModule, seeds: list[int]) -> DataLoader[Any]:
         """Creates the sampler, the release and whatever else the step needs; returns the training loader."""
@@ -365,7 +379,10 @@ class DPCallback(pl.Callback):
             self._trained_ledgers = (self.ledger, self.accepted_ledger)
         refuse_unsupported_trainer(trainer, pl_module, self.mechanism, self.unit)
         check_public_energy(trainer, self.mechanism, self.acceptance)
-        units = self._prepare(trainer, pl_module)
+        found = self._prepare(trainer, pl_module)
+        # N is what the consortium or protocol declared, never the data's own count (which one unit changes).
+        units, _ = declared_units(trainer, self.mechanism, self.unit, self._declared_argument(), found)
+        fit.units = units
         for budget in (cb for cb in trainer.callbacks if isinstance(cb, PrivacyBudget)):  # type: ignore[attr-defined]
             if self._budget is None:
                 self.attach_budget(budget)
@@ -386,7 +403,6 @@ class DPCallback(pl.Callback):
             )
         self.accepted_ledger = PrivacyLedger(self.unit, delta) if self.acceptance.can_reject else None
         fit.loader = loader = self._build(trainer, pl_module, seeds)
-        fit.units = units
         fit.planned_run = self._planned_length(trainer)
         warn_calibrated_debug_run(trainer, self.mechanism, self.target_epsilon, fit.planned_run)
         assert self.release is not None

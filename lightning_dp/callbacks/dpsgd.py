@@ -120,6 +120,11 @@ class DPSGD(DPCallback):
         batch_size: the expected (logical) batch size; q = batch_size / N for N training samples.
             Give this or ``sample_rate``.
         sample_rate: q directly.
+        num_samples: N, the number of training samples, **declared public before the data are counted**: q =
+            batch_size / N, the update is divided by q·N, the default δ and the report use it. None (default): the
+            datamodule's ``declared_num_samples`` (the library's synthetic classification datamodule fixes it from
+            its configuration), else an error: N is never read off the data, whose count one sample changes. A
+            training set that holds another number of samples trains as it is, with a warning to the data holder.
         max_physical_batch_size: the largest chunk of a logical batch run through the model at once, in
             samples (memory only: results equal one big batch). With augmentation multiplicity K a chunk
             holds up to K × this many rows.
@@ -189,6 +194,7 @@ class DPSGD(DPCallback):
         acceptance: StepAcceptance | None = None,
         augmentation_multiplicity: int = 1,
         adapt_threads: bool = True,
+        num_samples: int | None = None,
     ) -> None:
         owner = "DPSGD"
         self.clip_norm = check_finite_positive(owner, "clip_norm", clip_norm, "e.g. 1.0.")
@@ -230,6 +236,11 @@ class DPSGD(DPCallback):
             None if steps_per_epoch is None else check_count(owner, "steps_per_epoch", steps_per_epoch, "", minimum=1)
         )
         self.convert_batchnorm = convert_batchnorm
+        self.num_samples = (
+            None
+            if num_samples is None
+            else check_count(owner, "num_samples", num_samples, "the declared number of samples.", minimum=1)
+        )
         super().__init__(
             delta, seed, log_private_diagnostics, name, flush_denormal, accountant, acceptance, adapt_threads
         )
@@ -256,7 +267,7 @@ class DPSGD(DPCallback):
 
     # ------------------------------------------------------------------ setup
     def _prepare(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> int:
-        loader, dataset = map_style_training_data(trainer, pl_module, self.batch_size)
+        loader, dataset = map_style_training_data(trainer, pl_module)
         num_samples = len(dataset)
         fit = self._fit
         fit.dataset, fit.source_loader = dataset, loader
@@ -299,6 +310,9 @@ class DPSGD(DPCallback):
             )
         return num_samples
 
+    def _declared_argument(self) -> int | None:
+        return self.num_samples
+
     def _rate(self, num_samples: int) -> float:
         return self.sample_rate if self.sample_rate is not None else self.batch_size / num_samples  # type: ignore[operator]
 
@@ -321,8 +335,12 @@ class DPSGD(DPCallback):
     def _build(self, trainer: pl.Trainer, pl_module: pl.LightningModule, seeds: list[int]) -> DataLoader[Any]:
         fit = self._fit
         assert self.ledger is not None and fit.source_loader is not None
-        num_samples = len(fit.dataset)
-        rate = check_sample_rate("DPSGD", self._rate(num_samples))
+        if self.batch_size is not None and self.batch_size > self.num_units:
+            raise PrivacyConfigError(
+                f"`DPSGD(batch_size={self.batch_size})`: the expected batch size must be at most the declared N = "
+                f"{self.num_units} training samples. HINT: use a smaller batch_size."
+            )
+        rate = check_sample_rate("DPSGD", self._rate(self.num_units))  # q = B/N with N declared, never counted
         fit.rate = rate
         steps_per_epoch = self.steps_per_epoch or max(1, round(1 / rate))
         if self.target_epsilon is not None:
@@ -331,8 +349,8 @@ class DPSGD(DPCallback):
         elif trainer.max_steps is not None and trainer.max_steps > 0:
             assert self._schedule is not None
             self._schedule.multipliers(trainer.max_steps)  # a bad multiplier anywhere in the run: an error now
-        self.sampler = PoissonSampleSampler(
-            num_samples, rate, seed=seeds[0], rank=trainer.global_rank, world_size=trainer.world_size
+        self.sampler = PoissonSampleSampler(  # a coin for every sample the data hold (N declared is q's divisor)
+            len(fit.dataset), rate, seed=seeds[0], rank=trainer.global_rank, world_size=trainer.world_size
         )
         self.release = self._new_release(self.ledger, seeds[1])
         self.clipper = PerSampleClipper(pl_module, self.clip_norm, self.loss_reduction)
@@ -444,7 +462,7 @@ class DPSGD(DPCallback):
             not group.get("momentum") and not group.get("weight_decay") for group in optimizer.param_groups
         )
         step = float(optimizer.param_groups[0]["lr"]) if plain and optimizer is not None else None
-        return self.sampler.expected_batch_size, list(self.clipper.params), step
+        return self._normalizer(), list(self.clipper.params), step
 
     def _loss(self, out: Any) -> torch.Tensor:
         return loss_tensor(out, self.loss_reduction)
@@ -537,8 +555,9 @@ class DPSGD(DPCallback):
         )
 
     def _normalizer(self) -> float:
-        assert self.sampler is not None
-        return self.sampler.expected_batch_size
+        """q·N with N declared (`DPCallback.num_units`: batch_size itself when q = batch_size/N), never counted."""
+        assert self._fit.rate is not None
+        return self._fit.rate * self.num_units
 
     def _release_inputs(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: LogicalBatch, step: _Step
@@ -553,7 +572,7 @@ class DPSGD(DPCallback):
         assert self.sampler is not None
         return {
             "privacy/steps": float(self.steps),
-            "privacy/expected_batch_size": self.sampler.expected_batch_size,
+            "privacy/expected_batch_size": self._normalizer(),
             "privacy/accepted": float(result.accepted),
         }
 
@@ -625,8 +644,8 @@ class DPSGD(DPCallback):
             "noise_schedule": self.release.schedule.describe() if self.release is not None else None,
             "clip_norm": self.clip_norm,
             "sample_rate": self.sampler.sample_rate,
-            "expected_batch_size": self.sampler.expected_batch_size,
-            "num_samples": self.sampler.num_samples,
+            "expected_batch_size": self._normalizer(),
+            "num_samples": self.num_units,
         }
         if self.target_epsilon is not None:
             extra["calibrated_for"] = {"target_epsilon": self.target_epsilon, "planned_steps": self.planned_steps}

@@ -28,7 +28,7 @@ from typing_extensions import override
 from lightning_dp.acceptance import StepAcceptance
 from lightning_dp.accounting import PrivacyLedger
 from lightning_dp.callbacks.base import DPCallback, FitState
-from lightning_dp.errors import PrivacyWarning
+from lightning_dp.errors import PrivacyWarning, check_count
 from lightning_dp.sampling.patients import PoissonPatientSampler
 from lightning_dp.sampling.randomness import UnitStreams, unit_seed
 from lightning_dp.sanitization import ModelState, Release
@@ -87,6 +87,11 @@ class P3SGD(DPCallback):
 
     Args:
         sample_rate: q, the probability that a patient joins a round.
+        num_patients: N, the number of training patients, **declared public before the data are counted** (e.g. the
+            cohort size the study protocol fixes): the update is divided by q·N, the default δ and the report use it.
+            None (default): the datamodule's ``declared_num_patients`` (the library's synthetic datamodules fix it
+            from their configuration), else an error: N is never read off the data, whose count one patient changes.
+            A training set that holds another number of patients trains as it is, with a warning to the data holder.
         clip_norm: C_u, the L2 bound on one patient's update (parameters and float buffers).
         noise_scales: Ω_z. One value: DP-FedAvg-style training; several: noisy-update selection.
         noise_schedule: multiplies every noise scale at every round (e.g. ``ExponentialDecay``); constant 1
@@ -102,6 +107,9 @@ class P3SGD(DPCallback):
         local_epochs: passes over a patient's images per round.
         local_momentum: momentum of the local SGD (its state never leaves the patient's update).
         local_weight_decay: weight decay of the local SGD (the paper uses 1e-4).
+        local_max_images: the most images one patient trains on in a round, a public bound on its work: a patient
+            with more trains on that many, drawn each round from its own secret stream (its update is still clipped
+            to C). None (default): every image. Across hospitals it bounds a site's time (docs/federated.md).
         server_lr: θ_{t+1} = θ_t + server_lr·Δ̃ (1.0 in the paper).
         rounds_per_epoch: rounds per Lightning epoch; default round(1/q).
         release_buffers: qualified names of further float buffers that local training updates and that
@@ -182,6 +190,8 @@ class P3SGD(DPCallback):
         vectorize: Literal["auto", False] = False,
         vectorize_batch_size: int = 256,
         adapt_threads: bool = True,
+        num_patients: int | None = None,
+        local_max_images: int | None = None,
     ) -> None:
         #: The validated arguments that decide the rounds and their privacy (`lightning_dp.training.p3sgd_settings`).
         self.settings = settings = P3SGDSettings(
@@ -204,6 +214,16 @@ class P3SGD(DPCallback):
         self.vectorize_batch_size = s.vectorize_batch_size
         super().__init__(
             delta, seed, log_private_diagnostics, name, flush_denormal, accountant, acceptance, adapt_threads
+        )
+        self.num_patients = (
+            None
+            if num_patients is None
+            else check_count("P3SGD", "num_patients", num_patients, "the declared number of patients.", minimum=1)
+        )
+        self.local_max_images = (
+            None
+            if local_max_images is None
+            else check_count("P3SGD", "local_max_images", local_max_images, "e.g. 64.", minimum=1)
         )
         self.sampler: PoissonPatientSampler | None = None
         self.selection_counts = [0] * len(self.noise_scales)
@@ -275,6 +295,9 @@ class P3SGD(DPCallback):
         )
         return len(groups)
 
+    def _declared_argument(self) -> int | None:
+        return self.num_patients
+
     def _default_delta(self, units: int) -> float:
         return 1.0 / units**1.1 if self.accounting == "paper" else super()._default_delta(units)
 
@@ -321,7 +344,12 @@ class P3SGD(DPCallback):
         fit = self._fit
         assert fit.state is not None and fit.data is not None and fit.original_training_step is not None
         local = patient_rounds.LocalSGD(
-            self.local_lr, self.local_batch_size, self.local_epochs, self.local_momentum, self.local_weight_decay
+            self.local_lr,
+            self.local_batch_size,
+            self.local_epochs,
+            self.local_momentum,
+            self.local_weight_decay,
+            self.local_max_images,
         )
         fit.parts = patient_rounds.RoundParts(
             pl_module, fit.state, fit.original_training_step, fit.data, local, self.clip_norm
@@ -334,7 +362,7 @@ class P3SGD(DPCallback):
     def _preflight_inputs(self, pl_module: pl.LightningModule) -> tuple[float, list[Tensor], float | None]:
         state = self._fit.state
         assert self.sampler is not None and state is not None
-        return self.sampler.expected_count, state.params + state.float_buffers, self.server_lr
+        return self._normalizer(), state.params + state.float_buffers, self.server_lr
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -442,8 +470,8 @@ class P3SGD(DPCallback):
         return ModelStateTarget(self._fit.state, step.theta, step.other, self.server_lr)
 
     def _normalizer(self) -> float:
-        assert self.sampler is not None
-        return self.sampler.expected_count
+        """q·N with N declared (`DPCallback.num_units`), never the data's count."""
+        return self.sample_rate * self.num_units
 
     def _release_inputs(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, step: _Round

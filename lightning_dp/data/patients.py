@@ -44,6 +44,7 @@ __all__ = [
     "check_loader_arguments",
     "check_split_arguments",
     "require_rows",
+    "split_counts",
     "split_patients",
 ]
 
@@ -137,6 +138,25 @@ class PatientGroups:
         return [i for i, patient in enumerate(self._patients) if patient in wanted]
 
 
+def _held_out(total: int, fraction: float) -> int:
+    """Patients of a held-out split of ``fraction`` of ``total`` (at least one when the fraction is > 0)."""
+    return max(1, round(fraction * total)) if fraction > 0 else 0
+
+
+def split_counts(total: int, val_fraction: float, test_fraction: float) -> dict[str, int]:
+    """The number of patients `split_patients` puts in each split: a function of the counts alone, not of the data.
+
+    A datamodule whose ``total`` is fixed by its configuration (the synthetic ones) declares its training split's
+    size from this before any data are read (``declared_num_patients``).
+
+    Example:
+        >>> split_counts(200, 0.1, 0.2)
+        {'train': 140, 'val': 20, 'test': 40}
+    """
+    n_test, n_val = _held_out(total, test_fraction), _held_out(total, val_fraction)
+    return {"train": total - n_test - n_val, "val": n_val, "test": n_test}
+
+
 def split_patients(
     patient_ids: list[str],
     majority_labels: list[int],
@@ -179,8 +199,7 @@ def split_patients(
         keys.extend(((rank + offset) / len(group), group[i]) for rank, i in enumerate(order))
     ordered = [patient for _, patient in sorted(keys)]
     total = len(ordered)
-    n_test = max(1, round(test_fraction * total)) if test_fraction > 0 else 0
-    n_val = max(1, round(val_fraction * total)) if val_fraction > 0 else 0
+    n_test, n_val = _held_out(total, test_fraction), _held_out(total, val_fraction)
     if n_test + n_val >= total:
         raise PrivacyConfigError(
             f"`PatientDataModule(val_fraction={val_fraction!r}, test_fraction={test_fraction!r})`: the splits must "

@@ -361,7 +361,8 @@ def run_rounds(
     Each round is a new request (`FederatedServer.new_request`: the sites' coins are keyed by it) that sends θ_t to
     every site, waits at most ``round_timeout`` s, and releases once (`FederatedServer.round`): a site that errs,
     times out, sends a malformed sum or (noise at the server) a sum heavier than N·C contributes nothing and the round
-    is charged as usual (a site that clips its patients never sends one: it projects its sum onto that ball). The loop stops before a round the budget would not allow.
+    is charged as usual (a site that clips its patients never sends one: it projects its sum onto that ball). The
+    loop stops before a round the budget would not allow.
 
     With ``checkpoint``, the server's state (θ, ledger, counters; not the noise generator) is written atomically
     when a request goes out and after its replies are in. ``resume=True`` continues from it (an error if it is

@@ -462,12 +462,14 @@ class FederatedServer:
         """ε of the run so far at the ledger's δ (RDP accountant), patient level."""
         return RDPAccountant().epsilon(self.ledger)
 
-    def hospital_ledger(self) -> PrivacyLedger:
+    def hospital_ledger(self, replace_one: bool = False) -> PrivacyLedger:
         """The same rounds seen with a whole site as the unit: each a Gaussian of multiplier z·C/C_site, unsampled.
 
         Derived from the patient ledger's events (the noise each round actually had), not charged separately: there is
-        one charge point. The site sum is clipped to C_site, so one site moves the noised sum by at most C_site; every
-        site is asked every round, so there is no amplification.
+        one charge point. The site sum is clipped to C_site, so removing all of one site's patients moves the noised
+        sum by at most C_site (the normalizer q·N is declared, the same whichever data the site holds); every site is
+        asked every round, so there is no amplification. ``replace_one``: one site's data replaced by any other, which
+        moves the sum by up to 2·C_site (multiplier z·C/(2·C_site)).
         """
         if self.site_clip is None:
             raise PrivacyConfigError(
@@ -476,14 +478,14 @@ class FederatedServer:
             )
         ledger = PrivacyLedger("site", self.ledger.delta)
         for event, count in self.ledger.entries:
-            ledger.record(self._as_site_event(event), count)
+            ledger.record(self._as_site_event(event, 2.0 if replace_one else 1.0), count)
         return ledger
 
-    def _as_site_event(self, event: PrivacyEvent) -> PrivacyEvent:
+    def _as_site_event(self, event: PrivacyEvent, sensitivities: float = 1.0) -> PrivacyEvent:
         assert self.site_clip is not None
         if not isinstance(event, PoissonSampledEvent) or not isinstance(event.event, GaussianEvent):
             raise PrivacyConfigError(f"`FederatedServer`: no hospital-level reading of {event!r}.")
-        return GaussianEvent(event.event.noise_multiplier * self.clip_norm / self.site_clip)
+        return GaussianEvent(event.event.noise_multiplier * self.clip_norm / (sensitivities * self.site_clip))
 
     def epsilon_without_secure_aggregation(self) -> float:
         """ε against a server that sees each site's sum (noise at the sites, no secure aggregation).
@@ -500,9 +502,12 @@ class FederatedServer:
             ledger.record(PoissonSampledEvent(self.sample_rate, GaussianEvent(share / self.clip_norm)))
         return RDPAccountant().epsilon(ledger) if ledger.steps else 0.0
 
-    def hospital_epsilon(self) -> float:
-        """ε with a whole site as the unit (needs ``site_clip``); neither this nor the patient ε implies the other."""
-        return RDPAccountant().epsilon(self.hospital_ledger())
+    def hospital_epsilon(self, replace_one: bool = False) -> float:
+        """ε with a whole site as the unit (needs ``site_clip``); neither this nor the patient ε implies the other.
+
+        ``replace_one``: one hospital's data replaced rather than removed (sensitivity 2·C_site).
+        """
+        return RDPAccountant().epsilon(self.hospital_ledger(replace_one))
 
     def _last_multiplier(self) -> float:
         """The multiplier the last round was charged (the planned one before any round)."""
@@ -538,7 +543,12 @@ class FederatedServer:
                 "unit": "site",
                 "site_clip": self.site_clip,
                 "epsilon": self.hospital_epsilon() if self.steps else 0.0,
-                "what": "a whole hospital as the unit, every site every round (no amplification)",
+                "epsilon_replace_one": self.hospital_epsilon(replace_one=True) if self.steps else 0.0,
+                "what": "a whole hospital as the unit, every site every round (no amplification). 'epsilon': all of "
+                "one hospital's patients added or removed (its reply moves the sum by at most site_clip; the "
+                "normalizer q·N is the consortium's declared N, the same in both worlds, and the hospital's "
+                "membership is public); 'epsilon_replace_one': one hospital's data replaced by any other "
+                "(sensitivity 2·site_clip)",
             }
         return out
 

@@ -34,7 +34,7 @@ from torch.utils.data import (
 
 from lightning_dp.acceptance import StepAcceptance
 from lightning_dp.accounting import PrivacyUnit
-from lightning_dp.errors import PrivacyConfigError, PrivacyWarning
+from lightning_dp.errors import PrivacyConfigError, PrivacyWarning, check_count
 from lightning_dp.training.privacy import MAX_SAFE_DELTA_TIMES_N, default_delta
 from lightning_dp.training.weight_averaging import is_lightning_weight_averaging
 
@@ -44,6 +44,7 @@ if TYPE_CHECKING:  # the budget callback is only read here (its delta, its targe
 __all__ = [
     "check_loader_in_use",
     "check_public_energy",
+    "declared_units",
     "map_style_training_data",
     "patient_training_data",
     "refuse_averaging_before_conversion",
@@ -141,6 +142,49 @@ def refuse_budget_conflicts(
         )
 
 
+def declared_units(
+    trainer: pl.Trainer, mechanism: str, unit: PrivacyUnit, argument: int | None, found: int
+) -> tuple[int, str]:
+    """N, the number of training units declared public before the data are counted, and where it was declared.
+
+    The callback's own argument (``P3SGD(num_patients=…)``, ``DPSGD(num_samples=…)``), else the datamodule's
+    ``declared_num_patients`` / ``declared_num_samples`` (a number its configuration fixes before any data are read:
+    the synthetic datamodules' split sizes). N sets the normalizer q·N, DPSGD's q = batch_size/N, the default δ and
+    the report's N: none of them may follow the data's own count, which one unit changes (ALGORITHMS.md §9). A
+    training set whose count differs from N is trained as it is, with a warning to the data holder (the process that
+    holds the data; the count itself is not printed).
+
+    Raises:
+        PrivacyConfigError: nothing declares N.
+    """
+    attribute = f"declared_num_{unit}s"
+    argument_name = "num_patients" if unit == "patient" else "num_samples"
+    source = f"{mechanism}({argument_name}=…)"
+    declared = argument
+    if declared is None:
+        datamodule = getattr(trainer, "datamodule", None)
+        declared = getattr(datamodule, attribute, None)
+        source = f"{type(datamodule).__name__}.{attribute}"
+    if declared is None:
+        raise PrivacyConfigError(
+            f"`{mechanism}({argument_name}=None)`: N, the number of training {unit}s, must be declared public before "
+            f"the data are counted, found no declaration (the datamodule has no `{attribute}`). It sets the "
+            f"normalizer q·N{', q = batch_size/N' if unit == 'sample' else ''} and the default δ, which would "
+            f"otherwise follow the private count. HINT: {mechanism}({argument_name}=N) with N the number your "
+            "protocol declares (e.g. the cohort size you publish); the library's synthetic datamodules declare it."
+        )
+    declared = check_count(mechanism, argument_name, declared, f"the number of training {unit}s.", minimum=1)
+    if declared != found:
+        rank_zero_warn(
+            f"{mechanism}: the training set does not hold the declared N = {declared} {unit}s ({source}). Training "
+            f"runs as declared: the normalizer q·N, the default δ and ε use N = {declared}, so ε is unchanged; the "
+            "update's scale is off by the ratio of the two counts. This note is for the data holder only: do not "
+            f"publish it. HINT: declare the count your protocol fixes for this cohort.",
+            category=PrivacyWarning,
+        )
+    return declared, source
+
+
 def resolve_delta(
     mechanism: str,
     unit: PrivacyUnit,
@@ -189,15 +233,13 @@ def check_loader_in_use(trainer: pl.Trainer, loader: DataLoader[Any], mechanism:
 # ---------------------------------------------------------------------- DPSGD's training data
 
 
-def map_style_training_data(
-    trainer: pl.Trainer, pl_module: pl.LightningModule, batch_size: int | None
-) -> tuple[DataLoader[Any], Any]:
+def map_style_training_data(trainer: pl.Trainer, pl_module: pl.LightningModule) -> tuple[DataLoader[Any], Any]:
     """DPSGD's training loader and its map-style dataset, from the datamodule or the module.
 
     Raises:
         PrivacyConfigError: no training loader, not a DataLoader over a map-style dataset, a loader that
-            chooses its samples (a subset's sampler, a weighted sampler), an empty dataset, or an expected
-            ``batch_size`` above the dataset's size.
+            chooses its samples (a subset's sampler, a weighted sampler), or an empty dataset. (An expected batch
+            size above N is refused against the declared N, never the data's count: `declared_units`.)
     """
     datamodule = getattr(trainer, "datamodule", None)
     owner = datamodule if datamodule is not None else pl_module
@@ -230,11 +272,6 @@ def map_style_training_data(
     num_samples = len(dataset)
     if num_samples == 0:
         raise PrivacyConfigError("`DPSGD`: the training dataset is empty. HINT: check the datamodule.")
-    if batch_size is not None and batch_size > num_samples:
-        raise PrivacyConfigError(
-            f"`DPSGD(batch_size={batch_size})`: the expected batch size must be at most the {num_samples} "
-            "training samples. HINT: use a smaller batch_size."
-        )
     return loader, dataset
 
 

@@ -35,6 +35,9 @@ class TinyPatientDataModule(pl.LightningDataModule):
         super().__init__()
         self.train_dataset = TinyPatientDataset(num_patients, per_patient, seed)
         self.val_dataset = TinyPatientDataset(6, per_patient, seed + 1)
+        #: N declared public (the callbacks divide by q·N with it): the configured counts, not read off the data.
+        self.declared_num_patients = num_patients
+        self.declared_num_samples = num_patients * per_patient
 
     def train_dataloader(self) -> DataLoader:  # type: ignore[type-arg]
         return DataLoader(self.train_dataset, batch_size=8, shuffle=True)

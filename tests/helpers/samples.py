@@ -54,6 +54,8 @@ class SampleDataModule(pl.LightningDataModule):
     def __init__(self, **kwargs: Any) -> None:
         super().__init__()
         self.train_dataset = IndexedSamples(**kwargs)
+        #: N declared public (DPSGD divides by q·N with it): the configured count, not read off the samples.
+        self.declared_num_samples = int(kwargs.get("num_samples", 120))
 
     def train_dataloader(self) -> DataLoader[Any]:
         return DataLoader(self.train_dataset, batch_size=8, shuffle=True)

@@ -36,7 +36,11 @@ def make_site(context: Context) -> Site:
         build_datamodule(context),
         sample_rate=float(config["sample-rate"]),  # type: ignore[arg-type]
         clip_norm=float(config["clip-norm"]),  # type: ignore[arg-type]
-        local=LocalSGD(lr=float(config["local-lr"]), batch_size=int(config["local-batch-size"])),  # type: ignore[arg-type]
+        local=LocalSGD(
+            lr=float(config["local-lr"]),  # type: ignore[arg-type]
+            batch_size=int(config["local-batch-size"]),  # type: ignore[arg-type]
+            max_images=int(config.get("local-max-images", 64)),  # type: ignore[arg-type]
+        ),
         noise_std=noise_share(config),
     )
 

@@ -29,7 +29,7 @@ import numpy as np
 from numpy.typing import NDArray
 from PIL import Image
 
-from lightning_dp.data.patients import PatientSplitsDataModule
+from lightning_dp.data.patients import PatientSplitsDataModule, split_counts
 from lightning_dp.errors import PrivacyConfigError, check_in_interval
 
 __all__ = [
@@ -349,6 +349,32 @@ class GeneratedDataModule(PatientSplitsDataModule):
         caller = inspect.currentframe()
         self.save_hyperparameters(frame=caller.f_back if caller is not None else None)
         self._drop_base_arguments(own, base)
+
+    #: The images every generated patient has (None where it varies): with the training patients, N of DPSGD.
+    _images_per_patient: int | None = None
+
+    @property
+    def declared_num_patients(self) -> int | None:
+        """N of the training split in patients, fixed by the configuration before any data are generated or read.
+
+        The generator writes ``num_patients`` patients and the split takes counts that depend on the counts alone
+        (`split_counts`, less the public split of a segmentation datamodule): so this is public, the same number
+        whatever the images hold. `P3SGD` divides by q·N with it. None for a PATE teacher's partition.
+        """
+        if getattr(self, "num_teachers", None) is not None:
+            return None
+        counts = split_counts(int(self.generator_kwargs["num_patients"]), self.val_fraction, self.test_fraction)
+        train = counts["train"]
+        public = float(getattr(self, "public_fraction", 0.0))
+        if public > 0:
+            train -= max(1, round(public * int(self.generator_kwargs["num_patients"])))
+        return train
+
+    @property
+    def declared_num_samples(self) -> int | None:
+        """N of the training split in images, where every generated patient has the same number (else None)."""
+        patients = self.declared_num_patients
+        return None if patients is None or self._images_per_patient is None else patients * self._images_per_patient
 
     def _generate(self) -> Path:
         """Writes the data set under ``root`` (kept if it is there already) and returns its manifest."""

@@ -115,7 +115,9 @@ def test_dpsgd_one_sample_moves_the_sum_by_at_most_c(
 ) -> None:
     def run(root: Path, with_unit: bool) -> None:
         data = _Samples(num_samples=17) if with_unit else _Samples(num_samples=17).drop_last()
-        callback = DPSGD(clip_norm=CLIP, noise_multiplier=1.0, sample_rate=1.0, max_physical_batch_size=6, seed=3)
+        callback = DPSGD(  # N declared once for both worlds: D and D plus one sample
+            clip_norm=CLIP, noise_multiplier=1.0, sample_rate=1.0, max_physical_batch_size=6, seed=3, num_samples=17
+        )
         _fit(root, True, callback, _Data(data, workers))
 
     moved, total = _moved_by_one_unit(tmp_path, monkeypatch, run)
@@ -139,7 +141,7 @@ def test_p3sgd_one_patient_moves_the_sum_by_at_most_c(
     def run(root: Path, with_unit: bool) -> None:
         data = _PatientImages(num_patients=9, per_patient=3)
         data = data if with_unit else data.drop_last()
-        callback = P3SGD(sample_rate=1.0, clip_norm=CLIP, local_lr=0.5, seed=3, **settings)
+        callback = P3SGD(sample_rate=1.0, clip_norm=CLIP, local_lr=0.5, seed=3, num_patients=9, **settings)
         callbacks.append(callback)
         _fit(root, dropout, callback, _Data(data))
 
@@ -155,7 +157,14 @@ def test_p3sgd_paths_agree_on_augmented_patients(tmp_path: Path, monkeypatch: py
     paths = []
     for mode in ("auto", False):
         callback = P3SGD(
-            sample_rate=1.0, clip_norm=1.0, local_lr=0.5, seed=3, local_epochs=2, local_batch_size=2, vectorize=mode
+            sample_rate=1.0,
+            clip_norm=1.0,
+            local_lr=0.5,
+            seed=3,
+            local_epochs=2,
+            local_batch_size=2,
+            vectorize=mode,
+            num_patients=6,
         )
         _fit(tmp_path / str(mode), False, callback, _Data(_PatientImages(num_patients=6, per_patient=3)))
         paths.append(callback.round_path)

@@ -212,6 +212,7 @@ class _SegData(pl.LightningDataModule):
     def __init__(self, channels: int, size: tuple[int, ...]) -> None:
         super().__init__()
         self.train_dataset = _SegPatients(channels, size)
+        self.declared_num_patients, self.declared_num_samples = 6, 18  # _SegPatients' defaults: N declared public
 
     def train_dataloader(self) -> DataLoader[Any]:
         return DataLoader(self.train_dataset, batch_size=4, shuffle=True)

@@ -160,6 +160,10 @@ def test_the_hospital_level_epsilon_equals_dp_accountings_gaussian_composition()
     assert server.hospital_epsilon() == pytest.approx(reference, rel=0.02)
     report = server.report()
     assert report["hospital_level"]["epsilon"] == server.hospital_epsilon() and report["epsilon"] < reference
+    replace = dp_accounting.rdp.RdpAccountant()  # one hospital's data replaced: the sum moves by up to 2·C_site
+    replace.compose(dp_accounting.GaussianDpEvent(1.1 * CLIP / (2 * 4 * CLIP)), 5)
+    expected = replace.get_epsilon(server.ledger.delta)
+    assert report["hospital_level"]["epsilon_replace_one"] == pytest.approx(expected, rel=0.02)
 
 
 def test_a_site_clip_bounds_what_one_hospital_moves_the_sum_by() -> None:

@@ -17,8 +17,8 @@ from flwr.app import Context, Message
 
 from lightning_dp.federated import FederatedServer, Site
 from lightning_dp.federated.flower import LocalGrid, RoundLog, run_rounds, site_app
-from lightning_dp.training.patient_rounds import LocalSGD, PatientData, RoundParts
 from lightning_dp.sanitization import ModelState
+from lightning_dp.training.patient_rounds import LocalSGD, PatientData, RoundParts
 from tests.unit.federated.test_federated_round import CLIP, _Images, _Net, _patients
 
 WHALE_IMAGES = 1_000_000  # a whole slide's patches: uncapped, 62,500 local steps (> 10 s); capped, one

@@ -75,6 +75,7 @@ class SyntheticPathologyDataModule(GeneratedDataModule, PatientDataModule):
             augment=augment,
             image_size=None,
         )
+        self._images_per_patient = patches_per_patient
         style = site_style(site)  # an unknown site is refused first, as before any other check
         check_synthetic_parameters(num_patients, patches_per_patient, image_size, seed, positive_fraction)
         self._keep_generator(

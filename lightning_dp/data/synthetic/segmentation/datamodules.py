@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Union
 
+from lightning_dp.data.segmentation import _starts
 from lightning_dp.data.segmentation_datamodule import SegmentationDataModule
 from lightning_dp.data.synthetic.kit import GeneratedDataModule
 from lightning_dp.data.synthetic.segmentation.silhouettes import (
@@ -94,6 +95,7 @@ class SyntheticSilhouettesDataModule(GeneratedDataModule, SegmentationDataModule
             num_teachers=num_teachers,
             teacher_seed=teacher_seed,
         )
+        self._images_per_patient = images_per_patient
         check_silhouette_parameters(num_patients, images_per_patient, image_size, seed, target, target_fraction)
         camera = silhouette_site(site)  # an unknown site is refused here, before any I/O
         self._keep_generator(
@@ -177,6 +179,8 @@ class SyntheticVolumesDataModule(GeneratedDataModule, SegmentationDataModule):
             patch_size=(patch_size,) * 3 if items == "patches" else None,
         )
         check_volume_parameters(num_patients, volume_size, seed)
+        # Every generated volume is volume_size³: its slices, or the patches that tile it (`_starts`), are public.
+        self._images_per_patient = volume_size if items == "slices" else len(_starts(volume_size, patch_size)) ** 3
         volume_site(site)  # an unknown site is refused here, before any I/O
         self._keep_generator(
             SyntheticVolumesDataModule,

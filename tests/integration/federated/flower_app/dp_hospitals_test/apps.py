@@ -46,10 +46,10 @@ def make_site(context: Context) -> Site:
     if fail is not None:
         reply = site.reply
 
-        def failing(theta: Tensor, round_number: int) -> Tensor:
+        def failing(theta: Tensor, round_number: int, bound: float | None = None) -> Tensor:
             if round_number == int(fail):  # type: ignore[arg-type]
                 raise RuntimeError("the site's disk is full")
-            return reply(theta, round_number)
+            return reply(theta, round_number, bound)
 
         site.reply = failing  # type: ignore[method-assign]
     return site
