@@ -320,11 +320,11 @@ def _noise_seeded_from_data() -> Iterator[None]:
 
 def _site_clip_doubled() -> Any:
     def make(f: Any) -> Any:
-        def mutated(self: Any, theta: Any, round_number: int) -> Any:
+        def mutated(self: Any, theta: Any, round_number: int, bound: Any = None) -> Any:
             clip = self.parts.clip_norm
             self.parts.clip_norm = 2 * clip  # the site's round clips each patient to 2C; the server noises for C
             try:
-                return f(self, theta, round_number)
+                return f(self, theta, round_number, bound)
             finally:
                 self.parts.clip_norm = clip
 

@@ -97,6 +97,7 @@ class IndexedDataModule(pl.LightningDataModule):
     def __init__(self, n: int, jitter: float = 0.0) -> None:
         super().__init__()
         self.train_dataset = IndexedDataset(n, jitter=jitter)
+        self.declared_num_samples = n  # the configured size: N declared
 
     def train_dataloader(self) -> DataLoader[tuple[Tensor, Tensor, Tensor]]:
         return DataLoader(self.train_dataset, batch_size=8, shuffle=True)

@@ -424,7 +424,7 @@ class _StreamDataModule(SampleDataModule):
 @pytest.mark.parametrize(
     ("model", "datamodule", "kwargs", "error", "match"),
     [
-        (SampleClassifier, SampleDataModule, {"batch_size": 121}, PrivacyConfigError, "at most the 120 training"),
+        (SampleClassifier, SampleDataModule, {"batch_size": 121}, PrivacyConfigError, "at most the declared N = 120"),
         (SampleClassifier, SampleDataModule, {"loss_reduction": "sum"}, PrivacyConfigError, "loss is the mean"),
         (lambda: SampleClassifier(reduction="sum"), SampleDataModule, {}, PrivacyConfigError, "loss is the sum"),
         (_BatchMeanMixer, SampleDataModule, {}, UnsupportedModelError, "not the sum of its samples' own gradients"),
@@ -459,7 +459,7 @@ def test_train_dataloaders_next_to_the_modules_own_loader_is_rejected(tmp_path: 
     before = flat_weights(model)
     loader = DataLoader(model.train_dataset, batch_size=8)
     with pytest.raises(PrivacyConfigError, match="not DPSGD's Poisson-sampled loader"):
-        _trainer(tmp_path, [_dpsgd()]).fit(model, train_dataloaders=loader)
+        _trainer(tmp_path, [_dpsgd(num_samples=120)]).fit(model, train_dataloaders=loader)
     assert torch.equal(before, flat_weights(model))
 
 
@@ -467,7 +467,7 @@ def test_train_dataloaders_next_to_the_modules_own_loader_is_rejected(tmp_path: 
 def test_module_with_its_own_train_dataloader_trains(tmp_path: Path) -> None:
     model = OwnLoaderClassifier(num_samples=60)
     before = flat_weights(model)
-    cb = _dpsgd()
+    cb = _dpsgd(num_samples=60)  # no datamodule to declare N: the callback does
     trainer = _trainer(tmp_path, [cb], max_steps=3)
     trainer.fit(model)
     assert cb.sampler is not None and cb.sampler.num_samples == 60

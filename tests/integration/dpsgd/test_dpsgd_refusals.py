@@ -116,6 +116,7 @@ class _MaskData(pl.LightningDataModule):
     def __init__(self) -> None:
         super().__init__()
         self.train_dataset = _Masks()
+        self.declared_num_samples = 24  # _Masks' configured size: N declared
 
     def train_dataloader(self) -> DataLoader[Any]:
         return DataLoader(self.train_dataset, batch_size=4)

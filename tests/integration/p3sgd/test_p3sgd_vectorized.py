@@ -49,6 +49,7 @@ class _Data(pl.LightningDataModule):
     def __init__(self, counts: list[int] = COUNTS) -> None:
         super().__init__()
         self.train_dataset = _Patients(counts)
+        self.declared_num_patients = len(counts)  # N declared: the configured patients
 
     def train_dataloader(self) -> DataLoader:  # type: ignore[type-arg]
         return DataLoader(self.train_dataset, batch_size=8)
