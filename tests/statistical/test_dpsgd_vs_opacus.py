@@ -51,6 +51,7 @@ class ImagesDataModule(pl.LightningDataModule):
     def __init__(self, dataset: TensorDataset) -> None:
         super().__init__()
         self.dataset = dataset
+        self.declared_num_samples = N  # the fixture's configured size: N declared
 
     def train_dataloader(self) -> DataLoader[tuple[Tensor, ...]]:
         return DataLoader(self.dataset, batch_size=8, shuffle=True)
