@@ -44,6 +44,7 @@ from lightning_dp.accounting import PrivacyLedger, RDPAccountant, default_delta
 from lightning_dp.accounting.repeat_select import draw_trials, search_ledger, truncated_negative_binomial_gamma
 from lightning_dp.errors import PrivacyConfigError, PrivacyStateError
 from lightning_dp.schedules import ConstantNoise, NoiseSchedule
+from lightning_dp.tuning.outcome import SCORE_FILE, TrialOutcome, TrialRunner, released_score, trial_score
 from lightning_dp.tuning.privacy import (
     TrialPlan,
     base_factor,
@@ -55,7 +56,19 @@ from lightning_dp.tuning.privacy import (
 from lightning_dp.tuning.score import ReleasedScore
 from lightning_dp.tuning.space import Dimension, apply_params, parse_space, sample_params
 
-__all__ = ["DISTRIBUTIONS", "SearchSpec", "TrialOutcome", "TrialRunner", "read_search", "report", "report_text", "tune"]
+__all__ = [
+    "DISTRIBUTIONS",
+    "SCORE_FILE",
+    "SearchSpec",
+    "TrialOutcome",
+    "TrialRunner",
+    "read_search",
+    "released_score",
+    "report",
+    "report_text",
+    "trial_score",
+    "tune",
+]
 
 FORMAT_VERSION = 1
 OWNER = "lightning-dp tune"
@@ -305,57 +318,6 @@ def _write_atomically(path: Path, state: Mapping[str, Any]) -> None:
     except BaseException:
         Path(name).unlink(missing_ok=True)
         raise
-
-
-@dataclass(frozen=True)
-class TrialOutcome:
-    """What one trial returned: its status, its public scores, its callback's ledger and its checkpoint.
-
-    Args:
-        status: ``done`` or ``stopped_by_budget`` (a crash is an exception, caught by the search).
-        scores: the validation metrics (on the declared public validation data).
-        ledger: the trial's callback's ledger (what the trial charged).
-        checkpoint: the trial's checkpoint, or None.
-    """
-
-    status: Literal["done", "stopped_by_budget"]
-    scores: dict[str, float]
-    ledger: PrivacyLedger
-    checkpoint: Path | None
-
-
-#: Runs one trial: (its config file, its folder) → its outcome. Default: `lightning_dp.tuning.trial.run_trial`.
-TrialRunner = Callable[[Path, Path], TrialOutcome]
-
-
-#: A trial folder's copy of how it is scored (public validation, or released: read by the trial, `released_score`).
-SCORE_FILE = "score.json"
-
-
-def trial_score(folder: Path) -> dict[str, Any]:
-    """How the trial in ``folder`` is scored: ``{"metric", "validation", ["released"]}``.
-
-    Read from the trial's own file, else from its search's state (a search started before the file existed); never
-    assumed public.
-
-    Raises:
-        PrivacyStateError: neither says how the trial is scored.
-    """
-    path, state = Path(folder) / SCORE_FILE, Path(folder).parent.parent / "search_state.json"
-    if path.is_file():
-        return dict(json.loads(path.read_text()))
-    if state.is_file():
-        return dict(json.loads(state.read_text())["score"])
-    raise PrivacyStateError(
-        f"`{OWNER}`: {folder} has no {SCORE_FILE} and no search state above it: whether its validation patients are "
-        "public is unknown, so it is not scored. HINT: run trials through tune, which writes it."
-    )
-
-
-def released_score(folder: Path) -> ReleasedScore | None:
-    """How the trial in ``folder`` must release its validation score; None when its validation data are public."""
-    released = trial_score(folder).get("released")
-    return None if released is None else ReleasedScore.from_dict(released)
 
 
 def _check_score_fits(spec: SearchSpec, base: _Privacy) -> None:
