@@ -9,12 +9,17 @@ whose cost no report shows (docs/results/segmentation.md). Here the same route h
   the pilots compared); the rounds, q and the local epochs stay the hand-tuned route's;
 * K random trials (E[K] = ``--trials-mean``, geometric: tune's default), each a full P3SGD run whose noise tune
   calibrates so that the whole search (the best trial kept) ends at the total ε;
-* the score: Dice on the private site's **validation patients, declared public** for this measurement (30 patients the
-  benchmark never trains or tests on: a cohort with consent for it). The test patients score no trial;
+* the score: Dice on **public validation patients**: the validation patients of the public site (``reference``, the
+  site the public model is pre-trained on; 30 patients, never in its training set), public data like the
+  pre-training set. Not the private site's validation patients: a private hospital's patients are private unless they
+  consented to being public, and a validation split of them is not public data (docs/tuning.md). The cohort is of the
+  other site, so the score measures the trials where the private site is not: a public proxy. The test patients
+  score no trial;
 * the best trial is then tested on the private site's test patients, beside the hand-tuned route run at the same ε
   (its own run's ε: the pilots that chose its values are not counted, so its real cost is unknown and larger).
 
-Output: a table on stdout and ``<out>/results.json`` (each search's report: K, each trial's ε and hyperparameters).
+Output: a table on stdout and ``<out>/results.json``: the benchmark's record, for the operator. It holds what a search
+keeps private (K, each trial's score), to measure the method on synthetic data; a real search publishes ``best/`` only.
 
 Run:   .venv/bin/python examples/tuned_segmentation.py           (the benchmark's size: ~1 h on one CPU core)
        .venv/bin/python examples/tuned_segmentation.py --quick   (a smoke test)
@@ -85,7 +90,7 @@ def trial_runner(
     log: list[dict[str, Any]],
 ) -> TrialRunner:
     """Runs a trial's config as the benchmark runs its P3SGD route: from the public weights, on the private training
-    patients; scores it by Dice on the public validation patients."""
+    patients; scores it by Dice on the public validation patients (the public site's)."""
 
     def fit(init: dict[str, Any], trainable: list[str], steps: int, folder: Path, index: int) -> tuple[Any, P3SGD]:
         pl.seed_everything(seed, verbose=False)
@@ -136,11 +141,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     public = silhouettes(args, None, args.public_patients, 0.0, seed=100)
     private = silhouettes(args, "hospital_b", args.private_patients, 0.1, seed=0)
-    test, validation = _stack(private.test_dataset), _stack(private.val_dataset)
+    test, validation = _stack(private.test_dataset), _stack(public.val_dataset)  # public: the public site's patients
     n_train = len(private.train_patients)
     say(
-        f"data: {n_train} private training patients, {len(test[0])} test images, {len(validation[0])} images of "
-        f"{len(set(private.val_dataset.patient_index.tolist()))} validation patients declared public (site hospital_b)"
+        f"data: {n_train} private training patients, {len(test[0])} test images (site hospital_b); "
+        f"{len(validation[0])} images of {len(set(public.val_dataset.patient_index.tolist()))} public validation "
+        "patients (the public site)"
     )
     out_benchmark = argparse.Namespace(**{**vars(args), "out": "runs/segmentation_benchmark"})
     Path(out_benchmark.out).mkdir(parents=True, exist_ok=True)

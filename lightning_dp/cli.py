@@ -456,7 +456,8 @@ def _tune_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--output",
         type=Path,
-        help="the search's folder (default runs/tune/CONFIG): a folder holding the same search resumes it.",
+        help="the search's folder (default runs/tune/CONFIG): best/ is the release, private/ reveals K (never publish "
+        "it); a folder holding the same search resumes it.",
     )
     p.add_argument("--total-epsilon", type=float, help="the whole search's ε; overrides the search file's.")
     p.add_argument(
@@ -467,7 +468,7 @@ def _tune_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--keep-trials",
         action="store_true",
-        help="keep every trial's folder (their models and logs are NOT covered by the search's ε).",
+        help="keep every trial's folder in private/trials/ (their models and logs are NOT covered by the search's ε).",
     )
     return p
 
@@ -491,8 +492,8 @@ def tune_main(argv: Sequence[str]) -> int:
     except (PrivacyConfigError, PrivacyStateError) as err:
         print(f"lightning-dp tune: error: {err}", file=sys.stderr)
         return 2
-    sys.stdout.write(report_text(result))
-    print(f"  folder                {output}")
+    sys.stdout.write(report_text(result))  # the public report: nothing in it depends on K or on which trial won
+    print(f"  folder                {output}: publish best/ only (private/ reveals K: keep it private)")
     return 0
 
 

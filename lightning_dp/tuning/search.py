@@ -17,9 +17,14 @@ Every trial counts: one that crashes, one stopped by its budget and one interrup
 "running" when the search resumes) are trials of the K drawn, never run again. A resumed search reads K, the trials'
 hyperparameters and the ledger from the state file: nothing is drawn or charged again.
 
-What the search releases under its ε is the best trial (its model, config and scores), K and the trials'
-hyperparameters and ε (drawn and computed without data). The other trials' models and logs are not covered: their
-folders are deleted as soon as a better trial replaces them (``keep_trials=True`` keeps them, for debugging only).
+What the search releases under its ε is the best trial (its model, config and scores) and what was fixed before any
+trial ran (δ, the unit, the accountant, the total ε, the distribution of K and E[K], the ε of each trial under the base
+curve): ``OUTPUT/best/``. K is the mechanism's own secret randomness (ALGORITHMS.md §8): the bound covers the best trial
+with K hidden, so K, the number of trials run, the trials' hyperparameters, status and scores, the best trial's index
+and the resumable state stay in ``OUTPUT/private/`` (marked by its PRIVATE.txt), and nothing published depends on
+them: the best config's ``default_root_dir`` is the config's, not the trial's folder; the checkpoint's paths under the
+trial's folder are rewritten; the published files' times are the search's planned time. The other trials' models and
+logs are deleted as soon as a better trial replaces them (``keep_trials=True`` keeps them, for debugging only).
 """
 
 from __future__ import annotations
@@ -29,12 +34,15 @@ import hashlib
 import json
 import math
 import os
+import re
 import secrets
 import shutil
 import tempfile
+import time
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, is_dataclass
-from pathlib import Path
+from pathlib import Path, PurePath
 from typing import Any, Literal
 
 import numpy as np
@@ -42,8 +50,16 @@ import numpy as np
 from lightning_dp._plan_config import _number
 from lightning_dp.accounting import PrivacyLedger, RDPAccountant, default_delta
 from lightning_dp.accounting.repeat_select import draw_trials, search_ledger, truncated_negative_binomial_gamma
-from lightning_dp.errors import PrivacyConfigError, PrivacyStateError
+from lightning_dp.errors import PrivacyConfigError, PrivacyStateError, PrivacyWarning
 from lightning_dp.schedules import ConstantNoise, NoiseSchedule
+from lightning_dp.tuning.outcome import (
+    SCORE_FILE,
+    STATE_FILE,
+    TrialOutcome,
+    TrialRunner,
+    released_score,
+    trial_score,
+)
 from lightning_dp.tuning.privacy import (
     TrialPlan,
     base_factor,
@@ -55,7 +71,20 @@ from lightning_dp.tuning.privacy import (
 from lightning_dp.tuning.score import ReleasedScore
 from lightning_dp.tuning.space import Dimension, apply_params, parse_space, sample_params
 
-__all__ = ["DISTRIBUTIONS", "SearchSpec", "TrialOutcome", "TrialRunner", "read_search", "report", "report_text", "tune"]
+__all__ = [
+    "DISTRIBUTIONS",
+    "SCORE_FILE",
+    "SearchSpec",
+    "TrialOutcome",
+    "TrialRunner",
+    "private_report",
+    "read_search",
+    "released_score",
+    "report",
+    "report_text",
+    "trial_score",
+    "tune",
+]
 
 FORMAT_VERSION = 1
 OWNER = "lightning-dp tune"
@@ -307,55 +336,35 @@ def _write_atomically(path: Path, state: Mapping[str, Any]) -> None:
         raise
 
 
+#: The search's folder: the release (published) and the private part (K, every trial, the resumable state).
+BEST_DIR, PRIVATE_DIR = "best", "private"
+PRIVATE_FILE, PRIVATE_REPORT_FILE = "PRIVATE.txt", "private_report.json"
+
+
 @dataclass(frozen=True)
-class TrialOutcome:
-    """What one trial returned: its status, its public scores, its callback's ledger and its checkpoint.
+class _Layout:
+    """Where a search's files are: ``best/`` (what may be published) and ``private/`` (what reveals K)."""
 
-    Args:
-        status: ``done`` or ``stopped_by_budget`` (a crash is an exception, caught by the search).
-        scores: the validation metrics (on the declared public validation data).
-        ledger: the trial's callback's ledger (what the trial charged).
-        checkpoint: the trial's checkpoint, or None.
-    """
+    root: Path
 
-    status: Literal["done", "stopped_by_budget"]
-    scores: dict[str, float]
-    ledger: PrivacyLedger
-    checkpoint: Path | None
+    @property
+    def best(self) -> Path:
+        return self.root / BEST_DIR
 
+    @property
+    def private(self) -> Path:
+        return self.root / PRIVATE_DIR
 
-#: Runs one trial: (its config file, its folder) → its outcome. Default: `lightning_dp.tuning.trial.run_trial`.
-TrialRunner = Callable[[Path, Path], TrialOutcome]
+    @property
+    def state(self) -> Path:
+        return self.private / STATE_FILE
 
+    @property
+    def trials(self) -> Path:
+        return self.private / "trials"
 
-#: A trial folder's copy of how it is scored (public validation, or released: read by the trial, `released_score`).
-SCORE_FILE = "score.json"
-
-
-def trial_score(folder: Path) -> dict[str, Any]:
-    """How the trial in ``folder`` is scored: ``{"metric", "validation", ["released"]}``.
-
-    Read from the trial's own file, else from its search's state (a search started before the file existed); never
-    assumed public.
-
-    Raises:
-        PrivacyStateError: neither says how the trial is scored.
-    """
-    path, state = Path(folder) / SCORE_FILE, Path(folder).parent.parent / "search_state.json"
-    if path.is_file():
-        return dict(json.loads(path.read_text()))
-    if state.is_file():
-        return dict(json.loads(state.read_text())["score"])
-    raise PrivacyStateError(
-        f"`{OWNER}`: {folder} has no {SCORE_FILE} and no search state above it: whether its validation patients are "
-        "public is unknown, so it is not scored. HINT: run trials through tune, which writes it."
-    )
-
-
-def released_score(folder: Path) -> ReleasedScore | None:
-    """How the trial in ``folder`` must release its validation score; None when its validation data are public."""
-    released = trial_score(folder).get("released")
-    return None if released is None else ReleasedScore.from_dict(released)
+    def trial(self, index: int) -> Path:
+        return self.trials / f"{index:03d}"
 
 
 def _check_score_fits(spec: SearchSpec, base: _Privacy) -> None:
@@ -389,11 +398,12 @@ def _score_state(spec: SearchSpec) -> dict[str, Any]:
 def _fresh_state(
     config: Mapping[str, Any],
     spec: SearchSpec,
-    folder: Path,
+    layout: _Layout,
     generator: np.random.Generator,
     units: Callable[[Any], int],
 ) -> dict[str, Any]:
-    base = _privacy(config, folder / "trials", units, spec.released)
+    planned_at = int(time.time())  # before K is drawn: planning K trials takes a time that grows with K
+    base = _privacy(config, layout.trials, units, spec.released)
     _check_score_fits(spec, base)
     c0 = base_factor(base.plan, base.unit, base.delta, spec.total_epsilon, spec.mean, spec.shape)
     base_ledger = trial_ledger(base.plan, c0, base.unit, base.delta)
@@ -401,7 +411,7 @@ def _fresh_state(
     trials = []
     for index in range(count):
         params = sample_params(spec.space, generator)
-        trial_folder = folder / "trials" / f"{index:03d}"
+        trial_folder = layout.trial(index)
         trial_config = apply_params(config, params)
         privacy = _privacy(trial_config, trial_folder, units, spec.released)
         # The base run itself keeps c₀ (its curve is the base curve); another q or length gets the noise under it.
@@ -431,6 +441,7 @@ def _fresh_state(
     gamma = None if math.isinf(spec.shape) else truncated_negative_binomial_gamma(spec.shape, spec.mean)
     return {
         "format_version": FORMAT_VERSION,
+        "planned_at": planned_at,  # the published files' time (not the best trial's: it would date the index)
         "config_digest": _digest(config),
         "search_digest": _search_digest(spec),
         "unit": base.unit,
@@ -475,9 +486,9 @@ def _better(score: float, best: float | None, mode: str) -> bool:
     return best is None or (score > best if mode == "max" else score < best)
 
 
-def _run_one(state: dict[str, Any], trial: dict[str, Any], folder: Path, runner: TrialRunner) -> list[Path]:
+def _run_one(state: dict[str, Any], trial: dict[str, Any], layout: _Layout, runner: TrialRunner) -> list[Path]:
     """Runs ``trial`` and updates ``state``; returns the folders no longer needed (removed once the state is saved)."""
-    trial_folder = folder / "trials" / f"{trial['index']:03d}"
+    trial_folder = layout.trial(trial["index"])
     base = _ledger(state["base"]["ledger"])
     try:
         outcome = runner(trial_folder / "config.yaml", trial_folder)
@@ -508,24 +519,145 @@ def _run_one(state: dict[str, Any], trial: dict[str, Any], folder: Path, runner:
             "index": trial["index"],
             "score": score,
             "scores": scores,
-            "checkpoint": None if outcome.checkpoint is None else str(outcome.checkpoint.relative_to(folder)),
+            # relative to private/ (to the search's folder in the old layout: the same text, trials/NNN/...)
+            "checkpoint": None if outcome.checkpoint is None else str(outcome.checkpoint.relative_to(layout.private)),
         }
-        return [] if previous is None else [folder / "trials" / f"{previous:03d}"]
+        return [] if previous is None else [layout.trial(previous)]
     return [trial_folder]
 
 
-def _publish_best(state: Mapping[str, Any], folder: Path) -> None:
-    best = state["best"]
-    target = folder / "best"
+def _published_config(path: Path, config: Mapping[str, Any]) -> dict[str, Any]:
+    """The best trial's config as released: its ``trainer.default_root_dir`` back to the config's.
+
+    The trial ran in its folder, ``private/trials/NNN``: a path that names the best trial's index.
+    """
+    import yaml
+
+    published = yaml.safe_load(path.read_text()) or {}
+    trainer = published.setdefault("trainer", {})
+    original = (config.get("trainer") or {}) if isinstance(config.get("trainer"), Mapping) else {}
+    if "default_root_dir" in original:
+        trainer["default_root_dir"] = original["default_root_dir"]
+    else:
+        trainer.pop("default_root_dir", None)
+    return dict(published)
+
+
+def _trial_paths(layout: _Layout, index: int) -> list[str]:
+    """Every spelling of the best trial's folder a checkpoint may hold (as given, absolute; this and the old layout)."""
+    folders = [layout.trial(index), layout.root / "trials" / f"{index:03d}"]
+    spellings = {form for f in folders for form in (str(f), os.path.abspath(f), str(f.resolve()))}
+    return sorted(spellings, key=len, reverse=True)
+
+
+def _scrub(value: Any, pattern: re.Pattern[str], root: str) -> Any:
+    """``value`` with every path under the trial's folder (``pattern``) moved under ``root``.
+
+    Strings and paths in dicts (keys too), lists and tuples, at any depth. Other objects are kept as they are (the byte
+    check that follows finds what they hold).
+    """
+    if isinstance(value, str):
+        return pattern.sub(lambda _: root, value)
+    if isinstance(value, PurePath):
+        return type(value)(pattern.sub(lambda _: root, str(value)))
+    if isinstance(value, dict):
+        items = [(_scrub(k, pattern, root), _scrub(v, pattern, root)) for k, v in value.items()]
+        scrubbed = copy.copy(value)  # keeps the mapping's class (an OrderedDict, Lightning's AttributeDict)
+        scrubbed.clear()
+        scrubbed.update(items)
+        return scrubbed
+    if isinstance(value, list):
+        return [_scrub(v, pattern, root) for v in value]
+    if isinstance(value, tuple):
+        items = [_scrub(v, pattern, root) for v in value]
+        return type(value)(*items) if hasattr(value, "_fields") else tuple(items)
+    return value
+
+
+def _publish_checkpoint(source: Path, target: Path, layout: _Layout, index: int, root: str) -> None:
+    """Copies the best trial's checkpoint to ``target`` without its trial folder's path.
+
+    A Lightning checkpoint holds paths under the folder it was trained in (ModelCheckpoint's ``dirpath`` and
+    ``best_model_path``: ``private/trials/NNN/lightning_logs/...``): they name the best trial's index. They are
+    rewritten under the config's own ``default_root_dir`` (``root``), where ``lightning-dp fit`` of the published config
+    would have put them. A file torch cannot read (a custom runner's) is copied as it is. Either way the published
+    bytes are then searched for the trial's folder: one left (in an object the rewrite does not open) is refused.
+
+    Raises:
+        PrivacyStateError: the published checkpoint would still name the best trial's folder.
+    """
+    import torch
+
+    spellings = _trial_paths(layout, index)
+    pattern = re.compile("|".join(re.escape(s) for s in spellings) + r"(?![0-9])")
+    try:
+        content = torch.load(source, map_location="cpu", weights_only=False)  # the trial's own file, written here
+    except Exception:  # noqa: BLE001 - not a torch file: copied byte for byte, then checked like any other
+        shutil.copyfile(source, target)
+    else:
+        torch.save(_scrub(content, pattern, root), target)
+    data = target.read_bytes()
+    markers = [*spellings, str(layout.private.resolve()), f"trials/{index:03d}/"]
+    found = [m for m in markers if m.encode() in data]
+    if found:
+        target.unlink()
+        raise PrivacyStateError(
+            f"`{OWNER}`: the best trial's checkpoint {source} holds its trial folder ({found[0]}) where the search "
+            f"cannot rewrite it: publishing it would reveal which trial won (and so something about K); not copied to "
+            f"{target}. HINT: save the model without paths (a state_dict), or as a Lightning checkpoint whose paths "
+            "are plain strings; the search's state is kept, run tune again to publish."
+        )
+
+
+#: What ``private/`` holds and why it must stay private (written as private/PRIVATE.txt).
+PRIVATE_NOTE = """PRIVATE: do not publish this folder, or any part of it.
+
+It holds what the search's ε does not cover: K (the number of trials drawn), the number of trials run, every trial's
+hyperparameters, noise, status, ε, scores, checkpoint and logs, which trial was best (its index), and the resumable
+state (search_state.json: `lightning-dp tune` resumes the search from it; private_report.json: the same for a person).
+
+K is the search's own secret randomness: the repeat-and-select bound (Papernot & Steinke 2022) behind the search's ε
+covers the best trial with K hidden. Revealing K, or anything that depends on it, is not post-processing: for the
+simplest trial at the library's calibrated noise, a search printed at ε = 2.0 has δ = 2.7e-18 with K hidden and
+2.68e-4 with K revealed (27 times δ = 1e-5; its true ε is about 3.0). See docs/tuning.md, "What the search releases".
+
+Publish ../best/ only. The console output of the search (Lightning's progress of each trial) reveals K too.
+"""
+
+
+def _mark_private(layout: _Layout) -> None:
+    layout.private.mkdir(parents=True, exist_ok=True)
+    note = layout.private / PRIVATE_FILE
+    if not note.is_file() or note.read_text() != PRIVATE_NOTE:
+        note.write_text(PRIVATE_NOTE)
+
+
+def _publish(state: Mapping[str, Any], layout: _Layout, config: Mapping[str, Any]) -> dict[str, Any]:
+    """Writes ``best/`` (the release) and ``private/private_report.json``; returns the public report.
+
+    ``best/`` holds the best trial's config (without its folder), model and scores, and the public report: nothing that
+    depends on K or on which trial won, down to the files' times (all set to the search's planned time).
+    """
+    target = layout.best
     shutil.rmtree(target, ignore_errors=True)
-    if best is None:
-        return
-    source = folder / "trials" / f"{best['index']:03d}"
     target.mkdir(parents=True)
-    shutil.copy2(source / "config.yaml", target / "config.yaml")
-    if best["checkpoint"] is not None:
-        shutil.copy2(folder / best["checkpoint"], target / "model.ckpt")
-    (target / "scores.json").write_text(json.dumps(best["scores"], indent=1))
+    best = state["best"]
+    if best is not None:
+        source = layout.trial(best["index"])
+        published = _published_config(source / "config.yaml", config)
+        _write_yaml(target / "config.yaml", published)
+        if best["checkpoint"] is not None:
+            root = str((published.get("trainer") or {}).get("default_root_dir", "."))
+            _publish_checkpoint(layout.private / best["checkpoint"], target / "model.ckpt", layout, best["index"], root)
+        (target / "scores.json").write_text(json.dumps(best["scores"], indent=1))
+    result = report(state)
+    (target / "search_report.json").write_text(json.dumps(result, indent=1))
+    (target / "privacy_report.txt").write_text(report_text(result))
+    (layout.private / PRIVATE_REPORT_FILE).write_text(json.dumps(private_report(state), indent=1))
+    stamp = state.get("planned_at", 0)
+    for path in [*target.iterdir(), target]:
+        os.utime(path, (stamp, stamp))
+    return result
 
 
 def _scored_on(score: Mapping[str, Any]) -> str:
@@ -540,8 +672,21 @@ def _scored_on(score: Mapping[str, Any]) -> str:
     )
 
 
+#: What the public report says about what it leaves out.
+RELEASED_NOTE = (
+    "the best trial only (best/: its config, model and scores) and the numbers of this report, fixed before any "
+    "trial ran; K, the trials run, the other trials and which trial won stay in private/ (they reveal K: the search's "
+    "ε holds only while K is hidden)"
+)
+
+
 def report(state: Mapping[str, Any]) -> dict[str, Any]:
-    """The search's privacy report: the total ε beside each trial's ε, K, the distribution, what was public."""
+    """The search's public report: the total ε, each trial's ε, K's distribution, what was public, the best trial.
+
+    The best trial is given by its hyperparameters and scores. Nothing in it depends on K or on which trial won, except
+    the best trial's values (its release): not K, not the number of trials run, not the other trials, not the best
+    trial's index (those are in `private_report`).
+    """
     total = RDPAccountant().epsilon(_ledger(state["search_ledger"]))
     base = _ledger(state["base"]["ledger"])
     best = state["best"]
@@ -553,19 +698,37 @@ def report(state: Mapping[str, Any]) -> dict[str, Any]:
         "total_epsilon_target": state["total_epsilon_target"],
         "epsilon_per_trial": RDPAccountant().epsilon(base),
         "distribution": state["distribution"],
-        "trials_drawn": state["trials_drawn"],
-        "trials_run": sum(t["status"] != "pending" for t in state["trials"]),
         "public": _scored_on(state["score"]),
         "base": {k: state["base"][k] for k in ("sample_rate", "steps", "noise_multiplier_first", "noise_factor")},
+        "best": None
+        if best is None
+        else {"params": state["trials"][best["index"]]["params"], "scores": best["scores"]},
+        "released": RELEASED_NOTE,
+    }
+
+
+def private_report(state: Mapping[str, Any]) -> dict[str, Any]:
+    """What the search keeps private: written as private/private_report.json, never printed.
+
+    K, the trials run, every trial's hyperparameters, planned ε, status, actual ε and error, and the best trial's index.
+    """
+    best = state["best"]
+    return {
+        "private": "reveals K: never publish (private/PRIVATE.txt)",
+        "trials_drawn": state["trials_drawn"],
+        "trials_run": sum(t["status"] != "pending" for t in state["trials"]),
         "trials": [
             {k: t[k] for k in ("index", "params", "sample_rate", "steps", "noise_multiplier_first", "planned_epsilon")}
             for t in state["trials"]
         ],
         "best": None
         if best is None
-        else {"index": best["index"], "params": state["trials"][best["index"]]["params"], "scores": best["scores"]},
-        "not_covered": "each trial's status, error, actual ε and logs (search_state.json, trials/): they describe "
-        "every trial, not only the best; keep them private",
+        else {
+            "index": best["index"],
+            "params": state["trials"][best["index"]]["params"],
+            "scores": best["scores"],
+            "checkpoint": best["checkpoint"],
+        },
         "trial_status": [
             {k: t[k] for k in ("index", "status", "steps_run", "epsilon", "error")} for t in state["trials"]
         ],
@@ -573,29 +736,77 @@ def report(state: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def report_text(r: Mapping[str, Any]) -> str:
-    """The report as the text ``lightning-dp tune`` prints (and writes as privacy_report.txt)."""
+    """The public report as the text ``lightning-dp tune`` prints (and writes as best/privacy_report.txt)."""
     d = r["distribution"]
     lines = [
         "lightning-dp tune: privacy report of the search",
         f"  ε (whole search)      {r['epsilon']:.4f} at δ = {r['delta']:g} per {r['unit']} "
         f"(target {r['total_epsilon_target']:g})",
         f"  ε of each trial       ≤ {r['epsilon_per_trial']:.4f} (one run's; the search costs more: it picks the best)",
-        f"  K (trials drawn)      {r['trials_drawn']} from {d['name']} with E[K] = {d['mean']:g} (shape {d['shape']})",
-        f"  trials run            {r['trials_run']} (every one counts: crashed, stopped or interrupted included)",
+        f"  trials                a random number K from {d['name']} with E[K] = {d['mean']:g} (shape {d['shape']}); "
+        "K stays hidden",
         f"  public                {r['public']}",
+        "  released              the best trial only: its config, model and scores (best/)",
     ]
-    for t in r["trials"]:
-        lines.append(
-            f"  trial {t['index']:3d}             ε ≤ {t['planned_epsilon']:.4f}  q = {t['sample_rate']:g}, "
-            f"{t['steps']} steps, z₀ = {t['noise_multiplier_first']:.4g}  {t['params']}"
-        )
     best = r["best"]
     lines.append(
         "  best                  none (no trial scored)"
         if best is None
-        else f"  best                  trial {best['index']}: {best['scores']} (best/)"
+        else f"  best                  {best['scores']} with {best['params']}"
     )
     return "\n".join(lines) + "\n"
+
+
+def _read_state(path: Path, folder: Path, config: Mapping[str, Any], spec: SearchSpec) -> dict[str, Any]:
+    """The state file at ``path``, checked: its format, and that it is a search of this config and search file."""
+    state: dict[str, Any] = json.loads(path.read_text())
+    if state.get("format_version") != FORMAT_VERSION:
+        raise PrivacyStateError(
+            f"`{OWNER}`: {path} has format {state.get('format_version')!r}. HINT: a new --output folder."
+        )
+    if state["config_digest"] != _digest(config) or state["search_digest"] != _search_digest(spec):
+        raise _refuse(
+            f"{folder} holds a search of another config or search file: resuming it with these would charge the "
+            "same patients again under another draw.",
+            "resume with the same --config and --search, or give a new --output folder.",
+        )
+    return state
+
+
+def _migrate(layout: _Layout) -> None:
+    """Moves a search of the old layout (search_state.json, trials/ and the reports beside best/) into ``private/``.
+
+    Safe to kill and run again: the trials move first, the state file last (its place says which layout holds it).
+    """
+    import yaml
+
+    root, trials = layout.root, layout.root / "trials"
+    layout.trials.mkdir(parents=True, exist_ok=True)
+    if trials.is_dir():
+        for child in sorted(trials.iterdir()):
+            if not (layout.trials / child.name).exists():
+                os.replace(child, layout.trials / child.name)
+        shutil.rmtree(trials, ignore_errors=True)
+    for child in sorted(layout.trials.iterdir()):  # a trial still to run writes its logs into its new folder
+        config = child / "config.yaml"
+        if child.name.isdigit() and config.is_file():
+            written = yaml.safe_load(config.read_text()) or {}
+            if (written.get("trainer") or {}).get("default_root_dir") != str(child):
+                written.setdefault("trainer", {})["default_root_dir"] = str(child)
+                _write_yaml(config, written)
+    for name in ("search_report.json", "privacy_report.txt"):  # they reveal K: kept, privately
+        if (root / name).is_file():
+            os.replace(root / name, layout.private / f"old_{name}")
+    shutil.rmtree(layout.best, ignore_errors=True)  # its config.yaml names the best trial's folder: published again
+    os.replace(root / STATE_FILE, layout.state)
+    warnings.warn(
+        f"`{OWNER}`: {root} held a search of the old layout (search_state.json, trials/ and reports beside best/, "
+        f"which reveal K and the best trial's index); moved them into {layout.private}. HINT: publish only "
+        f"{layout.best}; if the old reports or best/config.yaml were published, they revealed K or the index, which "
+        "the search's ε does not cover.",
+        PrivacyWarning,
+        stacklevel=3,
+    )
 
 
 def tune(
@@ -608,28 +819,35 @@ def tune(
     keep_trials: bool = False,
     run_trial: TrialRunner | None = None,
 ) -> dict[str, Any]:
-    """Runs (or resumes) a private search over the training ``config``; returns its privacy report.
+    """Runs (or resumes) a private search over the training ``config``; returns its public report.
 
     Args:
         config: the training config (what ``lightning-dp fit --config`` takes).
         search: the search file (or its content): total_epsilon, trials, score, space (docs/tuning.md).
-        output: the search's folder: search_state.json, trials/, best/, search_report.json. A folder that holds a
-            search of the same config and search file is resumed.
+        output: the search's folder: ``best/`` (the release: the best trial's config.yaml, model.ckpt, scores.json,
+            and the public privacy_report.txt and search_report.json) and ``private/`` (K, every trial, the resumable
+            search_state.json and private_report.json: never published). A folder holding a search of the same config
+            and search file is resumed (one of the old layout, search_state.json beside best/, is moved into private/
+            first).
         total_epsilon: overrides the search file's total_epsilon.
         seed: draws K and the trials from this seed instead of the OS's randomness (tests and docs only: a seed someone
             can choose after seeing results is not covered by the bound).
-        keep_trials: keep every trial's folder (its model and logs are not covered by the search's ε).
+        keep_trials: keep every trial's folder in private/trials/ (their models and logs are not covered by the
+            search's ε).
         run_trial: runs one trial (default: a full ``fit`` with the config's callbacks, then a validation).
 
     Returns:
-        The report (also written as search_report.json and privacy_report.txt).
+        The public report (also written as best/search_report.json and best/privacy_report.txt): nothing in it depends
+        on K or on which trial won, except the best trial's hyperparameters and scores.
 
     Raises:
         PrivacyConfigError: a bad config, search file or space, or a folder holding another search.
+        PrivacyStateError: a state file of another format; a best checkpoint that names its trial's folder.
     """
     import yaml
 
     config_path, folder = Path(config), Path(output)
+    layout = _Layout(folder)
     if not config_path.is_file():
         raise _refuse(f"no config file {config_path}.", "the YAML you pass to lightning-dp fit --config.")
     config_dict = yaml.safe_load(config_path.read_text()) or {}
@@ -650,30 +868,30 @@ def tune(
             units_cache["n"] = units_from_data(dp)
         return units_cache["n"]
 
-    state_path = folder / "search_state.json"
-    if state_path.is_file():
-        state = json.loads(state_path.read_text())
-        if state.get("format_version") != FORMAT_VERSION:
-            raise PrivacyStateError(
-                f"`{OWNER}`: {state_path} has format {state.get('format_version')!r}. HINT: a new --output folder."
-            )
-        if state["config_digest"] != _digest(config_dict) or state["search_digest"] != _search_digest(spec):
+    old_state = folder / STATE_FILE
+    if old_state.is_file():
+        if layout.state.is_file():
             raise _refuse(
-                f"{folder} holds a search of another config or search file: resuming it with these would charge the "
-                "same patients again under another draw.",
-                "resume with the same --config and --search, or give a new --output folder.",
+                f"{folder} holds two search states, {old_state} (the old layout) and {layout.state}.",
+                f"keep the one of the search to resume ({layout.state} if unsure) and delete the other.",
             )
+        _read_state(old_state, folder, config_dict, spec)  # checked before anything moves
+        _migrate(layout)
+    if layout.state.is_file():
+        state = _read_state(layout.state, folder, config_dict, spec)
+        state.setdefault("planned_at", int(time.time()))  # a state of the old layout did not record it
         for trial in state["trials"]:
             if trial["status"] == "running":  # killed mid-trial: a trial of the K drawn, not run again
                 trial["status"], trial["error"] = "interrupted", "the search stopped during this trial"
                 if not keep_trials and (state["best"] or {}).get("index") != trial["index"]:
-                    shutil.rmtree(folder / "trials" / f"{trial['index']:03d}", ignore_errors=True)
-        _write_atomically(state_path, state)
+                    shutil.rmtree(layout.trial(trial["index"]), ignore_errors=True)
+        _mark_private(layout)
+        _write_atomically(layout.state, state)
     else:
-        folder.mkdir(parents=True, exist_ok=True)
+        _mark_private(layout)
         generator = np.random.default_rng(secrets.randbits(128) if seed is None else seed)
-        state = _fresh_state(config_dict, spec, folder, generator, units)
-        _write_atomically(state_path, state)
+        state = _fresh_state(config_dict, spec, layout, generator, units)
+        _write_atomically(layout.state, state)
     runner: TrialRunner
     if run_trial is None:
         from lightning_dp.tuning.trial import run_trial as runner
@@ -683,13 +901,9 @@ def tune(
         if trial["status"] != "pending":
             continue
         trial["status"] = "running"
-        _write_atomically(state_path, state)  # before the trial reads any data
-        unused = _run_one(state, trial, folder, runner)
-        _write_atomically(state_path, state)
+        _write_atomically(layout.state, state)  # before the trial reads any data
+        unused = _run_one(state, trial, layout, runner)
+        _write_atomically(layout.state, state)
         for path in [] if keep_trials else unused:
             shutil.rmtree(path, ignore_errors=True)
-    _publish_best(state, folder)
-    result = report(state)
-    (folder / "search_report.json").write_text(json.dumps(result, indent=1))
-    (folder / "privacy_report.txt").write_text(report_text(result))
-    return result
+    return _publish(state, layout, config_dict)

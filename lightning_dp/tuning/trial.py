@@ -19,8 +19,8 @@ import torch
 
 from lightning_dp.callbacks.base import DPCallback
 from lightning_dp.errors import PrivacyConfigError, PrivacyStateError
+from lightning_dp.tuning.outcome import TrialOutcome, trial_score
 from lightning_dp.tuning.score import ReleasedScore
-from lightning_dp.tuning.search import TrialOutcome, trial_score
 
 __all__ = ["run_trial"]
 

@@ -48,29 +48,39 @@ def test_tune_from_the_command_line_keeps_the_best_trial(tmp_path: Path, capsys:
     args = ["tune", "--config", str(_tiny_config(tmp_path)), "--search", str(_space(tmp_path, mean=1.5))]
     assert main([*args, "--output", str(out), "--seed", "4"]) == 0  # K = 2 with this seed
     printed = capsys.readouterr().out
-    assert "ε (whole search)" in printed and "K (trials drawn)      2" in printed
-    report = json.loads((out / "search_report.json").read_text())
+    assert "ε (whole search)" in printed and "K stays hidden" in printed and "publish best/ only" in printed
+    assert "K (trials drawn)" not in printed and "trials run" not in printed, "the printed report does not give K"
+    report = json.loads((out / "best" / "search_report.json").read_text())
+    private = json.loads((out / "private" / "private_report.json").read_text())
+    assert private["trials_drawn"] == 2 and "trials_drawn" not in report
     assert 4.0 * (1 - 1e-3) <= report["epsilon"] <= 4.0 and report["epsilon_per_trial"] < report["epsilon"]
-    statuses = [t["status"] for t in report["trial_status"]]
-    assert statuses == ["done", "done"], report["trial_status"]
-    for trial in report["trial_status"]:  # what each trial's callback charged: at most the ε per trial
+    statuses = [t["status"] for t in private["trial_status"]]
+    assert statuses == ["done", "done"], private["trial_status"]
+    for trial in private["trial_status"]:  # what each trial's callback charged: at most the ε per trial
         assert 0 < trial["epsilon"] <= report["epsilon_per_trial"] * (1 + 1e-6)
-    best = report["best"]
+    best, index = report["best"], private["best"]["index"]
     assert "val/acc" in best["scores"] and (out / "best" / "model.ckpt").is_file()
     state = torch.load(out / "best" / "model.ckpt", weights_only=False)
     privacy = next(v for k, v in state["callbacks"].items() if "P3SGD" in k)
     ledger = PrivacyLedger("patient", 1e-5)
     ledger.load_state_dict(privacy["ledger"])
-    assert ledger.steps == report["trials"][best["index"]]["steps"]
-    assert RDPAccountant().epsilon(ledger) == pytest.approx(report["trial_status"][best["index"]]["epsilon"])
+    assert ledger.steps == private["trials"][index]["steps"]
+    assert RDPAccountant().epsilon(ledger) == pytest.approx(private["trial_status"][index]["epsilon"])
+    # Lightning's checkpoint held paths under the trial's folder (ModelCheckpoint's): published under the config's root.
+    root = yaml.safe_load(CONFIG.read_text())["trainer"]["default_root_dir"]
+    saver = next(v for k, v in state["callbacks"].items() if k.startswith("ModelCheckpoint"))
+    assert saver["dirpath"] == f"{root}/lightning_logs/version_0/checkpoints", saver
+    assert b"trials/" not in (out / "best" / "model.ckpt").read_bytes()
+    assert yaml.safe_load((out / "best" / "config.yaml").read_text())["trainer"]["default_root_dir"] == root
     # Run again on the same folder: a finished search is not run again, and reports the same.
     assert main([*args, "--output", str(out)]) == 0
-    assert json.loads((out / "search_report.json").read_text())["best"] == best
+    assert json.loads((out / "best" / "search_report.json").read_text())["best"] == best
 
 
 def test_tune_from_python(tmp_path: Path) -> None:
     report = tune(_tiny_config(tmp_path), _space(tmp_path, mean=1.5), tmp_path / "search", seed=0)  # K = 1
-    assert report["trials_drawn"] == 1 and report["best"]["index"] == 0
+    private = json.loads((tmp_path / "search" / "private" / "private_report.json").read_text())
+    assert private["trials_drawn"] == 1 and private["best"]["index"] == 0 and report["best"] is not None
     kept = yaml.safe_load((tmp_path / "search" / "best" / "config.yaml").read_text())
     assert kept["trainer"]["callbacks"][0]["init_args"]["noise_schedule"]["class_path"].endswith("ConstantNoise")
 
@@ -79,7 +89,8 @@ def test_tune_on_private_validation_patients_releases_each_score_under_its_charg
     space = yaml.safe_load(_space(tmp_path, mean=1.5).read_text())
     space["score"] = {"metric": "val/acc", "validation": "private_released", "noise_multiplier": 2.0, "patients": 2}
     report = tune(_tiny_config(tmp_path), space, tmp_path / "search", seed=0)  # K = 1
-    (trial,) = report["trial_status"]
+    private = json.loads((tmp_path / "search" / "private" / "private_report.json").read_text())
+    (trial,) = private["trial_status"]
     assert trial["status"] == "done" and trial["error"] is None, trial
     assert set(report["best"]["scores"]) == {"val/acc"}
     # The trial's ε holds the score's Gaussian beside the training the checkpoint's ledger holds.
@@ -91,7 +102,7 @@ def test_tune_on_private_validation_patients_releases_each_score_under_its_charg
     with_score.record(GaussianEvent(2.0))
     assert trial["epsilon"] == pytest.approx(RDPAccountant().epsilon(with_score))
     assert trial["epsilon"] > RDPAccountant().epsilon(training)
-    assert trial["steps_run"] == training.steps == report["trials"][0]["steps"]  # the release is no training step
+    assert trial["steps_run"] == training.steps == private["trials"][0]["steps"]  # the release is no training step
     # No validation loop read the private patients during the fit: no val/ metric in the trial's logs.
-    logs = b"".join(p.read_bytes() for p in (tmp_path / "search" / "trials").rglob("events.out.tfevents*"))
+    logs = b"".join(p.read_bytes() for p in (tmp_path / "search" / "private" / "trials").rglob("events.out.tfevents*"))
     assert logs and b"val/" not in logs

@@ -1,6 +1,7 @@
 """examples/tuned_vs_hand_tuned.py and examples/tuned_segmentation.py run end to end at tiny settings: a private search
-per (ε, seed) beside the hand-tuned route, the search charged at the total ε, its trials scored on the public validation
-patients only, the best trial tested once on the test patients."""
+per (ε, seed) beside the hand-tuned route, the search charged at the total ε, its trials scored on public validation
+patients only (the public site's, not a split of the private hospital), the best trial tested once on the test
+patients; each search's folder publishes best/ and keeps K in private/."""
 
 from __future__ import annotations
 
@@ -30,6 +31,11 @@ def _check(results: dict[str, Any], out: Path, printed: str, metric: str, top: f
     assert set(tuned["best"]["scores"]) == {metric} and tuned["val"] == max(t["val"] for t in tuned["trial_log"])
     assert 0.0 <= tuned["test"] <= top
     assert "hand-tuned (its run ε)" in printed and "unknown and larger" in printed
+    search = out / "searches" / "eps4_seed0"
+    assert sorted(p.name for p in search.iterdir()) == ["best", "private"]
+    assert "trials_drawn" not in (search / "best" / "search_report.json").read_text()
+    private = json.loads((search / "private" / "private_report.json").read_text())
+    assert private["trials_drawn"] == tuned["trials"], "K: the benchmark's record reads it from private/"
 
 
 def test_tuned_vs_hand_tuned_charges_the_search_at_the_total_epsilon(
@@ -49,6 +55,9 @@ def test_tuned_vs_hand_tuned_charges_the_search_at_the_total_epsilon(
     finally:
         torch.set_flush_denormal(False)  # the example flushes denormals like a script; this process gets them back
     _check(results, out, capsys.readouterr().out, "val/acc", 100.0)
+    # The validation cohort is of the public site (the pre-training site), not of the private hospital.
+    assert (tmp_path / "data" / "public_validation_6x4_32").is_dir()
+    assert not [p for p in (tmp_path / "data").iterdir() if p.name.startswith("hospital_b_validation")]
 
 
 def test_tuned_segmentation_charges_the_search_at_the_total_epsilon(

@@ -8,6 +8,7 @@ over 20,000 releases: the sample std's relative standard error is 1/√(2·20,00
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 from typing import Any
@@ -39,6 +40,11 @@ SEARCH: dict[str, Any] = {
     "space": {"model.init_args.lr": {"log_uniform": [0.01, 1.0]}},
 }
 SEED = 3  # K = 6 trials with this seed
+
+
+def _private(out: Path) -> dict[str, Any]:
+    """The search's private report (K, every trial): private/private_report.json."""
+    return dict(json.loads((out / "private" / "private_report.json").read_text()))
 
 
 def _reference(z: float, z_score: float, mean: float, shape: float) -> float:
@@ -105,15 +111,16 @@ def _trial(charge: bool) -> Any:
 
 def test_a_search_on_private_validation_keeps_only_charged_scores(tmp_path: Path) -> None:
     report = tune(CONFIG, SEARCH, tmp_path / "charged", seed=SEED, run_trial=_trial(charge=True))
-    assert report["trials_drawn"] == 6 and report["best"] is not None
+    private = _private(tmp_path / "charged")
+    assert private["trials_drawn"] == 6 and report["best"] is not None
     assert 4.0 * (1 - 1e-3) <= report["epsilon"] <= 4.0
     assert "released by the trial" in report["public"] and "z = 3" in report["public"]
     assert all(t["error"] is None and t["epsilon"] <= report["epsilon_per_trial"] * (1 + 1e-6) for t in
-               report["trial_status"])  # fmt: skip
+               private["trial_status"])  # fmt: skip
     # A trial that returns a private score without charging it is never looked at.
     refused = tune(CONFIG, SEARCH, tmp_path / "uncharged", seed=SEED, run_trial=_trial(charge=False))
     assert refused["best"] is None
-    assert all("not charged" in t["error"] for t in refused["trial_status"])
+    assert all("not charged" in t["error"] for t in _private(tmp_path / "uncharged")["trial_status"])
 
 
 def test_a_search_file_without_a_released_score_writes_none_for_the_trials(tmp_path: Path) -> None:
@@ -200,5 +207,5 @@ def test_a_private_search_keeps_only_the_released_score(tmp_path: Path) -> None:
 
     report = tune(CONFIG, SEARCH, tmp_path, seed=SEED, run_trial=run)
     assert set(report["best"]["scores"]) == {"val/acc"}
-    assert "val/acc_raw" not in (tmp_path / "search_state.json").read_text()
-    assert all(t["steps_run"] == 60 for t in report["trial_status"]), "the score's release is not a training step"
+    assert "val/acc_raw" not in (tmp_path / "private" / "search_state.json").read_text()
+    assert all(t["steps_run"] == 60 for t in _private(tmp_path)["trial_status"]), "the release is not a training step"

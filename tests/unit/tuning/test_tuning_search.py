@@ -69,39 +69,48 @@ def _fake_trial(calls: list[int], crash: set[int] = frozenset(), kill: set[int] 
 
 
 def _state(out: Path) -> dict[str, Any]:
-    return json.loads((out / "search_state.json").read_text())
+    return json.loads((out / "private" / "search_state.json").read_text())
+
+
+def _private(out: Path) -> dict[str, Any]:
+    return json.loads((out / "private" / "private_report.json").read_text())
 
 
 def test_a_search_draws_k_charges_once_and_keeps_the_best(tmp_path: Path) -> None:
     calls: list[int] = []
     report = tune(CONFIG, SPACE, tmp_path, seed=SEED, run_trial=_fake_trial(calls))
+    private = _private(tmp_path)
     k = draw_trials(6.0, 1.0, np.random.default_rng(SEED))  # K is the seed's first draw, before any trial
-    assert report["trials_drawn"] == k == len(calls) == 6 and calls == list(range(k))
+    assert private["trials_drawn"] == k == len(calls) == 6 and calls == list(range(k))
     assert 4.0 * (1 - 1e-3) <= report["epsilon"] <= 4.0
     assert report["epsilon_per_trial"] < report["epsilon"]
-    assert all(t["planned_epsilon"] <= report["epsilon_per_trial"] * (1 + 1e-6) for t in report["trials"])
+    assert all(t["planned_epsilon"] <= report["epsilon_per_trial"] * (1 + 1e-6) for t in private["trials"])
     state = _state(tmp_path)
     assert len(state["search_ledger"]["events"]) == 1 and state["search_ledger"]["events"][0]["type"] == (
         "repeat_and_select"
     )
-    best = report["best"]
-    lrs = [t["params"]["model.init_args.lr"] for t in report["trials"]]
+    best = private["best"]
+    lrs = [t["params"]["model.init_args.lr"] for t in private["trials"]]
     assert best["index"] == int(np.argmin([abs(math.log(lr / 0.1)) for lr in lrs]))
-    assert sorted(p.name for p in (tmp_path / "trials").iterdir()) == [f"{best['index']:03d}"], "losers deleted"
+    assert report["best"] == {"params": best["params"], "scores": best["scores"]}, "the public report: no index"
+    trials = tmp_path / "private" / "trials"
+    assert sorted(p.name for p in trials.iterdir()) == [f"{best['index']:03d}"], "losers deleted"
     kept = yaml.safe_load((tmp_path / "best" / "config.yaml").read_text())
     assert kept["model"]["init_args"]["lr"] == lrs[best["index"]]
     assert "target_epsilon" not in kept["trainer"]["callbacks"][0]["init_args"]
     assert (tmp_path / "best" / "model.ckpt").read_text() == "weights"
     assert json.loads((tmp_path / "best" / "scores.json").read_text()) == best["scores"]
-    assert "K (trials drawn)      6" in (tmp_path / "privacy_report.txt").read_text()
+    assert json.loads((tmp_path / "best" / "search_report.json").read_text()) == report
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["best", "private"]
 
 
 def test_a_crashing_trial_counts_and_is_not_run_again(tmp_path: Path) -> None:
     calls: list[int] = []
-    report = tune(CONFIG, SPACE, tmp_path, seed=SEED, run_trial=_fake_trial(calls, crash={2}))
-    status = {t["index"]: t["status"] for t in report["trial_status"]}
-    assert status[2] == "crashed" and report["trials_run"] == 6
-    assert "RuntimeError: out of memory" in report["trial_status"][2]["error"]
+    tune(CONFIG, SPACE, tmp_path, seed=SEED, run_trial=_fake_trial(calls, crash={2}))
+    private = _private(tmp_path)
+    status = {t["index"]: t["status"] for t in private["trial_status"]}
+    assert status[2] == "crashed" and private["trials_run"] == 6
+    assert "RuntimeError: out of memory" in private["trial_status"][2]["error"]
 
 
 def _epsilon(out: Path) -> float:
@@ -118,13 +127,13 @@ def test_killed_mid_trial_the_search_resumes_with_the_same_draw_and_ledger(tmp_p
     assert [t["status"] for t in before["trials"][:5]] == ["done", "done", "done", "running", "pending"]
     epsilon = _epsilon(tmp_path)
     # Resumed without a seed: K, the trials and the ledger come from the state file, not from a new draw.
-    report = tune(CONFIG, SPACE, tmp_path, run_trial=_fake_trial(calls))
+    tune(CONFIG, SPACE, tmp_path, run_trial=_fake_trial(calls))
     after = _state(tmp_path)
     assert calls == [0, 1, 2, 3, 4, 5], "the interrupted trial counts and is not run again; the others run once"
     assert after["trials"][3]["status"] == "interrupted"
     assert [t["params"] for t in after["trials"]] == [t["params"] for t in before["trials"]]
     assert after["search_ledger"] == before["search_ledger"] and _epsilon(tmp_path) == epsilon
-    assert report["trials_drawn"] == 6 and report["trials_run"] == 6
+    assert _private(tmp_path)["trials_drawn"] == 6 and _private(tmp_path)["trials_run"] == 6
 
 
 def test_killed_between_trials_the_search_resumes_where_it_stopped(
@@ -198,7 +207,7 @@ def test_bad_search_files_are_refused_in_one_line_with_the_fix(
     with pytest.raises(PrivacyConfigError, match=match) as caught:
         tune(CONFIG, {**SPACE, **change}, tmp_path, seed=SEED, run_trial=_fake_trial([]))
     assert "\n" not in str(caught.value) and "HINT: " in str(caught.value)
-    assert not (tmp_path / "search_state.json").exists(), "refused before anything is drawn or charged"
+    assert not (tmp_path / "private" / "search_state.json").exists(), "refused before anything is drawn or charged"
 
 
 def test_the_command_line_refuses_in_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
