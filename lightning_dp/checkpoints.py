@@ -10,10 +10,24 @@ training checkpoints as private as the data, and publish the model from `publish
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
-__all__ = ["publishable_checkpoint"]
+__all__ = ["publishable_checkpoint", "without_privacy_state"]
 
 _SECRET_STATE_OWNERS = ("P3SGD", "DPSGD")
+
+
+def without_privacy_state(checkpoint: dict[str, Any]) -> list[str]:
+    """Removes the DP callbacks' state from a loaded Lightning checkpoint (in place); returns the keys removed.
+
+    Their state holds the noise generator's state, the sampler's seed and the sampler's count of units: none of it may
+    leave with a published model. `publishable_checkpoint` and ``lightning-dp tune``'s ``best/model.ckpt`` use this.
+    """
+    callbacks = checkpoint.get("callbacks", {})
+    removed = [key for key in callbacks if str(key).split("[")[0] in _SECRET_STATE_OWNERS]
+    for key in removed:
+        del callbacks[key]
+    return removed
 
 
 def publishable_checkpoint(source: str | Path, destination: str | Path) -> list[str]:
@@ -37,9 +51,6 @@ def publishable_checkpoint(source: str | Path, destination: str | Path) -> list[
     import torch  # here: the package root must import without torch (the accounting layer is pure math)
 
     checkpoint = torch.load(source, map_location="cpu", weights_only=True)
-    callbacks = checkpoint.get("callbacks", {})
-    removed = [key for key in callbacks if str(key).split("[")[0] in _SECRET_STATE_OWNERS]
-    for key in removed:
-        del callbacks[key]
+    removed = without_privacy_state(checkpoint)
     torch.save(checkpoint, destination)
     return removed

@@ -50,6 +50,7 @@ import numpy as np
 from lightning_dp._plan_config import _number
 from lightning_dp.accounting import PrivacyLedger, RDPAccountant, default_delta
 from lightning_dp.accounting.repeat_select import draw_trials, search_ledger, truncated_negative_binomial_gamma
+from lightning_dp.checkpoints import without_privacy_state
 from lightning_dp.errors import PrivacyConfigError, PrivacyStateError, PrivacyWarning
 from lightning_dp.schedules import ConstantNoise, NoiseSchedule
 from lightning_dp.tuning.outcome import (
@@ -575,7 +576,10 @@ def _scrub(value: Any, pattern: re.Pattern[str], root: str) -> Any:
 
 
 def _publish_checkpoint(source: Path, target: Path, layout: _Layout, index: int, root: str) -> None:
-    """Copies the best trial's checkpoint to ``target`` without its trial folder's path.
+    """Copies the best trial's checkpoint to ``target`` without its trial folder's path or the DP callbacks' state.
+
+    The DP callbacks' state (the noise generator's state, the sampler's seed and count) is removed, as
+    `lightning_dp.checkpoints.publishable_checkpoint` removes it: the published model cannot resume private training.
 
     A Lightning checkpoint holds paths under the folder it was trained in (ModelCheckpoint's ``dirpath`` and
     ``best_model_path``: ``private/trials/NNN/lightning_logs/...``): they name the best trial's index. They are
@@ -595,6 +599,8 @@ def _publish_checkpoint(source: Path, target: Path, layout: _Layout, index: int,
     except Exception:  # noqa: BLE001 - not a torch file: copied byte for byte, then checked like any other
         shutil.copyfile(source, target)
     else:
+        if isinstance(content, dict):  # the noise generator's state and the sampler's seed never leave with the model
+            without_privacy_state(content)
         torch.save(_scrub(content, pattern, root), target)
     data = target.read_bytes()
     markers = [*spellings, str(layout.private.resolve()), f"trials/{index:03d}/"]

@@ -61,7 +61,10 @@ def test_tune_from_the_command_line_keeps_the_best_trial(tmp_path: Path, capsys:
     best, index = report["best"], private["best"]["index"]
     assert "val/acc" in best["scores"] and (out / "best" / "model.ckpt").is_file()
     state = torch.load(out / "best" / "model.ckpt", weights_only=False)
-    privacy = next(v for k, v in state["callbacks"].items() if "P3SGD" in k)
+    # Published without the DP callback's state (noise generator, sampler seed and count): read from the trial's own.
+    assert not any(k.split("[")[0] in ("P3SGD", "DPSGD") for k in state["callbacks"]), list(state["callbacks"])
+    trained = torch.load(out / "private" / private["best"]["checkpoint"], weights_only=False)
+    privacy = next(v for k, v in trained["callbacks"].items() if "P3SGD" in k)
     ledger = PrivacyLedger("patient", 1e-5)
     ledger.load_state_dict(privacy["ledger"])
     assert ledger.steps == private["trials"][index]["steps"]
@@ -94,7 +97,7 @@ def test_tune_on_private_validation_patients_releases_each_score_under_its_charg
     assert trial["status"] == "done" and trial["error"] is None, trial
     assert set(report["best"]["scores"]) == {"val/acc"}
     # The trial's ε holds the score's Gaussian beside the training the checkpoint's ledger holds.
-    state = torch.load(tmp_path / "search" / "best" / "model.ckpt", weights_only=False)
+    state = torch.load(tmp_path / "search" / "private" / private["best"]["checkpoint"], weights_only=False)
     privacy = next(v for k, v in state["callbacks"].items() if "P3SGD" in k)
     training = PrivacyLedger("patient", 1e-5)
     training.load_state_dict(privacy["ledger"])
