@@ -19,7 +19,8 @@ import inspect
 import json
 import os
 import shutil
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
@@ -222,9 +223,15 @@ class SyntheticCache:
         """
         if self.is_current(overwrite):
             return self.manifest
-        self.clear(overwrite)
-        rows = write_patients(write_patient, num_patients)
-        return self.finish(rows)
+        self.root.mkdir(parents=True, exist_ok=True)
+        with _exclusive(self.root / ".synthetic.lock"):
+            # Another process (two trainings, a search's workers, two test workers) may have written it meanwhile:
+            # one builder at a time, and each looks again once it holds the lock.
+            if self.is_current(overwrite):
+                return self.manifest
+            self.clear(overwrite)
+            rows = write_patients(write_patient, num_patients)
+            return self.finish(rows)
 
     def is_current(self, overwrite: bool) -> bool:
         """Whether ``root`` holds this data set, complete (nothing to write unless ``overwrite``)."""
@@ -268,6 +275,22 @@ class SyntheticCache:
             writer.writerows(rows)
         self.info.write_text(json.dumps(self.params, indent=2, sort_keys=True) + "\n")
         return self.manifest
+
+
+@contextmanager
+def _exclusive(path: Path) -> Iterator[None]:
+    """Holds an exclusive lock on ``path`` (created if missing) across processes; no lock where ``fcntl`` is missing."""
+    try:
+        import fcntl
+    except ImportError:  # Windows: one builder per cache is the user's to ensure
+        yield
+        return
+    with path.open("a") as handle:
+        fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
 
 
 def write_patients(write_patient: Callable[[int], Iterable[_Row]], num_patients: int) -> list[_Row]:
