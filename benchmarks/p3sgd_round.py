@@ -44,6 +44,8 @@ class PatientData(pl.LightningDataModule):
     def __init__(self, dataset: PatientImageDataset) -> None:
         super().__init__()
         self.train_dataset = dataset
+        # N declared: the benchmark's own setting (its random patients are generated from it, `random_patients`).
+        self.declared_num_patients = dataset.num_patients
 
     def train_dataloader(self) -> DataLoader:  # type: ignore[type-arg]
         return DataLoader(self.train_dataset, batch_size=16)

@@ -57,6 +57,7 @@ class Digits(pl.LightningDataModule):
         x_train, x_test, y_train, y_test = train_test_split(x / 16.0, y, test_size=0.2, random_state=0, stratify=y)
         self.train_dataset = TensorDataset(torch.tensor(x_train, dtype=torch.float32), torch.tensor(y_train))
         self.test_dataset = TensorDataset(torch.tensor(x_test, dtype=torch.float32), torch.tensor(y_test))
+        self.declared_num_samples = 1437  # N, public: scikit-learn's 1,797 digits less the fixed 20 % test split
 
     def train_dataloader(self) -> DataLoader[Any]:
         return DataLoader(self.train_dataset, batch_size=64, shuffle=True)
