@@ -381,9 +381,15 @@ class DPSGD(DPCallback):
         )
 
     def _warn_if_views_are_identical(self) -> None:
-        """Warns if two fetches of training sample 0 are equal (no random transform: K identical views)."""
+        """Warns if two fetches of training sample 0 are equal (no random transform: K identical views).
+
+        Sample 0 is private and may be unreadable: then nothing is said (the start must not depend on one image).
+        """
         dataset = self._fit.dataset
-        first, second = tensor_leaves(dataset[0]), tensor_leaves(dataset[0])
+        try:
+            first, second = tensor_leaves(dataset[0]), tensor_leaves(dataset[0])
+        except Exception:  # noqa: BLE001 - an unreadable sample 0: no warning, and its error is not shown
+            return
         if first and len(first) == len(second) and all(torch.equal(a, b) for a, b in zip(first, second)):
             views = self.augmentation_multiplicity
             rank_zero_warn(
