@@ -12,10 +12,17 @@ import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 # torch-free (the package's __init__ imports accounting anyway); Lightning and torch are imported by the commands
 # that need them, so that `plan` and `--help` answer in about a second.
+from lightning_dp._cli_help import (
+    AUDIT_DESCRIPTION,
+    LIGHTNING_COMMANDS,
+    PLAN_DESCRIPTION,
+    TUNE_DESCRIPTION,
+    OneLineParser,
+)
 from lightning_dp.accounting import (
     NoisePreflight,
     calibrate_noise_multiplier,
@@ -42,30 +49,6 @@ __all__ = [
     "main",
     "plan_main",
 ]
-
-#: The LightningCLI subcommands, with the one-line descriptions ``lightning-dp --help`` shows.
-LIGHTNING_COMMANDS = {
-    "fit": "Train a model from a config (LightningCLI); its DPSGD/P3SGD callback makes it private.",
-    "validate": "Run one evaluation epoch over the validation set (LightningCLI).",
-    "test": "Run one evaluation epoch over the test set (LightningCLI).",
-    "predict": "Run inference on your data (LightningCLI).",
-}
-PLAN_DESCRIPTION = "Privacy planning: ε for a configuration, or the noise / steps that fit a target ε."
-#: Here rather than in ``lightning_dp.audit.cli`` (which imports torch): ``lightning-dp --help`` lists it.
-AUDIT_DESCRIPTION = "Empirical privacy audit: an ε lower bound from a canary, beside the accountant's ε."
-TUNE_DESCRIPTION = (
-    "Private hyperparameter search: K random trials of a config, the best kept, the whole search charged."
-)
-
-
-class OneLineParser(argparse.ArgumentParser):
-    """The parser of a sub-command (``lightning-dp plan``, ``lightning-dp audit``).
-
-    Bad arguments: one line on stderr that names the sub-command's ``--help``, exit status 2.
-    """
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def _plan_parser() -> argparse.ArgumentParser:

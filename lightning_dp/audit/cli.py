@@ -22,15 +22,15 @@ from typing import Any, NoReturn
 
 import numpy as np
 
+from lightning_dp._cli_help import AUDIT_DESCRIPTION, OneLineParser
 from lightning_dp.audit.blackbox import MembershipAudit
 from lightning_dp.audit.whitebox import StepAudit, StepAuditResult
-from lightning_dp.cli import AUDIT_DESCRIPTION, OneLineParser
 from lightning_dp.errors import PrivacyConfigError
 from lightning_dp.schedules import NoiseSchedule
 
 __all__ = ["DESCRIPTION", "audit_main"]
 
-DESCRIPTION = AUDIT_DESCRIPTION  # defined in lightning_dp.cli, so that `lightning-dp --help` does not import torch
+DESCRIPTION = AUDIT_DESCRIPTION  # in lightning_dp._cli_help, so that `lightning-dp --help` does not import torch
 
 
 def _parser() -> argparse.ArgumentParser:

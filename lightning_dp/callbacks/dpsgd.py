@@ -19,7 +19,7 @@ that mean is clipped to C. The sample, the sensitivity C and so the ε are those
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -381,9 +381,15 @@ class DPSGD(DPCallback):
         )
 
     def _warn_if_views_are_identical(self) -> None:
-        """Warns if two fetches of training sample 0 are equal (no random transform: K identical views)."""
+        """Warns if two fetches of training sample 0 are equal (no random transform: K identical views).
+
+        Sample 0 is private and may be unreadable: then nothing is said (the start must not depend on one image).
+        """
         dataset = self._fit.dataset
-        first, second = tensor_leaves(dataset[0]), tensor_leaves(dataset[0])
+        try:
+            first, second = tensor_leaves(dataset[0]), tensor_leaves(dataset[0])
+        except Exception:  # noqa: BLE001 - an unreadable sample 0: no warning, and its error is not shown
+            return
         if first and len(first) == len(second) and all(torch.equal(a, b) for a, b in zip(first, second)):
             views = self.augmentation_multiplicity
             rank_zero_warn(
@@ -522,7 +528,9 @@ class DPSGD(DPCallback):
             for k, chunk in enumerate(batch.chunks):
                 first = k * self.max_physical_batch_size
                 size = min(self.max_physical_batch_size, batch.size - first)
-                keys = [i for i in batch.indices[first : first + size] for _ in range(self.augmentation_multiplicity)]
+                # Each sample's stream key (its dataset's sample_key, else its index); a batch built by hand has none.
+                samples = (batch.keys or batch.indices)[first : first + size]
+                keys = [key for key in samples for _ in range(self.augmentation_multiplicity)]
                 result = self._accumulate_chunk(chunk, size, k, scale, pl_module, (step.secret, keys))
                 stats += ClipStats(size, result.clipped, result.norm_sum, result.nonfinite)
             changed = step.buffers.changed()
@@ -606,7 +614,7 @@ class DPSGD(DPCallback):
         index: int,
         scale: list[float],
         pl_module: pl.LightningModule,
-        units: tuple[int, list[int]],
+        units: tuple[int, list[Hashable]],
     ) -> Any:
         """Clips one physical chunk into the clipper's sum; with fp16, retries at half the loss scale on overflow.
 
@@ -614,8 +622,9 @@ class DPSGD(DPCallback):
         a fixed public value every step and only shrinks within the step, so nothing about one step's
         data is carried into the next one or into a checkpoint.
 
-        ``units`` is the step's secret and the dataset index of each of the chunk's rows: each row's dropout masks
-        come from its sample's own stream, anything else random in training_step from a secret stream of the chunk,
+        ``units`` is the step's secret and the stream key of each of the chunk's rows (its sample's ``sample_key``,
+        else its dataset index: `lightning_dp.sampling.randomness.sample_key`): each row's dropout masks come from its
+        sample's own stream, anything else random in training_step from a secret stream of the chunk,
         never from the publicly seeded generators. A retry starts the streams afresh: every sample draws what it
         drew in the first attempt, whether or not another sample's overflow forced the retry.
         """

@@ -24,6 +24,7 @@ Example:
     (3, 1)
 """
 
+from lightning_dp.data import datamodule, segmentation_datamodule
 from lightning_dp.data.datamodule import PatientDataModule, RandomRot90, split_patients
 from lightning_dp.data.dataset import PatientImageDataset, PatientSample
 from lightning_dp.data.errors import DataError, DataNotReadyError
@@ -83,3 +84,9 @@ __all__ = [
     "split_patients",
     "synthetic_silhouettes",
 ]
+
+# The synthetic datamodules at their old paths, for one release (issue 34). Set here, where both modules are imported,
+# so that neither datamodule module imports its own subclass back (an import circle, issue 41). Importing either
+# module imports this package first, so the names are there for anyone who imports them.
+datamodule.SyntheticPathologyDataModule = SyntheticPathologyDataModule
+segmentation_datamodule.SyntheticSilhouettesDataModule = SyntheticSilhouettesDataModule

@@ -13,7 +13,7 @@ the training-set loader without augmentation.
 from __future__ import annotations
 
 from collections import Counter
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -31,9 +31,6 @@ from lightning_dp.data.patients import (
     split_patients,
 )
 from lightning_dp.errors import check_count
-
-if TYPE_CHECKING:
-    from lightning_dp.data.synthetic.classification.datamodules import SyntheticPathologyDataModule
 
 __all__ = ["PatientDataModule", "RandomRot90", "SyntheticPathologyDataModule", "split_patients"]
 
@@ -217,14 +214,7 @@ class PatientDataModule(PatientSplitsDataModule[PatientImageDataset]):
         return self._loader(self._train_eval, shuffle=False)
 
 
-def __getattr__(name: str) -> Any:
-    """`SyntheticPathologyDataModule`, which lives in `lightning_dp.data.synthetic.classification` now.
-
-    Kept here for one release (issue 34): importing it at the top would be an import cycle, since it is a
-    `PatientDataModule`.
-    """
-    if name == "SyntheticPathologyDataModule":
-        from lightning_dp.data.synthetic.classification.datamodules import SyntheticPathologyDataModule
-
-        return SyntheticPathologyDataModule
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+#: `SyntheticPathologyDataModule`, at its path before `lightning_dp.data.synthetic.classification`, for one release
+#: (issue 34). The package face (``lightning_dp/data/__init__.py``) sets it once both modules are imported: importing
+#: it here would be an import circle, since it is a `PatientDataModule` (issue 41).
+SyntheticPathologyDataModule: type[PatientDataModule]

@@ -19,7 +19,7 @@ from torch import Tensor
 from torch.utils.data import Dataset
 
 from lightning_dp.data.manifest import ManifestRow, describe_range, in_unit_range, load_image
-from lightning_dp.data.patients import PatientGroups, require_rows
+from lightning_dp.data.patients import PatientGroups, require_rows, source_identity
 from lightning_dp.errors import PrivacyConfigError
 
 __all__ = ["PatientImageDataset", "PatientSample", "Transform"]
@@ -35,10 +35,21 @@ class _ImageStore:
     paths: list[Path | None]
     images: list[Tensor | None] = field(default_factory=list)
     cache: bool = True
+    identities: dict[int, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.images:
             self.images = [None] * len(self.paths)
+
+    def identity(self, index: int) -> str:
+        """What names image ``index`` by itself (`source_identity`: its file, or a digest of an in-memory image)."""
+        found = self.identities.get(index)
+        if found is None:
+            path, image = self.paths[index], self.images[index]
+            source = path if path is not None else image
+            assert source is not None  # in-memory images are always stored
+            found = self.identities[index] = source_identity(source)
+        return found
 
     def get(self, index: int) -> Tensor:
         image = self.images[index]
@@ -191,6 +202,24 @@ class PatientImageDataset(PatientGroups, Dataset[PatientSample]):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(num_samples={len(self)}, num_patients={self.num_patients})"
+
+    def sample_key(self, index: int) -> tuple[str, str]:
+        """The key of sample ``index``'s random streams in DP-SGD (`lightning_dp.sampling.randomness.KeyedDataset`).
+
+        Its patient id and its image's own name (`lightning_dp.data.patients.source_identity`: the file's folder and
+        name, or a digest of an image built in memory): unchanged when other images are added or removed, so a
+        sample's augmentation and dropout do not depend on its position in the data set.
+
+        Example:
+            >>> import numpy as np
+            >>> images = np.arange(3 * 4).reshape(3, 2, 2).astype(np.uint8)
+            >>> ds = PatientImageDataset.from_arrays(images, [0, 1, 0], ["a", "b", "a"])
+            >>> inserted = PatientImageDataset.from_arrays(np.concatenate([images[:1], images[1:2] + 100, images[1:]]),
+            ...                                            [0, 1, 1, 0], ["a", "c", "b", "a"])
+            >>> [ds.sample_key(i) for i in range(3)] == [inserted.sample_key(i) for i in (0, 2, 3)]
+            True
+        """
+        return self._patients[index], self._store.identity(self._indices[index])
 
     @property
     def labels(self) -> Tensor:

@@ -25,12 +25,15 @@ Example:
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterable, Sequence
+from pathlib import Path
 from typing import Any, Generic, Protocol, TypeVar
 
 import numpy as np
 import pytorch_lightning as pl
 import torch
+from numpy.typing import NDArray
 from torch import Tensor
 from torch.utils.data import DataLoader
 
@@ -44,6 +47,7 @@ __all__ = [
     "check_loader_arguments",
     "check_split_arguments",
     "require_rows",
+    "source_identity",
     "split_counts",
     "split_patients",
 ]
@@ -66,6 +70,26 @@ def require_rows(rows: Sequence[Any], owner: str) -> None:
             f"`{owner}(rows=[])`: rows must list at least one image (and so one patient), found none. "
             "HINT: check the manifest or the patient ids the dataset was subset to."
         )
+
+
+def source_identity(source: Path | NDArray[Any] | Tensor) -> str:
+    """What names an image (or volume) by itself, for its sample's key: a file's folder and name, or a digest.
+
+    A file is named by the last two parts of its path (``"P0007/P0007_03.png"``): the same in a copy of the data set
+    in another folder, and the same whatever other files are added. An image held in memory is named by a SHA-256
+    digest of its values, shape and dtype. Two images may get the same name (one file name in two folders of one
+    patient, two equal arrays): their samples then draw the same random numbers, which is harmless.
+
+    Example:
+        >>> source_identity(Path("/data/P0007/P0007_03.png")), source_identity(np.zeros((2, 2)))[:7]
+        ('P0007/P0007_03.png', 'sha256:')
+    """
+    if isinstance(source, Path):
+        return "/".join(source.parts[-2:])
+    array = source.detach().cpu().numpy() if isinstance(source, Tensor) else np.asarray(source)
+    digest = hashlib.sha256(f"{array.shape}/{array.dtype}/".encode())
+    digest.update(np.ascontiguousarray(array).tobytes())
+    return f"sha256:{digest.hexdigest()[:32]}"
 
 
 class PatientGroups:

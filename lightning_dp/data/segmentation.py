@@ -40,7 +40,7 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Union
 
@@ -52,7 +52,7 @@ from torch.utils.data import Dataset
 
 from lightning_dp.data.errors import DataError
 from lightning_dp.data.manifest import load_image
-from lightning_dp.data.patients import PatientGroups, require_rows
+from lightning_dp.data.patients import PatientGroups, require_rows, source_identity
 from lightning_dp.data.segmentation_manifest import (
     SEGMENTATION_COLUMNS,
     SegmentationRow,
@@ -108,6 +108,14 @@ class _Store:
     intensity_range: tuple[float, float] | None
     cache: bool = True
     with_masks: bool = True
+    identities: dict[int, str] = field(default_factory=dict)
+
+    def identity(self, k: int) -> str:
+        """What names source ``k``'s image by itself (`source_identity`: its file, or a digest of an array)."""
+        found = self.identities.get(k)
+        if found is None:
+            found = self.identities[k] = source_identity(self.sources[k].image)
+        return found
 
     def read(self, k: int) -> tuple[Tensor, Tensor | None]:
         """The image (C×spatial, stored dtype) and the mask (1×spatial, uint8 in {0, 1}) of source ``k``."""
@@ -313,6 +321,23 @@ class _PatientItems(PatientGroups):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(num_items={len(self)}, num_patients={self.num_patients}, items={self.items!r})"
+
+    def sample_key(self, index: int) -> tuple[str, str, tuple[int, ...]]:
+        """The key of item ``index``'s random streams in DP-SGD (`lightning_dp.sampling.randomness.KeyedDataset`).
+
+        Its patient id, its image's own name (`lightning_dp.data.patients.source_identity`: the file's folder and
+        name, or a digest of an array) and where the item lies in it (the slice or the patch origin; ``()`` for a 2-D
+        image): unchanged when other items are added or removed.
+
+        Example:
+            >>> import numpy as np
+            >>> volume = np.zeros((2, 3, 3), dtype=np.uint8)
+            >>> ds = PatientSegmentationDataset.from_arrays([volume], [volume], ["p"], items="slices", slice_axis=0)
+            >>> ds.sample_key(1)[0], ds.sample_key(1)[2]
+            ('p', (1,))
+        """
+        k, start = self._items[index]
+        return self._patients[index], self._store.identity(k), start
 
     @property
     def positive(self) -> Tensor:

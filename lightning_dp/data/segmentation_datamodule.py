@@ -8,7 +8,7 @@ Teachers are trained on disjoint partitions of the training patients (`teacher_p
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import numpy as np
 from torch import Tensor
@@ -33,9 +33,6 @@ from lightning_dp.data.segmentation import (
     read_segmentation_manifest,
 )
 from lightning_dp.errors import PrivacyConfigError, check_count
-
-if TYPE_CHECKING:
-    from lightning_dp.data.synthetic.segmentation.datamodules import SyntheticSilhouettesDataModule
 
 __all__ = ["SegmentationDataModule", "SyntheticSilhouettesDataModule"]
 
@@ -341,14 +338,7 @@ class SegmentationDataModule(PatientSplitsDataModule[PatientSegmentationDataset]
         return self.public_images_dataloader()
 
 
-def __getattr__(name: str) -> Any:
-    """`SyntheticSilhouettesDataModule`, which lives in `lightning_dp.data.synthetic.segmentation` now.
-
-    Kept here for one release (issue 34): importing it at the top would be an import cycle, since it is a
-    `SegmentationDataModule`.
-    """
-    if name == "SyntheticSilhouettesDataModule":
-        from lightning_dp.data.synthetic.segmentation.datamodules import SyntheticSilhouettesDataModule
-
-        return SyntheticSilhouettesDataModule
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+#: `SyntheticSilhouettesDataModule`, at its path before `lightning_dp.data.synthetic.segmentation`, for one release
+#: (issue 34). The package face (``lightning_dp/data/__init__.py``) sets it once both modules are imported: importing
+#: it here would be an import circle, since it is a `SegmentationDataModule` (issue 41).
+SyntheticSilhouettesDataModule: type[SegmentationDataModule]

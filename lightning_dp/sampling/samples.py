@@ -11,7 +11,7 @@ from its ``rank``: the union over ranks is one Poisson sample at rate q.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -20,7 +20,7 @@ from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
 from lightning_dp.errors import PrivacyConfigError, check_count, check_sample_rate
 from lightning_dp.sampling.patients import inclusion_threshold, secure_seed
-from lightning_dp.sampling.randomness import UnitStreams
+from lightning_dp.sampling.randomness import UnitStreams, sample_key
 
 __all__ = ["LogicalBatch", "PoissonBatches", "PoissonSampleSampler", "identity_collate"]
 
@@ -85,7 +85,8 @@ class PoissonSampleSampler:
         """The secret of step ``step``'s per-sample random streams (augmentation, dropout): from the secret seed.
 
         It seeds `lightning_dp.sampling.randomness.UnitStreams`: each sample's randomness in the step is a function
-        of this secret and the sample's index alone, never of the other samples in the step or of a public seed.
+        of this secret and the sample's key alone (`lightning_dp.sampling.randomness.sample_key`: the dataset's own
+        key, else the index), never of the other samples in the step or of a public seed.
         """
         return _step_seed(self.seed, step, "units")
 
@@ -94,14 +95,16 @@ class LogicalBatch(NamedTuple):
     """One DP step's data on this rank: the step number, its number of samples and its physical chunks (collated).
 
     With augmentation multiplicity K a chunk of s samples holds s·K rows (each sample's K views, consecutive);
-    ``size`` counts samples. ``indices`` are the samples' dataset indices, in the chunks' order (they key each
-    sample's random streams in the step).
+    ``size`` counts samples. ``indices`` are the samples' dataset indices and ``keys`` their stream keys
+    (`lightning_dp.sampling.randomness.sample_key`), in the chunks' order: the keys key each sample's random streams
+    in the step.
     """
 
     step: int
     size: int
     chunks: list[Any]
     indices: tuple[int, ...] = ()
+    keys: tuple[Hashable, ...] = ()
 
 
 class PoissonBatches(IterableDataset[LogicalBatch]):
@@ -118,9 +121,10 @@ class PoissonBatches(IterableDataset[LogicalBatch]):
     sample itself, and so the privacy accounting, is the same as with K = 1.
 
     Each sample is fetched drawing from a random stream of its own (`UnitStreams` keyed by the step's secret,
-    `PoissonSampleSampler.unit_secret`, and the sample's index): its augmentation does not depend on the other
-    samples of the step, nor on the global generators that ``seed_everything`` seeds, in the main process and in
-    DataLoader workers alike.
+    `PoissonSampleSampler.unit_secret`, and the sample's key, `lightning_dp.sampling.randomness.sample_key`: the
+    dataset's ``sample_key(i)`` where it has one, else the index ``i``): its augmentation does not depend on the
+    other samples of the step or of the dataset, nor on the global generators that ``seed_everything`` seeds, in the
+    main process and in DataLoader workers alike.
 
     Args:
         dataset: the map-style training dataset.
@@ -173,13 +177,18 @@ class PoissonBatches(IterableDataset[LogicalBatch]):
         indices: Sequence[int] = self.sampler.local_indices(step).tolist()
         size, views = self.max_physical_batch_size, self.augmentation_multiplicity
         streams = UnitStreams(self.sampler.unit_secret(step), "data")
+        keys = [sample_key(self.dataset, i) for i in indices]
         chunks = [
             self.collate_fn(
-                [item for i in indices[start : start + size] for item in streams.fetch(self.dataset, [i], i, views)]
+                [
+                    item
+                    for i, key in zip(indices[start : start + size], keys[start : start + size])
+                    for item in streams.fetch(self.dataset, [i], key, views)
+                ]
             )
             for start in range(0, len(indices), size)
         ]
-        return LogicalBatch(step, len(indices), chunks, tuple(indices))
+        return LogicalBatch(step, len(indices), chunks, tuple(indices), tuple(keys))
 
     def __iter__(self) -> Iterator[LogicalBatch]:
         info = get_worker_info()

@@ -52,6 +52,7 @@ __all__ = [
     "independence",
     "loss_tensor",
     "public_subsets",
+    "readable",
     "refuse_cause",
     "start_checks",
     "take",
@@ -211,21 +212,46 @@ def _target_signature(item: Any) -> tuple[float, ...]:
     return tuple(signature)
 
 
+def readable(dataset: Any, indices: Iterable[int], limit: int | None = None) -> list[tuple[int, Any]]:
+    """``(i, dataset[i])`` for each of ``indices`` whose read does not raise (the first ``limit`` of them, if given).
+
+    The start-up checks read private training items. One unreadable image (a corrupt file) must not stop the start:
+    run or no run would tell one bit about that image, and across hospitals it would stop the consortium. An item
+    whose read raises is skipped and its error dropped, never shown (its message can quote a path or a value), as a
+    site's round drops a failing patient.
+
+    Example:
+        >>> readable({0: "a", 2: "c"}, [0, 1, 2])
+        [(0, 'a'), (2, 'c')]
+    """
+    found: list[tuple[int, Any]] = []
+    for i in indices:
+        if limit is not None and len(found) >= limit:
+            break
+        try:
+            item = dataset[i]
+        except Exception:  # noqa: BLE001 - whatever the read raises: the item is skipped, its message unseen
+            continue
+        found.append((i, item))
+    return found
+
+
 def diverse_indices(dataset: Any, count: int = 8, scan: int = 256, seed: int = PUBLIC_SEED) -> list[int]:
-    """Up to ``count`` indices whose targets differ as much as possible, from ``scan`` items in a public order.
+    """Up to ``count`` readable indices whose targets differ as much as possible, from ``scan`` items in a public order.
 
     Class-weighted losses couple samples only when a batch holds several classes; on a 5 %-positive
     set a handful of fixed samples are all negatives most of the time. Items are visited in an order
-    drawn from a fixed public seed and picked round-robin over their target signatures.
+    drawn from a fixed public seed and picked round-robin over their target signatures. An item whose read
+    raises is skipped (`readable`): fewer than ``count`` come back when fewer of the scanned items can be read.
     """
     n = len(dataset)
     order = np.random.default_rng(seed).permutation(n)[: min(n, scan)].tolist()
     groups: dict[tuple[float, ...], list[int]] = {}
-    for i in order:
-        groups.setdefault(_target_signature(dataset[i]), []).append(i)
+    for i, item in readable(dataset, order):
+        groups.setdefault(_target_signature(item), []).append(i)
     picked: list[int] = []
     queues = list(groups.values())
-    while len(picked) < min(count, len(order)):
+    while len(picked) < min(count, sum(len(queue) for queue in queues)):
         for queue in queues:
             if queue and len(picked) < count:
                 picked.append(queue.pop(0))
@@ -281,6 +307,8 @@ class IndependenceCheck:
         self.tolerance = tolerance
         self.clipper = PerSampleClipper(module, 1.0, loss_reduction)
         self.clipper.clip_norm = math.inf  # the engine's un-clipped sum: compared with plain autograd
+        #: Batches compared so far (a batch with fewer than two finite samples is passed over, not compared).
+        self.compared = 0
 
     def close(self) -> None:
         self.clipper.remove()
@@ -318,6 +346,7 @@ class IndependenceCheck:
                 batch, size = take_indices(batch, kept, size), len(kept)
                 alone_losses = [alone_losses[i] for i in kept]
                 alone_grads = [alone_grads[i] for i in kept]
+            self.compared += 1
             alone = sum(alone_grads)
             together_loss = self._reduced(self.loss_of(step(batch, 0)), size)
             together = self._gradient(together_loss, params)
@@ -412,8 +441,9 @@ def refuse_cause(name: str, cause: Cause | None) -> None:
 
 
 #: What the start-up check found wrong: the collate_fn mixes samples, the loss's reduction is not the declared one
-#: (or, where it must be shown, could not be read), or one of `IndependenceCheck`'s causes.
-Failure = Literal["collate", "reduction", "coupled", "not_per_sample", "buffers"]
+#: (or, where it must be shown, could not be read), one of `IndependenceCheck`'s causes, or nothing could be checked
+#: ("unchecked": fewer than two training items could be read, or no batch held two samples with finite losses).
+Failure = Literal["collate", "reduction", "coupled", "not_per_sample", "buffers", "unchecked"]
 
 
 @dataclass
@@ -438,10 +468,15 @@ def check_batches(dataset: Any, rolled_targets: bool = True) -> list[list[Any]]:
 
     A batch of items diverse in their targets, random subsets under a public seed, and (``rolled_targets``) the first
     batch with its targets taken from the next item. A batch of one item is doubled.
+    An item whose read raises is left out (`readable`). Fewer than two readable items (of a dataset of two or more):
+    no batches, and the check cannot run (`independence` says so; it never passes unchecked).
     """
     index_sets = [diverse_indices(dataset), *public_subsets(len(dataset))]
-    index_sets = [ix if len(ix) > 1 else ix * 2 for ix in index_sets]
-    item_sets = [[dataset[i] for i in ix] for ix in index_sets]
+    read = [readable(dataset, ix) for ix in index_sets]
+    if len({i for pairs in read for i, _ in pairs}) < min(2, len(dataset)):
+        return []
+    item_sets = [[item for _, item in pairs] for pairs in read if pairs]
+    item_sets = [items if len(items) > 1 else items * 2 for items in item_sets]
     rolled = with_targets_rolled(item_sets[0]) if rolled_targets else None
     if rolled is not None:
         item_sets.append(rolled)
@@ -466,7 +501,8 @@ def independence(
     the sum of its samples' own gradients, all of it computed per sample; no buffer may change from data. Run on a
     float64 copy of the model over the batches of `check_batches`; a model that cannot run in float64 (a dtype its own
     code fixes: ``x.float()``, fp32 constants) is checked on a copy in its own dtype instead, with a looser tolerance.
-    Only pass or fail comes out of it.
+    Only pass or fail comes out of it. An item whose read raises is skipped; when fewer than two items can be read,
+    or no batch holds two samples with finite losses, nothing was checked and it fails (``"unchecked"``).
 
     Args:
         module: the model (a copy is checked; ``share`` is referenced by the copy, not copied).
@@ -488,6 +524,8 @@ def independence(
         UnsupportedModelError: the per-sample engine has no rule for a layer of the copy.
     """
     item_sets = check_batches(dataset, rolled_targets)
+    if not item_sets:  # too few readable items: nothing is checked, so nothing passes
+        return Independence(None, False, "unchecked")
     if not all(collate_is_per_sample(collate, items) for items in item_sets):
         return Independence(None, False, "collate")
     half = any(p.dtype in (torch.float16, torch.bfloat16) for p in module.parameters())
@@ -508,6 +546,9 @@ def independence(
                 if cause is not None:
                     check.close()
                     return Independence(None, float64, cause, found)
+            if check.compared == 0:  # every batch was passed over: the model was not checked
+                check.close()
+                return Independence(None, float64, "unchecked", found)
             return Independence(check, float64, None, found)
         except (RuntimeError, TypeError):  # a dtype the model's own code fixes: retry on a copy in its own dtype
             check.close()
@@ -528,7 +569,7 @@ def start_checks(found: Independence, model_name: str, loss_reduction: LossReduc
         The check, kept open for `check_first_chunk`, and whether it runs in float64.
 
     Raises:
-        PrivacyConfigError: the loss's reduction is not the declared one.
+        PrivacyConfigError: the loss's reduction is not the declared one, or nothing could be checked.
         UnsupportedModelError: a check failed (`refuse_cause`), or ``collate`` mixes samples.
     """
     if found.failure == "collate":
@@ -538,6 +579,13 @@ def start_checks(found: Independence, model_name: str, loss_reduction: LossReduc
             "MixUp or CutMix mixes samples), so one sample would reach the others' gradients, which "
             "per-sample clipping does not bound. HINT: apply per-sample augmentation in the dataset's "
             "__getitem__ and collate with torch.utils.data.default_collate."
+        )
+    if found.failure == "unchecked":
+        raise PrivacyConfigError(
+            "`DPSGD`: the start-up check could not run: fewer than two training samples could be read, or none of "
+            "its batches held two samples with a finite loss, so nothing shows that clipping each sample bounds its "
+            "influence. HINT: check that the training dataset's items can be read (dataset[i] raises for an "
+            "unreadable file) and that the model's loss is finite at its initial weights."
         )
     if found.failure == "reduction":
         raise PrivacyConfigError(

@@ -10,6 +10,7 @@ Each patient's images are fetched drawing from its own stream (`lightning_dp.tra
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from itertools import chain, islice
 
 import torch
 from torch import Tensor
@@ -17,6 +18,7 @@ from torch import Tensor
 from lightning_dp.errors import PrivacyConfigError
 from lightning_dp.sampling.randomness import UnitStreams
 from lightning_dp.training.batches import returned_loss
+from lightning_dp.training.checks import readable
 from lightning_dp.training.patient_rounds import RoundParts, images_loss
 
 __all__ = ["check_returns_loss", "patient_losses", "round_loss"]
@@ -60,14 +62,21 @@ def patient_losses(parts: RoundParts, patients: Sequence[int], streams: UnitStre
 
 @torch.no_grad()
 def check_returns_loss(parts: RoundParts) -> None:
-    """Runs ``training_step`` on two images of the first patient; the model is restored afterwards.
+    """Runs ``training_step`` on two images (the first readable ones, patient by patient); the model is restored.
+
+    An image whose read raises is skipped (`checks.readable`). Fewer than two readable among the first 256: not
+    checked (a loss that is not a scalar still fails the local step's ``backward``).
 
     Raises:
         PrivacyConfigError: it does not return a scalar loss tensor (or ``{"loss": tensor}``).
     """
+    candidates = list(islice(chain.from_iterable(parts.data.groups), 256))
+    items = [item for _, item in readable(parts.data.dataset, candidates, limit=2)]
+    if len(items) < min(2, len(candidates)):
+        return
     state = parts.state
     theta, other = state.vector(), state.snapshot_other_buffers()
-    out = parts.step(parts.data.batch(parts.data.groups[0][:2]), 0)
+    out = parts.step(parts.data.collated(items), 0)
     state.load(theta, other)
     loss = returned_loss(out)
     if not isinstance(loss, Tensor) or loss.numel() != 1:

@@ -69,7 +69,11 @@ _REASONS: dict[Failure, str] = {
     "coupled": "the loss or a layer couples the images of a batch (a class-weighted mean, batch statistics)",
     "not_per_sample": "part of the gradient is not computed per image (a parameter used outside its own layer)",
     "buffers": "training_step changes buffers or frozen parameters of the model",
+    "unchecked": "the start-up check could not read two training images with finite losses",
 }
+#: Why the other start-up checks keep the loop when they cannot read the images they need (a fixed text: the read's
+#: error is never shown).
+_UNREADABLE = "the start-up check could not read the training images it needs"
 
 #: θ_t and the other buffers a round starts every patient from (``state.vector()``, ``state.snapshot_other_buffers()``).
 Start = tuple[Tensor, list[Tensor]]
@@ -508,7 +512,9 @@ class StackedRound(_VectorizedRound):
         if reason is not None:
             return reason
         state, data = parts.state, parts.data
-        picked = diverse_indices(data.dataset)
+        picked = diverse_indices(data.dataset)  # readable images only
+        if len(picked) < min(2, len(data.dataset)):  # one image would make two identical pseudo-patients
+            return _UNREADABLE
         half = max(1, len(picked) // 2)
         pseudo = [picked[:half], picked[half : 2 * half]] if len(picked) >= 2 else [picked, picked]
         theta, other = state.vector(), state.snapshot_other_buffers()
@@ -679,10 +685,17 @@ def random_step_reason(parts: RoundParts) -> str | None:
 
     Checked on two images picked in a public order: a step that draws from torch's, NumPy's or Python's global
     generators (a random augmentation inside training_step) would draw one patient's numbers at a position that
-    depends on the other patients of its batch; one by one, each patient draws from its own stream.
+    depends on the other patients of its batch; one by one, each patient draws from its own stream. An image that
+    cannot be read is skipped; with none readable, the loop runs.
     """
     state, step = parts.state, parts.step
-    batch = parts.data.batch(diverse_indices(parts.data.dataset)[:2])
+    picked = diverse_indices(parts.data.dataset)[:2]  # readable images only
+    try:
+        batch = parts.data.batch(picked) if picked else None
+    except Exception:  # noqa: BLE001 - a read that failed this time: the loop, and the error is not shown
+        batch = None
+    if batch is None:
+        return _UNREADABLE
     theta, other = state.vector(), state.snapshot_other_buffers()
     try:
         with torch.no_grad():

@@ -21,6 +21,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
 from lightning_dp.callbacks import DPSGD, P3SGD
+from lightning_dp.data import PatientImageDataset, RandomRot90
 from lightning_dp.training.step import PrivateStep
 from tests.helpers.patients import TinyClassifier, TinyPatientDataset
 from tests.helpers.samples import IndexedSamples
@@ -65,10 +66,10 @@ class _Data(pl.LightningDataModule):
 
 
 class _DropoutNet(TinyClassifier):
-    def __init__(self, dropout: bool = True) -> None:
-        super().__init__(batchnorm=False)
+    def __init__(self, dropout: bool = True, dim: int = 8) -> None:
+        super().__init__(dim=dim, batchnorm=False)
         if dropout:
-            self.net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.5), nn.Linear(16, 2))
+            self.net = nn.Sequential(nn.Linear(dim, 16), nn.ReLU(), nn.Dropout(0.5), nn.Linear(16, 2))
 
 
 def _sums(monkeypatch: pytest.MonkeyPatch) -> list[Tensor]:
@@ -84,9 +85,9 @@ def _sums(monkeypatch: pytest.MonkeyPatch) -> list[Tensor]:
     return seen
 
 
-def _fit(root: Path, dropout: bool, callback: pl.Callback, data: pl.LightningDataModule) -> None:
+def _fit(root: Path, dropout: bool, callback: pl.Callback, data: pl.LightningDataModule, dim: int = 8) -> None:
     pl.seed_everything(0, verbose=False)  # what every shipped config does: a public seed
-    model = _DropoutNet(dropout)  # the same initial weights in every run
+    model = _DropoutNet(dropout, dim)  # the same initial weights in every run
     trainer = pl.Trainer(
         max_steps=1,
         callbacks=[callback],
@@ -205,3 +206,115 @@ def test_a_dpsgd_fp16_retry_replays_every_samples_dropout_masks() -> None:
     alone, retried = masks(False), masks(True)
     assert len(outputs) == 2  # the retry ran
     assert torch.equal(alone, retried)
+
+
+# ---------------------------------------------------------------------- a sample inserted in the middle (issue 41)
+class _Inserted(_Augmented, IndexedSamples):
+    """D (``num_samples``) or D' (D with one more sample inserted in the middle: every later index shifts by one).
+
+    The samples name themselves (the sample-key protocol, `lightning_dp.sampling.randomness.sample_key`): sample j of
+    D is "s{j}" in both worlds, the inserted one "inserted".
+    """
+
+    def __init__(self, num_samples: int, insert: bool, augment: bool = True) -> None:
+        super().__init__(num_samples=num_samples + 1)  # generated once: the others are identical in both worlds
+        order = list(range(num_samples))
+        if insert:
+            order.insert(num_samples // 2, num_samples)  # the extra sample, in the middle
+        self.x, self.y = self.x[order], self.y[order]
+        self.ids = [f"s{j}" if j < num_samples else "inserted" for j in order]
+        self.augment = augment
+
+    def __getitem__(self, i: int) -> Any:
+        return super().__getitem__(i) if self.augment else IndexedSamples.__getitem__(self, i)
+
+    def sample_key(self, i: int) -> str:
+        return self.ids[i]
+
+
+class _NoKeys(_Inserted):
+    """The same datasets without the sample-key protocol: DPSGD keys their samples by index."""
+
+    sample_key = None  # type: ignore[assignment]
+
+
+def _dpsgd_inserted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, keyed: bool, augment: bool, dropout: bool
+) -> tuple[float, float]:
+    dataset = _Inserted if keyed else _NoKeys
+
+    def run(root: Path, with_unit: bool) -> None:
+        data = dataset(num_samples=17, insert=with_unit, augment=augment)
+        callback = DPSGD(  # N declared once for both worlds: D and D plus one sample
+            clip_norm=CLIP, noise_multiplier=1.0, sample_rate=1.0, max_physical_batch_size=6, seed=3, num_samples=17
+        )
+        _fit(root, dropout, callback, _Data(data))
+
+    return _moved_by_one_unit(tmp_path, monkeypatch, run)
+
+
+@pytest.mark.parametrize(("augment", "dropout"), [(True, False), (False, True)], ids=["augmentation", "dropout"])
+def test_dpsgd_a_sample_inserted_in_the_middle_moves_the_sum_by_at_most_c(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, augment: bool, dropout: bool
+) -> None:
+    """Issue 41 ("Smaller", item 3): DPSGD keyed a sample's streams by its dataset index. With a fixed seed, one sample
+    inserted in the middle shifted every later sample's index, and so its flips and masks: the sum moved by 6.58·C
+    (augmentation) and 6.44·C (dropout) in the review's audit. A dataset that names its samples (``sample_key``) keys
+    them by name now."""
+    moved, total = _dpsgd_inserted(tmp_path, monkeypatch, keyed=True, augment=augment, dropout=dropout)
+    assert total > 2
+    assert moved <= 1 + 1e-4
+
+
+@pytest.mark.parametrize(("augment", "dropout"), [(True, False), (False, True)], ids=["augmentation", "dropout"])
+def test_dpsgd_without_sample_keys_falls_back_to_the_index(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, augment: bool, dropout: bool
+) -> None:
+    """The fallback: keyed by index, sound only with a secret seed. With this test's fixed seed the inserted sample
+    shifts the others' draws (the premise of the test above: insertion in the middle shows the index keys)."""
+    moved, _ = _dpsgd_inserted(tmp_path, monkeypatch, keyed=False, augment=augment, dropout=dropout)
+    assert moved > 2
+
+
+class _Flattened:
+    """The library's `RandomRot90` and a jitter (``augment``), then the image flattened for the MLP."""
+
+    def __init__(self, augment: bool) -> None:
+        self.augment = augment
+
+    def __call__(self, image: Tensor) -> Tensor:
+        if self.augment:
+            image = RandomRot90()(image)
+            image = image + 0.3 * torch.randn_like(image)
+        return image.reshape(-1)
+
+
+def _library_images(insert: bool, augment: bool) -> PatientImageDataset:
+    """17 in-memory 4×4 images of 6 patients (D), or D with patient P02's fourth image inserted among its others."""
+    images = torch.rand(18, 4, 4, generator=torch.Generator().manual_seed(5)).numpy()
+    labels = [int(image.mean() > 0.5) for image in images]
+    patients = [f"P{k // 3:02d}" for k in range(17)] + ["P02"]
+    order = list(range(17))
+    if insert:
+        order.insert(8, 17)  # between P02's second and third images: every later index shifts
+    return PatientImageDataset.from_arrays(
+        images[order], [labels[j] for j in order], [patients[j] for j in order], transform=_Flattened(augment)
+    )
+
+
+@pytest.mark.parametrize(("augment", "dropout"), [(True, False), (False, True)], ids=["augmentation", "dropout"])
+def test_dpsgd_an_image_inserted_in_a_library_dataset_moves_the_sum_by_at_most_c(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, augment: bool, dropout: bool
+) -> None:
+    """The library's datasets name their samples (`PatientImageDataset.sample_key`: patient id and the image's own
+    name), so DPSGD's draws for one image do not depend on where it lies in the data set."""
+
+    def run(root: Path, with_unit: bool) -> None:
+        callback = DPSGD(  # N declared once for both worlds
+            clip_norm=CLIP, noise_multiplier=1.0, sample_rate=1.0, max_physical_batch_size=6, seed=3, num_samples=17
+        )
+        _fit(root, dropout, callback, _Data(_library_images(with_unit, augment)), dim=16)
+
+    moved, total = _moved_by_one_unit(tmp_path, monkeypatch, run)
+    assert total > 2
+    assert moved <= 1 + 1e-4
