@@ -63,9 +63,11 @@ class ReleaseProbe(pl.Callback):
 
 
 def _dp(engine: Engine) -> DPCallback:
+    # Fixed threads: the resume tests compare runs bit for bit, and on a loaded machine adapt_threads changes the
+    # thread count, and so the round-off, between the full and the resumed run (both failed there before).
     if engine == "p3sgd":
-        return P3SGD(sample_rate=0.3, clip_norm=1.0, local_lr=0.1, seed=7)
-    return DPSGD(clip_norm=1.0, noise_multiplier=1.0, batch_size=10, seed=7)
+        return P3SGD(sample_rate=0.3, clip_norm=1.0, local_lr=0.1, seed=7, adapt_threads=False)
+    return DPSGD(clip_norm=1.0, noise_multiplier=1.0, batch_size=10, seed=7, adapt_threads=False)
 
 
 def _data(engine: Engine) -> pl.LightningDataModule:
