@@ -381,7 +381,7 @@ class DPCallback(pl.Callback):
         check_public_energy(trainer, self.mechanism, self.acceptance)
         found = self._prepare(trainer, pl_module)
         # N is what the consortium or protocol declared, never the data's own count (which one unit changes).
-        units, _ = declared_units(trainer, self.mechanism, self.unit, self._declared_argument(), found)
+        units = declared_units(trainer, self.mechanism, self.unit, self._declared_argument(), found)
         fit.units = units
         for budget in (cb for cb in trainer.callbacks if isinstance(cb, PrivacyBudget)):  # type: ignore[attr-defined]
             if self._budget is None:

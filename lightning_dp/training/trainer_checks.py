@@ -142,10 +142,8 @@ def refuse_budget_conflicts(
         )
 
 
-def declared_units(
-    trainer: pl.Trainer, mechanism: str, unit: PrivacyUnit, argument: int | None, found: int
-) -> tuple[int, str]:
-    """N, the number of training units declared public before the data are counted, and where it was declared.
+def declared_units(trainer: pl.Trainer, mechanism: str, unit: PrivacyUnit, argument: int | None, found: int) -> int:
+    """N, the number of training units declared public before the data are counted.
 
     The callback's own argument (``P3SGD(num_patients=…)``, ``DPSGD(num_samples=…)``), else the datamodule's
     ``declared_num_patients`` / ``declared_num_samples`` (a number its configuration fixes before any data are read:
@@ -182,7 +180,7 @@ def declared_units(
             f"publish it. HINT: declare the count your protocol fixes for this cohort.",
             category=PrivacyWarning,
         )
-    return declared, source
+    return declared
 
 
 def resolve_delta(
