@@ -254,15 +254,18 @@ class MembershipAudit:
         torch.manual_seed(self.run_seed(run, "model"))  # a public initialization
         return nn.Sequential(nn.Linear(self.features, self.hidden), nn.Tanh(), nn.Linear(self.hidden, CLASSES))
 
-    def train(self, run: int, x: Tensor, y: Tensor) -> tuple[nn.Module, PrivacyLedger]:
+    def train(self, run: int, x: Tensor, y: Tensor, declared: int | None = None) -> tuple[nn.Module, PrivacyLedger]:
         """One model on (x, y); the ledger of what it was charged (empty when not private).
 
         At patient level x is (patients, k, features): trained by P3SGD rounds, or, with
-        ``training="sample"``, its images by DP-SGD.
+        ``training="sample"``, its images by DP-SGD. ``declared``: N in the units x holds (patients at patient level),
+        declared once for every run (the population and every canary), never the run's own count; default len(x).
         """
+        declared = len(x) if declared is None else declared
         if self.level == "patient" and self.training == "patient":
-            return self._train_patients(run, x, y)
-        return self._train_samples(run, x.reshape(-1, self.features), y.reshape(-1))
+            return self._train_patients(run, x, y, declared)
+        per_unit = x.shape[1] if self.level == "patient" else 1
+        return self._train_samples(run, x.reshape(-1, self.features), y.reshape(-1), declared * per_unit)
 
     def _private_step(self, ledger: PrivacyLedger, run: int) -> PrivateStep:
         """The run's private step: a Gaussian release at the configured clip, rate and noise, charged to ``ledger``."""
@@ -275,12 +278,12 @@ class MembershipAudit:
         )
         return PrivateStep(release)
 
-    def _train_samples(self, run: int, x: Tensor, y: Tensor) -> tuple[nn.Module, PrivacyLedger]:
+    def _train_samples(self, run: int, x: Tensor, y: Tensor, declared: int) -> tuple[nn.Module, PrivacyLedger]:
         model = self._model(run)
         ledger = PrivacyLedger("sample", self.delta)
         sampler = PoissonSampleSampler(len(x), self.sample_rate, seed=self.run_seed(run, "sampler"))
         optimizer = torch.optim.SGD(model.parameters(), lr=self.lr)
-        normalizer = sampler.expected_batch_size
+        normalizer = self.sample_rate * declared  # q·N with N declared, as DPSGD: never the run's own count
         params = dict(model.named_parameters())
         if self.private:
             step = self._private_step(ledger, run)
@@ -308,12 +311,12 @@ class MembershipAudit:
                 optimizer.step()
         return model, ledger
 
-    def _train_patients(self, run: int, x: Tensor, y: Tensor) -> tuple[nn.Module, PrivacyLedger]:
+    def _train_patients(self, run: int, x: Tensor, y: Tensor, declared: int) -> tuple[nn.Module, PrivacyLedger]:
         """P3SGD rounds (one noise scale, server rate 1) over patients x: (patients, k, features)."""
         model = self._model(run)
         ledger = PrivacyLedger("patient", self.delta)
         sampler = PoissonPatientSampler(len(x), self.sample_rate, seed=self.run_seed(run, "sampler"))
-        normalizer = sampler.expected_count  # q·N_p, as P3SGD: never the private count of the round
+        normalizer = self.sample_rate * declared  # q·N_p with N declared, as P3SGD: never this run's own count
         state = ModelState(model)
         names = [name for name, p in model.named_parameters() if p.requires_grad]
         step = None
@@ -359,7 +362,10 @@ class MembershipAudit:
         ledger: PrivacyLedger | None = None
         for run in range(self.runs):
             keep = coins[run]
-            model, ledger = self.train(run, torch.cat([x, cx[run][keep]]), torch.cat([y, cy[run][keep]]))
+            # N declared once for every run: the population and all its canaries (a run holds those its coins kept).
+            model, ledger = self.train(
+                run, torch.cat([x, cx[run][keep]]), torch.cat([y, cy[run][keep]]), len(x) + len(cx[run])
+            )
             with torch.no_grad():
                 logits = model(cx[run])  # (canaries, [k,] classes)
                 losses = F.cross_entropy(logits.reshape(-1, CLASSES), cy[run].reshape(-1), reduction="none")

@@ -50,6 +50,9 @@ class Site:
         seed: the seed of the site's patient sampler and of its patients' random streams; ``None`` (default) draws
             one from the OS CSPRNG. It never leaves the site.
         vectorize: ``"auto"`` runs the round batched or stacked where that is exactly the loop (`choose_round`).
+            Its round is re-done patient by patient when a patient's update raises, so a site's worst-case time is
+            the vectorized attempt plus the loop: set the deadline for that. ``False`` (default): the loop, one pass,
+            each patient's failure isolated.
         images_per_pass: the most images in one batched pass or stacked local step.
         noise_std: with the noise at the sites (`FederatedServer(noise_at="sites")`), the std of this site's share,
             z·C/√m (`lightning_dp.federated.share_std`, from the consortium's public settings, never from the
@@ -235,13 +238,19 @@ class Site:
             # A LightningModule's `self.log` in training_step has no Trainer here: what it would log is private
             # and stays unlogged (Lightning warns about it at every call).
             warnings.filterwarnings("ignore", message=r"You are trying to `self.log\(\)`")
-            try:
-                stats = self.round.add_clipped(patients, clipped_sum, secret, start)
-                if stats is None:  # the vectorized round could not run this round: the loop re-does it
-                    LoopRound(self.parts).add_clipped(patients, clipped_sum, secret, start)
-            except Exception:  # noqa: BLE001 - one patient's data must not drop the site (see _one_by_one)
-                clipped_sum.zero_()
+            if isinstance(self.round, LoopRound):
+                # One pass, each patient on its own: a patient whose update raises costs its own time only. (Re-doing
+                # the round after a failure would double the site's time, and one failing patient could then make
+                # the site miss the deadline: its silence would depend on that patient.)
                 self._one_by_one(patients, clipped_sum, secret, start)
+            else:
+                try:
+                    stats = self.round.add_clipped(patients, clipped_sum, secret, start)
+                    if stats is None:  # the vectorized round could not run this round: the loop re-does it
+                        LoopRound(self.parts).add_clipped(patients, clipped_sum, secret, start)
+                except Exception:  # noqa: BLE001 - one patient's data must not drop the site (see _one_by_one)
+                    clipped_sum.zero_()
+                    self._one_by_one(patients, clipped_sum, secret, start)
         state.load(*start)
         if bound is not None:
             norm = float(clipped_sum.double().norm())

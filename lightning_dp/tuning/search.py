@@ -29,9 +29,11 @@ logs are deleted as soon as a better trial replaces them (``keep_trials=True`` k
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 import json
+import logging
 import math
 import os
 import re
@@ -40,7 +42,7 @@ import shutil
 import tempfile
 import time
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass, is_dataclass
 from pathlib import Path, PurePath
 from typing import Any, Literal
@@ -487,12 +489,33 @@ def _better(score: float, best: float | None, mode: str) -> bool:
     return best is None or (score > best if mode == "max" else score < best)
 
 
+@contextlib.contextmanager
+def _console_to(path: Path) -> Iterator[None]:
+    """What a trial prints goes to its own private log: the console of a search would otherwise count its trials (K).
+
+    Standard output and error, warnings, and Lightning's info lines (its loggers hold the original stream, so they are
+    held at WARNING meanwhile; what they still print is a warning, not a trial's report).
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    loggers = [logging.getLogger(name) for name in ("pytorch_lightning", "lightning.pytorch", "lightning_fabric")]
+    levels = [logger.level for logger in loggers]
+    with path.open("a") as log, contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
+        for logger in loggers:
+            logger.setLevel(max(logger.getEffectiveLevel(), logging.WARNING))
+        try:
+            yield
+        finally:
+            for logger, level in zip(loggers, levels):
+                logger.setLevel(level)
+
+
 def _run_one(state: dict[str, Any], trial: dict[str, Any], layout: _Layout, runner: TrialRunner) -> list[Path]:
     """Runs ``trial`` and updates ``state``; returns the folders no longer needed (removed once the state is saved)."""
     trial_folder = layout.trial(trial["index"])
     base = _ledger(state["base"]["ledger"])
     try:
-        outcome = runner(trial_folder / "config.yaml", trial_folder)
+        with _console_to(trial_folder / "console.log"):
+            outcome = runner(trial_folder / "config.yaml", trial_folder)
     except Exception as err:  # noqa: BLE001 - a crashing trial is a trial: counted, its output discarded
         message = str(err).splitlines()[0] if str(err) else ""
         trial["status"], trial["error"] = "crashed", f"{type(err).__name__}: {message}"

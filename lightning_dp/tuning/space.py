@@ -44,6 +44,8 @@ PRIVACY_KEYS = frozenset(
         "loss_bound",
         "acceptance",
         "seed",
+        "num_patients",  # N, declared once for the whole search: q = batch_size/N and δ are planned from it
+        "num_samples",
     }
 )
 _DP_CALLBACKS = frozenset({"DPSGD", "P3SGD"})

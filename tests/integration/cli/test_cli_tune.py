@@ -50,6 +50,10 @@ def test_tune_from_the_command_line_keeps_the_best_trial(tmp_path: Path, capsys:
     printed = capsys.readouterr().out
     assert "ε (whole search)" in printed and "K stays hidden" in printed and "publish best/ only" in printed
     assert "K (trials drawn)" not in printed and "trials run" not in printed, "the printed report does not give K"
+    # Each trial's own output (its fit's privacy report) is in its private log, not on the console, which would
+    # count the trials.
+    logs = sorted((out / "private" / "trials").glob("*/console.log"))
+    assert "privacy report" in logs[0].read_text().lower() and "Privacy report" not in printed
     report = json.loads((out / "best" / "search_report.json").read_text())
     private = json.loads((out / "private" / "private_report.json").read_text())
     assert private["trials_drawn"] == 2 and "trials_drawn" not in report

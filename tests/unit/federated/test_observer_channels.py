@@ -131,3 +131,25 @@ def test_an_overweight_reply_is_refused_naming_the_bound_not_the_replys_norm() -
     outcome = server.round({"a": torch.full((74,), 1.0)}, bounds={"a": server.reply_bound})
     assert outcome.refused == {"a": "its sum weighs more than the bound 2: the site does not clip to C"}
     assert "8.6" not in outcome.refused["a"]  # the reply's norm, a private number, is not printed
+
+
+def test_a_failing_patient_costs_its_own_work_only_never_a_second_pass_over_the_others() -> None:
+    # The fifth review: a patient whose update raised made the site re-run its whole round patient by patient, so the
+    # site's time doubled and one patient could make it miss a deadline set from the public worst case. Now the loop
+    # is one pass with each patient's failure isolated: the others' local steps are counted once.
+    def steps_taken(failing: bool) -> int:
+        site = _site("a", 6, False, LocalSGD(lr=0.2, batch_size=8), seed=4)
+        calls = [0]
+        step = site.parts.step
+
+        def counted(batch: Any, batch_idx: int) -> Any:
+            calls[0] += 1
+            if failing and bool((batch[0] == site.parts.data.dataset.x[15]).all(dim=1).any()):
+                raise RuntimeError("patient a-5's scan is corrupt")  # the last patient's update raises
+            return step(batch, batch_idx)
+
+        site.parts.step = counted
+        site.reply(site.parts.state.vector(), 0)
+        return calls[0]
+
+    assert steps_taken(failing=True) == steps_taken(failing=False) == 6  # q = 1: six patients, one step each
