@@ -44,7 +44,9 @@ class PatientData(pl.LightningDataModule):
     def __init__(self, dataset: PatientImageDataset) -> None:
         super().__init__()
         self.train_dataset = dataset
-        # N declared: the benchmark's own setting (its random patients are generated from it, `random_patients`).
+        # N declared: the benchmark's own setting (`random_patients` generates exactly that many). Your own data's N
+        # is the number your protocol fixes, never a count of the data: see docs/getting-started.md.
+        # (A benchmark's random patients are generated from its count, so reading it back here declares nothing new.)
         self.declared_num_patients = dataset.num_patients
 
     def train_dataloader(self) -> DataLoader:  # type: ignore[type-arg]

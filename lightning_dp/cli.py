@@ -269,8 +269,13 @@ def _plan_with_config(args: argparse.Namespace) -> dict[str, Any]:
 
     def read_units() -> None:
         nonlocal units_source
-        args.units = units_from_data(config)
-        units_source = f"training {config.unit}s of {config.data['class_path'].rpartition('.')[2]}"
+        args.units = units_from_data(config)  # declared, never counted: as fit reads it
+        key = "num_patients" if config.mechanism == "P3SGD" else "num_samples"
+        units_source = (
+            f"{config.mechanism}({key}), declared in the config"
+            if config.declared_units is not None
+            else f"declared by {config.data['class_path'].rpartition('.')[2]}"
+        )
 
     if args.sample_rate is None and args.batch_size is None:
         if config.sample_rate is not None:
@@ -281,14 +286,14 @@ def _plan_with_config(args: argparse.Namespace) -> dict[str, Any]:
             assert config.batch_size is not None
             if config.batch_size > args.units:
                 raise PrivacyConfigError(
-                    f"`{owner}`: DPSGD(batch_size={config.batch_size}) is larger than the {args.units} training "
-                    "samples. HINT: the expected batch is a part of the data set."
+                    f"`{owner}`: DPSGD(batch_size={config.batch_size}) is larger than the declared N = {args.units} "
+                    "training samples. HINT: the expected batch is a part of the data set."
                 )
             args.batch_size = config.batch_size
     delta_source = None
     if args.delta is None and config.delta is not None:
         args.delta, delta_source = config.delta, f"the config's {config.delta_source}"
-    elif args.delta is None and args.units is None and config.data is not None:
+    elif args.delta is None and args.units is None and (config.data is not None or config.declared_units is not None):
         read_units()  # the callback's default δ depends on N
     args.accountant = args.accountant or config.accountant
     args.clip_norm = args.clip_norm if args.clip_norm is not None else config.clip_norm
