@@ -26,6 +26,7 @@ from lightning_dp.training.patient_rounds import (
     PatientRound,
     RoundParts,
     choose_round,
+    patient_groups,
 )
 
 __all__ = ["SITE_MAX_IMAGES", "Site"]
@@ -48,7 +49,9 @@ class Site:
             the site answers before the server's deadline never depends on how many images one patient has.
         sample_rate: q, the probability that each of the site's patients joins a round (the same at every site).
         seed: the seed of the site's patient sampler and of its patients' random streams; ``None`` (default) draws
-            one from the OS CSPRNG. It never leaves the site.
+            one from the OS CSPRNG. It never leaves the site. A patient's random streams (image order, the images
+            drawn under ``max_images``, augmentation) are keyed by the secret and the patient's **id**
+            (``parts.data.keys``), not by its position: adding or removing another patient leaves them as they were.
         vectorize: ``"auto"`` runs the round batched or stacked where that is exactly the loop (`choose_round`).
         images_per_pass: the most images in one batched pass or stacked local step.
         noise_std: with the noise at the sites (`FederatedServer(noise_at="sites")`), the std of this site's share,
@@ -128,9 +131,15 @@ class Site:
     ) -> Site:
         """A site from the user's LightningModule and the hospital's patient DataModule, as `P3SGD` reads them.
 
-        The DataModule's training set must say which images are whose (``patient_to_indices``: patient id → image
-        indices, as the library's patient datasets do); its training loader's ``collate_fn`` makes the batches. The
-        module's own ``training_step`` is the local loss.
+        The DataModule's training set must say which images are whose (``patient_to_indices``, as the library's
+        patient datasets do); its training loader's ``collate_fn`` makes the batches. The module's own
+        ``training_step`` is the local loss.
+
+        Each patient is keyed by its **real id**: with the library's patient datasets (`lightning_dp.data`), whose
+        ``patient_to_indices`` numbers the patients 0…N−1, the id is ``dataset.patient_ids[k]`` (the manifest's
+        ``patient_id``), never the number k, which every site has. The key is what `id_digests` hashes (so the
+        start-up check compares the patients' real ids across sites) and what keys each patient's random streams.
+        A training set without ``patient_ids`` keys the patients by ``patient_to_indices``' own keys.
 
         Example:
             >>> import tempfile
@@ -152,12 +161,10 @@ class Site:
                 "(no `patient_to_indices`), so no patient can be the unit. HINT: use a patient dataset "
                 "(lightning_dp.data), or add a dict patient id → image indices as `patient_to_indices`."
             )
-        groups_of = dataset.patient_to_indices
-        try:
-            keys = sorted(groups_of)
-        except TypeError:
-            keys = list(groups_of)
-        groups = [[int(i) for i in groups_of[key]] for key in keys]
+        groups, keys = patient_groups(dataset)
+        ids = getattr(dataset, "patient_ids", None)
+        if ids is not None and keys == list(range(len(ids))):  # numbered 0…N−1: key k is patient_ids[k]
+            keys = [str(pid) for pid in ids]
         collate = loader.collate_fn or default_collate
         data = PatientData(dataset, groups, keys, collate)
         parts = RoundParts(module, ModelState(module), module.training_step, data, local or LocalSGD(), clip_norm)
@@ -192,6 +199,9 @@ class Site:
 
     def id_digests(self, key: bytes, salt: str = "") -> list[str]:
         """HMAC-SHA-256 of each patient id under the consortium's ``key`` and a per-run ``salt``: finds shared ids.
+
+        The ids are the patients' real ids (``parts.data.keys``; `from_lightning` takes the dataset's
+        ``patient_ids``), never their positions, which every site shares.
 
         Sites that share a key the server does not hold let the server compare digests; without the key the server
         cannot test a guessed id. The key must come from each site's own settings (its node config or a file), never

@@ -7,13 +7,20 @@ and N); dp-accounting's RDP accountant for the hospital-level ε.
 
 from __future__ import annotations
 
+import logging
+from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, RecordDict
 
+from PIL import Image
+from torch import nn
+
 from lightning_dp.accounting import PrivacyLedger, RDPAccountant
+from lightning_dp.data import PatientDataModule, PatientImageDataset
 from lightning_dp.errors import PrivacyBudgetExceededError, PrivacyConfigError, PrivacyStateError
 from lightning_dp.federated import FederatedServer, Site, calibrated_multiplier, share_std
 from lightning_dp.federated.flower import FederatedRoundError, FederatedStartError, LocalGrid, run_rounds, site_app
@@ -390,3 +397,79 @@ def test_a_request_that_went_out_counts_even_if_the_server_crashes_before_its_re
     assert restarted.seen_shares == [share_std(1.1, CLIP, 3)] and restarted.requests == 1
     server.round({"a": torch.zeros(74)}, {"a": share_std(1.1, CLIP, 3) / 2})  # the replies replace the entry
     assert server.seen_shares == [share_std(1.1, CLIP, 3) / 2]
+
+
+# ---------------------------------------------------------------- patient ids from a hospital's manifest (issue 42 §1)
+class _TinyClassifier(nn.Module):
+    """Reads the library's patient batches, ``(images, labels, patients)``, of 3×4×4 images."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = nn.Linear(3 * 4 * 4, 2)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        images, labels = batch[0], batch[1]
+        return nn.functional.cross_entropy(self.fc(images.flatten(1)), labels)
+
+
+def _manifest(folder: Path, ids: list[str], images_per_patient: int = 2) -> Path:
+    """A hospital's manifest (``path,label,patient_id``) over tiny PNGs, one folder per hospital."""
+    folder.mkdir(parents=True)
+    rows = ["path,label,patient_id"]
+    rng = np.random.default_rng(len(ids))
+    for pid in ids:
+        for k in range(images_per_patient):
+            name = f"{pid}_{k}.png"
+            Image.fromarray(rng.integers(0, 256, (4, 4, 3), dtype=np.uint8)).save(folder / name)
+            rows.append(f"{name},{k % 2},{pid}")
+    path = folder / "manifest.csv"
+    path.write_text("\n".join(rows) + "\n")
+    return path
+
+
+def _manifest_grid(tmp_path: Path, ids: dict[str, list[str]]) -> LocalGrid:
+    def make(context: Context) -> Site:
+        datamodule = PatientDataModule(
+            manifest=str(context.node_config["manifest"]), batch_size=4, val_fraction=0.0, test_fraction=0.0,
+            augment=False,
+        )
+        return Site.from_lightning(
+            str(context.node_config["site"]), _TinyClassifier(), datamodule, sample_rate=0.5, clip_norm=CLIP, seed=1
+        )
+
+    nodes = [{"site": name, "manifest": str(_manifest(tmp_path / name, pids))} for name, pids in ids.items()]
+    return LocalGrid(site_app(make, id_key=lambda context: KEY), nodes)
+
+
+def test_sites_built_from_manifests_compare_their_real_patient_ids(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Before the fix, `Site.from_lightning` keyed the patients by the dataset's numbering 0…N−1, which every site
+    # has: two hospitals with disjoint ids were refused ("5 patient id(s) appear at more than one site") and two
+    # sharing ids were refused by chance of their counts, not their ids.
+    caplog.set_level(logging.DEBUG)
+    disjoint = {"north": [f"MRN-N{k:03d}" for k in range(5)], "south": [f"MRN-S{k:03d}" for k in range(4)]}
+    server = _server(num_patients=9)
+    run_rounds(_manifest_grid(tmp_path / "disjoint", disjoint), server, rounds=1, sites=2)
+    assert server.ledger.steps == 1
+    shared = {"north": [f"MRN-{k:03d}" for k in range(5)], "south": ["MRN-001", "MRN-003", "MRN-004", "MRN-777"]}
+    with pytest.raises(FederatedStartError) as err:
+        run_rounds(_manifest_grid(tmp_path / "shared", shared), _server(num_patients=9), rounds=1, sites=2)
+    assert "3 patient id(s) appear at more than one site (the ids are not shown)" in str(err.value)
+    printed = str(err.value) + caplog.text + "".join(capsys.readouterr())
+    assert "MRN" not in printed
+
+
+def test_a_site_from_a_manifest_keys_its_patients_by_their_ids() -> None:
+    dataset = PatientImageDataset.from_arrays(np.zeros((3, 4, 4, 3), np.uint8), [0, 1, 0], ["z-9", "a-1", "z-9"])
+
+    class _DataModule:
+        def setup(self, stage: str) -> None:
+            pass
+
+        def train_dataloader(self) -> Any:
+            return torch.utils.data.DataLoader(dataset, batch_size=2)
+
+    site = Site.from_lightning("h", _TinyClassifier(), _DataModule(), sample_rate=1.0, clip_norm=CLIP, seed=0)
+    assert site.parts.data.keys == ["a-1", "z-9"] and site.parts.data.groups == [[1], [0, 2]]
