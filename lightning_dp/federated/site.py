@@ -19,6 +19,7 @@ from lightning_dp.sampling.patients import PoissonPatientSampler, secure_seed
 from lightning_dp.sampling.randomness import unit_seed
 from lightning_dp.sanitization import ModelState
 from lightning_dp.sanitization.release import standard_normal
+from lightning_dp.training.batches import loss_of
 from lightning_dp.training.patient_rounds import (
     LocalSGD,
     LoopRound,
@@ -29,13 +30,33 @@ from lightning_dp.training.patient_rounds import (
     patient_groups,
 )
 
-__all__ = ["SITE_MAX_IMAGES", "Site"]
+__all__ = ["SITE_MAX_IMAGES", "Site", "SiteStartError"]
 
 _log = logging.getLogger(__name__)
 
 #: The most images one patient trains on in a round at a site whose local SGD sets no ``max_images``: a site's work
 #: per round must have a public bound, or one patient with many images could make it miss the server's deadline.
 SITE_MAX_IMAGES = 256
+
+
+class SiteStartError(PrivacyConfigError):
+    """A site cannot start; its text is fixed (it is what the server is told), the real error is in the site's log."""
+
+
+#: What a site whose model fails on the declared input tells the server (a fixed text: the batch is public anyway).
+DUMMY_BATCH_FAILED = (
+    "its model's training_step failed on a public dummy batch of the declared input format (zeros of the declared "
+    "shape; its own log says why)"
+)
+
+
+def _first_tensor(item: Any) -> Tensor | None:
+    """The first tensor in a dataset item or a batch (the images, in ``(images, labels, …)``), or None."""
+    if isinstance(item, Tensor):
+        return item
+    if isinstance(item, (tuple, list)) and item:
+        return _first_tensor(item[0])
+    return None
 
 
 class Site:
@@ -211,6 +232,70 @@ class Site:
         return sorted(
             hmac.new(key, f"{salt}/{pid}".encode(), hashlib.sha256).hexdigest() for pid in self.parts.data.keys
         )
+
+    def check_training_step(self, dummy_batch: Any) -> None:
+        """Runs the model's ``training_step`` forward and backward once on a public dummy batch; raises if it fails.
+
+        ``dummy_batch`` is a batch of the consortium's **declared** input format built from public settings alone
+        (e.g. zeros of the declared image shape and dtype, as the example app's ``dummy_batch`` does), never from the
+        site's data: whether the check passes is then the same whatever patients the site holds, and the server may
+        be told. A model that cannot take the declared input would make every patient's update fail in every round:
+        the site would contribute nothing while the run looks normal. The parameters, buffers and gradients are
+        restored afterwards.
+
+        Then, for the site's own operator only, the first image of the site's first patient (in the sorted order of
+        ids) is compared with the dummy batch's images: a warning in the site's log if its shape or dtype differs
+        (e.g. grayscale images beside a declared 3-channel input). That comparison reads the site's data, so its
+        outcome stays in the site's log and never changes what the site answers.
+
+        Raises:
+            SiteStartError: ``training_step`` raised, or returned no finite loss; the fixed text
+                (`DUMMY_BATCH_FAILED`) names no value, the real error goes to the site's log.
+        """
+        state = self.parts.state
+        state.refresh()
+        start = (state.vector(), state.snapshot_other_buffers())
+        try:
+            with torch.enable_grad(), warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=r"You are trying to `self.log\(\)`")
+                loss = loss_of(self.parts.step(self.parts.data.to_device(dummy_batch), 0))
+                if loss.numel() != 1 or not bool(torch.isfinite(loss.detach()).all()):
+                    raise PrivacyConfigError(
+                        f"training_step returned a loss of shape {tuple(loss.shape)} with values {loss.detach()}: "
+                        "not one finite number"
+                    )
+                loss.backward()
+        except Exception:  # noqa: BLE001 - the real error stays in this site's log
+            _log.exception("Site %r: the model's training_step failed on the declared input's dummy batch", self.name)
+            raise SiteStartError(f"Site {self.name!r}: {DUMMY_BATCH_FAILED}.") from None
+        finally:
+            for param in self.parts.module.parameters():
+                param.grad = None
+            state.load(*start)
+        self._note_input_format(dummy_batch)
+
+    def _note_input_format(self, dummy_batch: Any) -> None:
+        """A warning in this site's log if its first image is unlike the declared input (`check_training_step`)."""
+        declared = _first_tensor(dummy_batch)
+        try:
+            image = _first_tensor(self.parts.data.dataset[self.parts.data.groups[0][0]])
+        except Exception:  # noqa: BLE001 - a note for the operator; the round reports unreadable images itself
+            _log.exception("Site %r: its first image could not be read", self.name)
+            return
+        if declared is None or image is None or declared.dim() < 1:
+            return
+        if tuple(image.shape) != tuple(declared.shape[1:]) or image.dtype != declared.dtype:
+            _log.warning(
+                "Site %r: its first training image has shape %s and dtype %s; the consortium's declared input is %s "
+                "and %s. Every patient whose images the model cannot take contributes nothing (a note for this "
+                "hospital's operator only; the server is not told). HINT: convert the images to the declared format "
+                "in the datamodule, or ask the consortium to declare the format its data have.",
+                self.name,
+                tuple(image.shape),
+                image.dtype,
+                tuple(declared.shape[1:]),
+                declared.dtype,
+            )
 
     def reply(self, theta: Tensor, round_number: int, bound: float | None = None) -> Tensor:
         """Σ over this round's included patients of clip_C(Δ_i), each Δ_i trained from ``theta`` on its own images.

@@ -15,7 +15,6 @@ import numpy as np
 import pytest
 import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, RecordDict
-
 from PIL import Image
 from torch import nn
 
@@ -185,7 +184,7 @@ def test_a_site_clip_bounds_what_one_hospital_moves_the_sum_by() -> None:
     ("names", "extra", "server", "message"),
     [
         (["a", "b"], {}, {}, "only 2 of the 3 expected sites connected"),
-        (["a", "b", "c"], {"c": {"patients": 0}}, {}, "site on node 3 failed at start (SiteFailure: the site could"),
+        (["a", "b", "c"], {"c": {"patients": 0}}, {}, "site 'c' failed at start: it could not build its site from"),
         (["a", "b", "b"], {}, {}, "two sites are named 'b'"),
         (["a", "b", "c"], {}, {"sample_rate": 0.25}, "site 'a' samples its patients at q = 0.5, the server's"),
     ],
@@ -431,7 +430,10 @@ def _manifest(folder: Path, ids: list[str], images_per_patient: int = 2) -> Path
 def _manifest_grid(tmp_path: Path, ids: dict[str, list[str]]) -> LocalGrid:
     def make(context: Context) -> Site:
         datamodule = PatientDataModule(
-            manifest=str(context.node_config["manifest"]), batch_size=4, val_fraction=0.0, test_fraction=0.0,
+            manifest=str(context.node_config["manifest"]),
+            batch_size=4,
+            val_fraction=0.0,
+            test_fraction=0.0,
             augment=False,
         )
         return Site.from_lightning(
@@ -473,3 +475,38 @@ def test_a_site_from_a_manifest_keys_its_patients_by_their_ids() -> None:
 
     site = Site.from_lightning("h", _TinyClassifier(), _DataModule(), sample_rate=1.0, clip_norm=CLIP, seed=0)
     assert site.parts.data.keys == ["a-1", "z-9"] and site.parts.data.groups == [[1], [0, 2]]
+
+
+# ------------------------------------------------------------- a site that would train nothing (issue 42 §3, §6)
+def _dummy_batch(channels: int) -> Any:
+    """Zeros of a declared input format, from public settings only: (images, labels), 2 items of ``channels`` × 2."""
+    return lambda context: (torch.zeros(2, channels * 2), torch.zeros(2, dtype=torch.long))
+
+
+def test_a_site_whose_model_cannot_take_the_declared_input_is_refused_at_start_by_its_name(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # The sites' model reads 6 features; the consortium declared 4 (two "channels" of 2). Before, every patient's
+    # update failed in every round, each site contributed nothing, and the server printed "3 sites replied".
+    caplog.set_level(logging.DEBUG)
+    grid = LocalGrid(site_app(_make_site, dummy_batch=_dummy_batch(2)), [{"site": name} for name in SIZES])
+    server = _server()
+    with pytest.raises(FederatedStartError) as err:
+        run_rounds(grid, server, rounds=1, sites=3)
+    assert str(err.value).startswith(
+        "site 'a' failed at start: its model's training_step failed on a public dummy batch of the declared input"
+    )
+    assert "mat1 and mat2" not in str(err.value) and "mat1 and mat2" in caplog.text  # the real error: site's log
+    assert server.ledger.steps == 0
+    ok = _server()
+    grid = LocalGrid(site_app(_make_site, dummy_batch=_dummy_batch(3)), [{"site": name} for name in SIZES])
+    run_rounds(grid, ok, rounds=1, sites=3)
+    assert ok.ledger.steps == 1
+
+
+def test_the_dummy_batch_leaves_the_model_as_it_was() -> None:
+    site = _make_site(_grid().contexts[1])
+    before = site.parts.state.vector().clone()
+    site.check_training_step(_dummy_batch(3)(None))
+    assert torch.equal(site.parts.state.vector(), before)
+    assert all(p.grad is None for p in site.parts.module.parameters())
