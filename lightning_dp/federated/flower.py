@@ -540,16 +540,14 @@ def _plain_round(
     messages = [
         Message(RecordDict(content), dst_node_id=node, message_type=TRAIN, group_id=str(request)) for node in names
     ]
-    by_node = {reply.metadata.src_node_id: reply for reply in grid.send_and_receive(messages, timeout=round_timeout)}
+    by_node = _replies_by_node(messages, grid.send_and_receive(messages, timeout=round_timeout))
     replies: dict[str, torch.Tensor | None] = {}
     shares: dict[str, float] = {}
     problems: dict[str, str] = {}
     for node, name in names.items():
         reply = by_node.get(node)
-        if reply is None:
-            problems[name] = f"no reply within {round_timeout:g} s"
-        elif reply.has_error():
-            problems[name] = f"failed ({reply.error.reason})"
+        if reply is None or reply.has_error():
+            problems[name] = _why_no_answer(reply, round_timeout)
         else:
             replies[name] = _array(reply)
             declared = _declared_share(reply)

@@ -114,7 +114,7 @@ def test_a_dropped_a_failing_and_a_malformed_site_contribute_nothing_and_the_rou
     logs = run_rounds(grid, server, rounds=3, sites=3)
     assert logs[0].refused == {"c": "failed (SiteFailure: the site could not answer (its own log says why))"}
     assert "MRN" not in str(logs[0].refused)
-    assert logs[1].refused == {"b": "no reply within 600 s"}
+    assert logs[1].refused == {"b": "no reply (within the 600 s deadline)"}
     assert logs[2].refused == {"c": "shape (5,), not (74,)"}
     assert [log.sites_replied for log in logs] == [2, 2, 2]
     assert server.ledger.steps == 3
@@ -510,3 +510,28 @@ def test_the_dummy_batch_leaves_the_model_as_it_was() -> None:
     site.check_training_step(_dummy_batch(3)(None))
     assert torch.equal(site.parts.state.vector(), before)
     assert all(p.grad is None for p in site.parts.module.parameters())
+
+
+def test_a_node_flower_reports_unavailable_is_reported_as_such_not_as_a_timeout() -> None:
+    # Flower answers for a node that stopped sending heartbeats with its own error message, sent by the SuperLink
+    # (not by the node): before, the server matched replies by sender and reported "no reply within 600 s".
+    from flwr.server.superlink.linkstate.utils import create_message_error_unavailable_res_message
+
+    class _KilledNode(LocalGrid):
+        def push_messages(self, messages: Any) -> Any:
+            ids = []
+            for message in messages:
+                if message.metadata.dst_node_id == 2 and message.metadata.message_type == "train":
+                    self._count += 1
+                    message.metadata.__dict__["_message_id"] = f"local-{self._count}"
+                    error = create_message_error_unavailable_res_message(message.metadata, "node_unavail")
+                    self._outbox[message.metadata.message_id] = error
+                    ids.append(message.metadata.message_id)
+                else:
+                    ids += list(super().push_messages([message]))
+            return ids
+
+    grid = _KilledNode(site_app(_make_site), [{"site": name} for name in SIZES])
+    logs = run_rounds(grid, _server(), rounds=1, sites=3)
+    assert logs[0].refused == {"b": "no reply (Flower: the node stopped sending heartbeats; it is down or cut off)"}
+    assert logs[0].sites_replied == 2
