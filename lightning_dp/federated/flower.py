@@ -52,7 +52,9 @@ __all__ = [
     "FederatedStartError",
     "LocalGrid",
     "RoundLog",
+    "round_line",
     "run_rounds",
+    "save_model",
     "server_app",
     "site_app",
 ]
@@ -411,10 +413,28 @@ def _array(reply: Message) -> torch.Tensor | None:
 
 def _save(server: FederatedServer, path: Path) -> None:
     """Writes the server's state atomically: a crash leaves the previous checkpoint whole."""
+    _write_atomically(server.state_dict(), path)
+
+
+def _write_atomically(obj: Any, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     scratch = path.with_name(path.name + ".tmp")
-    torch.save(server.state_dict(), scratch)
+    torch.save(obj, scratch)
     os.replace(scratch, path)
+
+
+def save_model(server: FederatedServer, path: str | Path) -> Path:
+    """Writes the server's model, θ included, as a ``state_dict`` (``torch.save``): what the consortium trained.
+
+    The file loads into the model every party builds (``model.load_state_dict(torch.load(path, weights_only=True))``);
+    θ is the released model (post-processing of the noised rounds, no further charge), and every other tensor (frozen
+    parameters, buffers that are not released) is the server's own copy of the public initial model. Written
+    atomically. Returns the path.
+    """
+    target = Path(path)
+    state = {name: tensor.detach().cpu().clone() for name, tensor in server.state.module.state_dict().items()}
+    _write_atomically(state, target)
+    return target
 
 
 def run_rounds(
@@ -568,7 +588,14 @@ def server_app(
     ``rounds`` (int), ``sites`` (expected number of hospitals), ``round-timeout`` and ``start-timeout`` (seconds),
     ``checkpoint`` (a path; empty: none), ``resume`` (true: continue from ``checkpoint``; it must exist),
     ``log-dir`` (TensorBoard; empty: none), ``report`` (the privacy report's path; empty: none),
-    ``secure-aggregation`` (true: every round's sum by SecAgg+, with the noise at the sites).
+    ``model`` (the trained model's ``state_dict``, written by `save_model` at the end; empty or absent: none),
+    ``secure-aggregation`` (true: every round's sum by SecAgg+, with the noise at the sites),
+    ``check-patient-ids`` (true: every site must send its patients' id digests at start, `run_rounds`'
+    ``require_id_digests``). Relative paths resolve against the working folder of the ``ServerApp``'s process: the
+    folder ``flower-superlink`` was started in.
+
+    Each round prints one line: ε (patient level, and hospital level with a site clip), the noise std per coordinate
+    of the released update (z·C/(q·N), public), the number of sites summed and why any other site was not.
 
     Args:
         make_server: builds the `FederatedServer` (model, N, q, C, noise or target ε) from the ``Context``.
@@ -583,11 +610,7 @@ def server_app(
         writer = _tensorboard(str(config.get("log-dir", "")))
 
         def on_round(log: RoundLog) -> None:
-            print(
-                f"round {log.round}: ε = {log.epsilon:.4f} (patient, δ = {server.ledger.delta:.2g}), "
-                f"{log.sites_replied} sites replied" + "".join(f"; {name}: {why}" for name, why in log.refused.items()),
-                flush=True,
-            )
+            print(round_line(log, server), flush=True)
             if writer is not None:
                 writer.add_scalar("privacy/epsilon", log.epsilon, log.round)
                 writer.add_scalar("privacy/noise_std", log.noise_std, log.round)
@@ -606,6 +629,7 @@ def server_app(
             resume=bool(config.get("resume", False)),
             on_round=on_round,
             secure=_secure_sum(config),
+            require_id_digests=bool(config.get("check-patient-ids", False)),
         )
         if writer is not None:
             writer.close()
@@ -613,8 +637,29 @@ def server_app(
         if target is not None:
             Path(target).parent.mkdir(parents=True, exist_ok=True)
             Path(target).write_text(json.dumps(server.report(), indent=2))
+        model = str(config.get("model", ""))
+        if model:
+            save_model(server, model)
 
     return app
+
+
+def round_line(log: RoundLog, server: FederatedServer) -> str:
+    """The console's line for a round: public numbers only (ε, the noise std, which sites were summed and why not).
+
+    Example:
+        >>> from torch import nn
+        >>> server = FederatedServer(nn.Linear(2, 2), num_patients=100, sample_rate=0.1, clip_norm=1.0)
+        >>> log = RoundLog(round=1, epsilon=0.5, noise_std=0.1, sites_replied=2, refused={"c": "no reply"})
+        >>> round_line(log, server)
+        'round 1: ε = 0.5000 (patient, δ = 1e-05), noise std 0.1 per coordinate, 2 sites replied; c: no reply'
+    """
+    hospital = f", hospital ε = {server.hospital_epsilon():.4f}" if server.site_clip is not None else ""
+    return (
+        f"round {log.round}: ε = {log.epsilon:.4f} (patient, δ = {server.ledger.delta:.2g}){hospital}, "
+        f"noise std {log.noise_std:.4g} per coordinate, {log.sites_replied} sites replied"
+        + "".join(f"; {name}: {why}" for name, why in log.refused.items())
+    )
 
 
 def _secure_sum(config: Any) -> SecureSum | None:
