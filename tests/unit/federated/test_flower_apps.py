@@ -22,7 +22,14 @@ from lightning_dp.accounting import PrivacyLedger, RDPAccountant
 from lightning_dp.data import PatientDataModule, PatientImageDataset
 from lightning_dp.errors import PrivacyBudgetExceededError, PrivacyConfigError, PrivacyStateError
 from lightning_dp.federated import FederatedServer, Site, calibrated_multiplier, share_std
-from lightning_dp.federated.flower import FederatedRoundError, FederatedStartError, LocalGrid, run_rounds, site_app
+from lightning_dp.federated.flower import (
+    FederatedRoundError,
+    FederatedStartError,
+    LocalGrid,
+    round_line,
+    run_rounds,
+    site_app,
+)
 from lightning_dp.sanitization import GaussianRelease
 from tests.unit.federated.test_federated_round import CLIP, _Net, _parts, _patients
 
@@ -535,3 +542,12 @@ def test_a_node_flower_reports_unavailable_is_reported_as_such_not_as_a_timeout(
     logs = run_rounds(grid, _server(), rounds=1, sites=3)
     assert logs[0].refused == {"b": "no reply (Flower: the node stopped sending heartbeats; it is down or cut off)"}
     assert logs[0].sites_replied == 2
+
+
+def test_each_rounds_line_shows_the_noise_std_per_coordinate_and_the_hospital_level_epsilon() -> None:
+    server = _server(site_clip=4 * CLIP)
+    logs = run_rounds(_grid(), server, rounds=1, sites=3)
+    line = round_line(logs[0], server)
+    assert f"noise std {1.1 * CLIP / 6:.4g} per coordinate" in line  # z·C/(q·N), public
+    assert f"hospital ε = {server.hospital_epsilon():.4f}" in line and line.endswith("3 sites replied")
+    assert "hospital" not in round_line(logs[0], _server())
