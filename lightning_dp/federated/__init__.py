@@ -1,7 +1,8 @@
 """P3SGD across hospitals: the patient round at each site, the noise and one patient-level ledger at the server.
 
 The transport-free core is here; `lightning_dp.federated.flower` carries it on Flower (a ``ClientApp`` per hospital,
-a ``ServerApp``, the server loop), and needs the ``federated`` extra (``pip install lightning-dp[federated]``).
+a ``ServerApp``, the server loop), and needs the ``federated`` extra (``pip install -e ".[federated]"`` in the
+repository root: lightning-dp is not on PyPI).
 
 * `Site` (``site.py``): a hospital's side of a round. It loads θ_t, includes each of *its own* patients independently
   with probability q (so the union over sites is a Poisson sample at rate q of all N patients), runs each included

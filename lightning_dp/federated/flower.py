@@ -33,6 +33,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Error, Message, 
 from flwr.client.mod import secaggplus_mod
 from flwr.clientapp import ClientApp
 from flwr.common import Code, FitRes, Status, ndarrays_to_parameters, parameters_to_ndarrays
+from flwr.common.constant import ErrorCode
 from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS
 from flwr.compat.common import recorddict_compat as compat
 from flwr.serverapp import Grid, ServerApp
@@ -40,7 +41,7 @@ from flwr.supercore.task_identity import TaskIdentity
 
 from lightning_dp.errors import PrivacyConfigError, PrivacyStateError
 from lightning_dp.federated.server import FederatedServer, RoundOutcome
-from lightning_dp.federated.site import Site
+from lightning_dp.federated.site import DUMMY_BATCH_FAILED, Site, SiteStartError
 
 if TYPE_CHECKING:
     from lightning_dp.federated.secure import SecureSum
@@ -51,7 +52,9 @@ __all__ = [
     "FederatedStartError",
     "LocalGrid",
     "RoundLog",
+    "round_line",
     "run_rounds",
+    "save_model",
     "server_app",
     "site_app",
 ]
@@ -132,10 +135,22 @@ def _secure_reply(site: Site, message: Message) -> Message:
     return Message(compat.fitres_to_recorddict(fitres, keep_input=True), reply_to=message)
 
 
+def _node_site_name(context: Context) -> str | None:
+    """The hospital's public name in its node config (``site``), if it has one."""
+    name = context.node_config.get("site")
+    return None if name is None else str(name)
+
+
+#: What a site that cannot build tells the server (a fixed text: the error may quote its data).
+BUILD_FAILED = "it could not build its site from its data and settings (its own log says why)"
+
+
 def site_app(
     make_site: Callable[[Context], Site],
     id_key: Callable[[Context], bytes | None] | None = None,
     require_secure_aggregation: Callable[[Context], bool] | bool = False,
+    dummy_batch: Callable[[Context], Any] | None = None,
+    name_of: Callable[[Context], str | None] = _node_site_name,
 ) -> ClientApp:
     """A Flower ``ClientApp`` for one hospital: it builds its `Site` with ``make_site(context)`` and answers rounds.
 
@@ -149,6 +164,17 @@ def site_app(
         require_secure_aggregation: the site answers rounds only through SecAgg+ (a plain round is refused): the
             site's own guarantee that the server never sees its sum, whatever the run config says. A bool, or read
             from the context (e.g. ``lambda c: bool(c.node_config.get("require-secure-aggregation", False))``).
+        dummy_batch: a batch of the consortium's declared input format built from public settings alone (e.g.
+            zeros of the declared image shape: ``context.run_config``), never from the site's data. When the site is
+            built, its model's ``training_step`` runs forward and backward on it (`Site.check_training_step`); a
+            model that cannot take it fails the site's start-up, so a run in which every patient's update would fail
+            is refused before the first round instead of training nothing. ``None``: no check.
+        name_of: the hospital's public name from the context, to name it in a failed start (default: the node
+            config's ``site``); it must be the name `make_site` gives the site.
+
+    A site that cannot start (``make_site`` raised, or the dummy batch failed) answers the server's start-up query
+    with its name and a fixed text (`BUILD_FAILED`, `lightning_dp.federated.site.DUMMY_BATCH_FAILED`); the real error
+    goes to the site's own log. The server then refuses the consortium, naming that hospital.
 
     Returns:
         The ``ClientApp``. Its ``train`` handler replies with the clipped sum (and the site's public name and noise
@@ -162,23 +188,33 @@ def site_app(
     def site_of(context: Context) -> Site:
         key = (int(context.run_id), int(context.node_id))
         if key not in built:
-            built[key] = make_site(context)
+            site = make_site(context)
+            if dummy_batch is not None:
+                site.check_training_step(dummy_batch(context))
+            built[key] = site
         return built[key]
 
     @app.query()
     @_sealed
     def hello(message: Message, context: Context) -> Message:
-        site = site_of(context)
-        facts = ConfigRecord(
-            {
-                "name": site.name,
-                "sample_rate": site.sample_rate,
-                "clip_norm": site.parts.clip_norm,
-            }
-        )
-        key = None if id_key is None else id_key(context)
-        if key is not None:
-            facts["id_digests"] = site.id_digests(key, salt=str(context.run_id))
+        try:
+            site = site_of(context)
+            facts = ConfigRecord(
+                {
+                    "name": site.name,
+                    "sample_rate": site.sample_rate,
+                    "clip_norm": site.parts.clip_norm,
+                }
+            )
+            key = None if id_key is None else id_key(context)
+            if key is not None:
+                facts["id_digests"] = site.id_digests(key, salt=str(context.run_id))
+        except Exception as err:  # noqa: BLE001 - the error's text stays in the site's log
+            _log.exception("the site could not start")
+            name = name_of(context)
+            facts = ConfigRecord({"failed": _start_failure(err)})
+            if name is not None:
+                facts["name"] = name
         return Message(RecordDict({"site": facts}), reply_to=message)
 
     @app.train()
@@ -213,6 +249,13 @@ def site_app(
     return app
 
 
+def _start_failure(err: Exception) -> str:
+    """The fixed text a site that cannot start sends (never the error's own text, which may quote patient data)."""
+    if isinstance(err, SiteStartError):
+        return DUMMY_BATCH_FAILED
+    return BUILD_FAILED
+
+
 # -------------------------------------------------------------------------------------------------- the server side
 @dataclass
 class RoundLog:
@@ -240,25 +283,59 @@ def _wait_for_sites(grid: Grid, sites: int, timeout: float) -> list[int]:
     return nodes
 
 
-def _hello(grid: Grid, nodes: list[int], server: FederatedServer, timeout: float) -> dict[int, str]:
+def _replies_by_node(messages: list[Message], replies: Iterable[Message]) -> dict[int, Message]:
+    """The replies by the node each message went to.
+
+    Matched by the message each one answers: Flower's own replies for a message it could not deliver (a node that
+    stopped sending heartbeats, a message that expired) come from the SuperLink, not from the node.
+    """
+    node_of = {message.metadata.message_id: message.metadata.dst_node_id for message in messages}
+    by_node: dict[int, Message] = {}
+    for reply in replies:
+        node = node_of.get(reply.metadata.reply_to_message_id, reply.metadata.src_node_id)
+        by_node[node] = reply
+    return by_node
+
+
+def _why_no_answer(reply: Message | None, timeout: float) -> str:
+    """Why a site's answer is missing, in words: Flower's own reason where it gave one, else the deadline."""
+    if reply is None:
+        return f"no reply (within the {timeout:g} s deadline)"
+    code = reply.error.code
+    if code == ErrorCode.NODE_UNAVAILABLE:
+        return "no reply (Flower: the node stopped sending heartbeats; it is down or cut off)"
+    if code in (ErrorCode.MESSAGE_UNAVAILABLE, ErrorCode.REPLY_MESSAGE_UNAVAILABLE):
+        return "no reply (Flower: the message or its reply expired, or the node left the federation)"
+    if code == ErrorCode.CLIENT_APP_CRASHED:
+        return "failed (Flower: the site's ClientApp process crashed; its own log says why)"
+    return f"failed ({reply.error.reason})"
+
+
+def _hello(
+    grid: Grid, nodes: list[int], server: FederatedServer, timeout: float, require_id_digests: bool = False
+) -> dict[int, str]:
     """Asks every site for its public facts and refuses a consortium the server cannot run (see `run_rounds`).
 
     Returns the sites' names by node. No site's patient count is asked for: it is private, and N is the consortium's
     declaration (the server's ``num_patients``), never checked against the data.
     """
     messages = [Message(RecordDict(), dst_node_id=node, message_type=HELLO) for node in nodes]
-    replies = {reply.metadata.src_node_id: reply for reply in grid.send_and_receive(messages, timeout=timeout)}
+    replies = _replies_by_node(messages, grid.send_and_receive(messages, timeout=timeout))
     names: dict[int, str] = {}
     digests: dict[str, list[str]] = {}
     for node in nodes:
         reply = replies.get(node)
-        if reply is None:
-            raise FederatedStartError(f"site on node {node} did not answer within {timeout:g} s. HINT: check its log.")
-        if reply.has_error():
+        if reply is None or reply.has_error():
+            why = _why_no_answer(reply, timeout)
             raise FederatedStartError(
-                f"site on node {node} failed at start ({reply.error.reason}). HINT: fix that site's data or settings."
+                f"a site (Flower node {node}) did not start: {why}. HINT: check that hospital's SuperNode and its log."
             )
         facts: Any = reply.content["site"]
+        if "failed" in facts:
+            who = f"site {str(facts['name'])!r}" if "name" in facts else f"a site (Flower node {node})"
+            raise FederatedStartError(
+                f"{who} failed at start: {facts['failed']}. HINT: its operator reads the real error in its own log."
+            )
         name = str(facts["name"])
         if name in names.values():
             raise FederatedStartError(f"two sites are named {name!r}. HINT: give each hospital its own name.")
@@ -278,6 +355,12 @@ def _hello(grid: Grid, nodes: list[int], server: FederatedServer, timeout: float
         names[node] = name
         if "id_digests" in facts:
             digests[name] = list(facts["id_digests"])
+    if require_id_digests and len(digests) != len(names):
+        missing = sorted(set(names.values()) - set(digests))
+        raise FederatedStartError(
+            f"the consortium checks patient ids at start, and site(s) {missing} sent no id digests. HINT: give every "
+            "hospital the consortium's id key file (its node config's id key setting), never the run config."
+        )
     if digests:
         if len(digests) != len(names):
             raise FederatedStartError(
@@ -330,10 +413,28 @@ def _array(reply: Message) -> torch.Tensor | None:
 
 def _save(server: FederatedServer, path: Path) -> None:
     """Writes the server's state atomically: a crash leaves the previous checkpoint whole."""
+    _write_atomically(server.state_dict(), path)
+
+
+def _write_atomically(obj: Any, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     scratch = path.with_name(path.name + ".tmp")
-    torch.save(server.state_dict(), scratch)
+    torch.save(obj, scratch)
     os.replace(scratch, path)
+
+
+def save_model(server: FederatedServer, path: str | Path) -> Path:
+    """Writes the server's model, θ included, as a ``state_dict`` (``torch.save``): what the consortium trained.
+
+    The file loads into the model every party builds (``model.load_state_dict(torch.load(path, weights_only=True))``);
+    θ is the released model (post-processing of the noised rounds, no further charge), and every other tensor (frozen
+    parameters, buffers that are not released) is the server's own copy of the public initial model. Written
+    atomically. Returns the path.
+    """
+    target = Path(path)
+    state = {name: tensor.detach().cpu().clone() for name, tensor in server.state.module.state_dict().items()}
+    _write_atomically(state, target)
+    return target
 
 
 def run_rounds(
@@ -349,14 +450,17 @@ def run_rounds(
     on_round: Callable[[RoundLog], None] | None = None,
     max_empty_rounds: int = 3,
     secure: SecureSum | None = None,
+    require_id_digests: bool = False,
 ) -> list[RoundLog]:
     """The server's loop: start-up checks, then rounds until ``rounds`` are released (or the budget stops it).
 
     Start-up refuses, with one line naming the site (never a patient id): fewer than ``sites`` sites connected; a site
-    that fails to build (no patients, bad data); two sites with one name; a site's C or q unlike the ledger's; patient
-    ids shared between sites (when the sites send digests). It never asks for the sites' patient counts: N is the
-    consortium's declaration (``server.num_patients``), fixed before the data are counted, and the normalizer q·N and
-    the bound N·C on a reply are the same whatever the sites hold.
+    that fails to build (no patients, bad data) or whose model fails on the declared input (`site_app`'s
+    ``dummy_batch``); two sites with one name; a site's C or q unlike the ledger's; patient ids shared between sites
+    (when the sites send digests; with ``require_id_digests``, a site that sends none is refused too, so that a
+    hospital without the consortium's id key cannot switch the check off). It never asks for the sites' patient
+    counts: N is the consortium's declaration (``server.num_patients``), fixed before the data are counted, and the
+    normalizer q·N and the bound N·C on a reply are the same whatever the sites hold.
 
     Each round is a new request (`FederatedServer.new_request`: the sites' coins are keyed by it) that sends θ_t to
     every site, waits at most ``round_timeout`` s, and releases once (`FederatedServer.round`): a site that errs,
@@ -393,7 +497,7 @@ def run_rounds(
             "HINT: resume=True to continue that run, or choose another path for a new one."
         )
     nodes = _wait_for_sites(grid, sites, start_timeout)
-    names = _hello(grid, nodes, server, start_timeout)
+    names = _hello(grid, nodes, server, start_timeout, require_id_digests)
     bounds = {name: server.reply_bound for name in names.values()}  # public: the same N·C for every site
     logs: list[RoundLog] = []
     empty = 0
@@ -456,16 +560,14 @@ def _plain_round(
     messages = [
         Message(RecordDict(content), dst_node_id=node, message_type=TRAIN, group_id=str(request)) for node in names
     ]
-    by_node = {reply.metadata.src_node_id: reply for reply in grid.send_and_receive(messages, timeout=round_timeout)}
+    by_node = _replies_by_node(messages, grid.send_and_receive(messages, timeout=round_timeout))
     replies: dict[str, torch.Tensor | None] = {}
     shares: dict[str, float] = {}
     problems: dict[str, str] = {}
     for node, name in names.items():
         reply = by_node.get(node)
-        if reply is None:
-            problems[name] = f"no reply within {round_timeout:g} s"
-        elif reply.has_error():
-            problems[name] = f"failed ({reply.error.reason})"
+        if reply is None or reply.has_error():
+            problems[name] = _why_no_answer(reply, round_timeout)
         else:
             replies[name] = _array(reply)
             declared = _declared_share(reply)
@@ -486,7 +588,14 @@ def server_app(
     ``rounds`` (int), ``sites`` (expected number of hospitals), ``round-timeout`` and ``start-timeout`` (seconds),
     ``checkpoint`` (a path; empty: none), ``resume`` (true: continue from ``checkpoint``; it must exist),
     ``log-dir`` (TensorBoard; empty: none), ``report`` (the privacy report's path; empty: none),
-    ``secure-aggregation`` (true: every round's sum by SecAgg+, with the noise at the sites).
+    ``model`` (the trained model's ``state_dict``, written by `save_model` at the end; empty or absent: none),
+    ``secure-aggregation`` (true: every round's sum by SecAgg+, with the noise at the sites),
+    ``check-patient-ids`` (true: every site must send its patients' id digests at start, `run_rounds`'
+    ``require_id_digests``). Relative paths resolve against the working folder of the ``ServerApp``'s process: the
+    folder ``flower-superlink`` was started in.
+
+    Each round prints one line: ε (patient level, and hospital level with a site clip), the noise std per coordinate
+    of the released update (z·C/(q·N), public), the number of sites summed and why any other site was not.
 
     Args:
         make_server: builds the `FederatedServer` (model, N, q, C, noise or target ε) from the ``Context``.
@@ -501,11 +610,7 @@ def server_app(
         writer = _tensorboard(str(config.get("log-dir", "")))
 
         def on_round(log: RoundLog) -> None:
-            print(
-                f"round {log.round}: ε = {log.epsilon:.4f} (patient, δ = {server.ledger.delta:.2g}), "
-                f"{log.sites_replied} sites replied" + "".join(f"; {name}: {why}" for name, why in log.refused.items()),
-                flush=True,
-            )
+            print(round_line(log, server), flush=True)
             if writer is not None:
                 writer.add_scalar("privacy/epsilon", log.epsilon, log.round)
                 writer.add_scalar("privacy/noise_std", log.noise_std, log.round)
@@ -524,6 +629,7 @@ def server_app(
             resume=bool(config.get("resume", False)),
             on_round=on_round,
             secure=_secure_sum(config),
+            require_id_digests=bool(config.get("check-patient-ids", False)),
         )
         if writer is not None:
             writer.close()
@@ -531,8 +637,29 @@ def server_app(
         if target is not None:
             Path(target).parent.mkdir(parents=True, exist_ok=True)
             Path(target).write_text(json.dumps(server.report(), indent=2))
+        model = str(config.get("model", ""))
+        if model:
+            save_model(server, model)
 
     return app
+
+
+def round_line(log: RoundLog, server: FederatedServer) -> str:
+    """The console's line for a round: public numbers only (ε, the noise std, which sites were summed and why not).
+
+    Example:
+        >>> from torch import nn
+        >>> server = FederatedServer(nn.Linear(2, 2), num_patients=100, sample_rate=0.1, clip_norm=1.0)
+        >>> log = RoundLog(round=1, epsilon=0.5, noise_std=0.1, sites_replied=2, refused={"c": "no reply"})
+        >>> round_line(log, server)
+        'round 1: ε = 0.5000 (patient, δ = 1e-05), noise std 0.1 per coordinate, 2 sites replied; c: no reply'
+    """
+    hospital = f", hospital ε = {server.hospital_epsilon():.4f}" if server.site_clip is not None else ""
+    return (
+        f"round {log.round}: ε = {log.epsilon:.4f} (patient, δ = {server.ledger.delta:.2g}){hospital}, "
+        f"noise std {log.noise_std:.4g} per coordinate, {log.sites_replied} sites replied"
+        + "".join(f"; {name}: {why}" for name, why in log.refused.items())
+    )
 
 
 def _secure_sum(config: Any) -> SecureSum | None:

@@ -19,6 +19,7 @@ from lightning_dp.sampling.patients import PoissonPatientSampler, secure_seed
 from lightning_dp.sampling.randomness import unit_seed
 from lightning_dp.sanitization import ModelState
 from lightning_dp.sanitization.release import standard_normal
+from lightning_dp.training.batches import loss_of
 from lightning_dp.training.patient_rounds import (
     LocalSGD,
     LoopRound,
@@ -26,15 +27,36 @@ from lightning_dp.training.patient_rounds import (
     PatientRound,
     RoundParts,
     choose_round,
+    patient_groups,
 )
 
-__all__ = ["SITE_MAX_IMAGES", "Site"]
+__all__ = ["SITE_MAX_IMAGES", "Site", "SiteStartError"]
 
 _log = logging.getLogger(__name__)
 
 #: The most images one patient trains on in a round at a site whose local SGD sets no ``max_images``: a site's work
 #: per round must have a public bound, or one patient with many images could make it miss the server's deadline.
 SITE_MAX_IMAGES = 256
+
+
+class SiteStartError(PrivacyConfigError):
+    """A site cannot start; its text is fixed (it is what the server is told), the real error is in the site's log."""
+
+
+#: What a site whose model fails on the declared input tells the server (a fixed text: the batch is public anyway).
+DUMMY_BATCH_FAILED = (
+    "its model's training_step failed on a public dummy batch of the declared input format (zeros of the declared "
+    "shape; its own log says why)"
+)
+
+
+def _first_tensor(item: Any) -> Tensor | None:
+    """The first tensor in a dataset item or a batch (the images, in ``(images, labels, …)``), or None."""
+    if isinstance(item, Tensor):
+        return item
+    if isinstance(item, (tuple, list)) and item:
+        return _first_tensor(item[0])
+    return None
 
 
 class Site:
@@ -48,7 +70,9 @@ class Site:
             the site answers before the server's deadline never depends on how many images one patient has.
         sample_rate: q, the probability that each of the site's patients joins a round (the same at every site).
         seed: the seed of the site's patient sampler and of its patients' random streams; ``None`` (default) draws
-            one from the OS CSPRNG. It never leaves the site.
+            one from the OS CSPRNG. It never leaves the site. A patient's random streams (image order, the images
+            drawn under ``max_images``, augmentation) are keyed by the secret and the patient's **id**
+            (``parts.data.keys``), not by its position: adding or removing another patient leaves them as they were.
         vectorize: ``"auto"`` runs the round batched or stacked where that is exactly the loop (`choose_round`).
             Its round is re-done patient by patient when a patient's update raises, so a site's worst-case time is
             the vectorized attempt plus the loop: set the deadline for that. ``False`` (default): the loop, one pass,
@@ -131,9 +155,15 @@ class Site:
     ) -> Site:
         """A site from the user's LightningModule and the hospital's patient DataModule, as `P3SGD` reads them.
 
-        The DataModule's training set must say which images are whose (``patient_to_indices``: patient id → image
-        indices, as the library's patient datasets do); its training loader's ``collate_fn`` makes the batches. The
-        module's own ``training_step`` is the local loss.
+        The DataModule's training set must say which images are whose (``patient_to_indices``, as the library's
+        patient datasets do); its training loader's ``collate_fn`` makes the batches. The module's own
+        ``training_step`` is the local loss.
+
+        Each patient is keyed by its **real id**: with the library's patient datasets (`lightning_dp.data`), whose
+        ``patient_to_indices`` numbers the patients 0…N−1, the id is ``dataset.patient_ids[k]`` (the manifest's
+        ``patient_id``), never the number k, which every site has. The key is what `id_digests` hashes (so the
+        start-up check compares the patients' real ids across sites) and what keys each patient's random streams.
+        A training set without ``patient_ids`` keys the patients by ``patient_to_indices``' own keys.
 
         Example:
             >>> import tempfile
@@ -155,12 +185,10 @@ class Site:
                 "(no `patient_to_indices`), so no patient can be the unit. HINT: use a patient dataset "
                 "(lightning_dp.data), or add a dict patient id → image indices as `patient_to_indices`."
             )
-        groups_of = dataset.patient_to_indices
-        try:
-            keys = sorted(groups_of)
-        except TypeError:
-            keys = list(groups_of)
-        groups = [[int(i) for i in groups_of[key]] for key in keys]
+        groups, keys = patient_groups(dataset)
+        ids = getattr(dataset, "patient_ids", None)
+        if ids is not None and keys == list(range(len(ids))):  # numbered 0…N−1: key k is patient_ids[k]
+            keys = [str(pid) for pid in ids]
         collate = loader.collate_fn or default_collate
         data = PatientData(dataset, groups, keys, collate)
         parts = RoundParts(module, ModelState(module), module.training_step, data, local or LocalSGD(), clip_norm)
@@ -196,6 +224,9 @@ class Site:
     def id_digests(self, key: bytes, salt: str = "") -> list[str]:
         """HMAC-SHA-256 of each patient id under the consortium's ``key`` and a per-run ``salt``: finds shared ids.
 
+        The ids are the patients' real ids (``parts.data.keys``; `from_lightning` takes the dataset's
+        ``patient_ids``), never their positions, which every site shares.
+
         Sites that share a key the server does not hold let the server compare digests; without the key the server
         cannot test a guessed id. The key must come from each site's own settings (its node config or a file), never
         from the run config, which whoever starts the run sets. The salt (the run's id) makes two runs' digests
@@ -204,6 +235,70 @@ class Site:
         return sorted(
             hmac.new(key, f"{salt}/{pid}".encode(), hashlib.sha256).hexdigest() for pid in self.parts.data.keys
         )
+
+    def check_training_step(self, dummy_batch: Any) -> None:
+        """Runs the model's ``training_step`` forward and backward once on a public dummy batch; raises if it fails.
+
+        ``dummy_batch`` is a batch of the consortium's **declared** input format built from public settings alone
+        (e.g. zeros of the declared image shape and dtype, as the example app's ``dummy_batch`` does), never from the
+        site's data: whether the check passes is then the same whatever patients the site holds, and the server may
+        be told. A model that cannot take the declared input would make every patient's update fail in every round:
+        the site would contribute nothing while the run looks normal. The parameters, buffers and gradients are
+        restored afterwards.
+
+        Then, for the site's own operator only, the first image of the site's first patient (in the sorted order of
+        ids) is compared with the dummy batch's images: a warning in the site's log if its shape or dtype differs
+        (e.g. grayscale images beside a declared 3-channel input). That comparison reads the site's data, so its
+        outcome stays in the site's log and never changes what the site answers.
+
+        Raises:
+            SiteStartError: ``training_step`` raised, or returned no finite loss; the fixed text
+                (`DUMMY_BATCH_FAILED`) names no value, the real error goes to the site's log.
+        """
+        state = self.parts.state
+        state.refresh()
+        start = (state.vector(), state.snapshot_other_buffers())
+        try:
+            with torch.enable_grad(), warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=r"You are trying to `self.log\(\)`")
+                loss = loss_of(self.parts.step(self.parts.data.to_device(dummy_batch), 0))
+                if loss.numel() != 1 or not bool(torch.isfinite(loss.detach()).all()):
+                    raise PrivacyConfigError(
+                        f"training_step returned a loss of shape {tuple(loss.shape)} with values {loss.detach()}: "
+                        "not one finite number"
+                    )
+                loss.backward()
+        except Exception:  # noqa: BLE001 - the real error stays in this site's log
+            _log.exception("Site %r: the model's training_step failed on the declared input's dummy batch", self.name)
+            raise SiteStartError(f"Site {self.name!r}: {DUMMY_BATCH_FAILED}.") from None
+        finally:
+            for param in self.parts.module.parameters():
+                param.grad = None
+            state.load(*start)
+        self._note_input_format(dummy_batch)
+
+    def _note_input_format(self, dummy_batch: Any) -> None:
+        """A warning in this site's log if its first image is unlike the declared input (`check_training_step`)."""
+        declared = _first_tensor(dummy_batch)
+        try:
+            image = _first_tensor(self.parts.data.dataset[self.parts.data.groups[0][0]])
+        except Exception:  # noqa: BLE001 - a note for the operator; the round reports unreadable images itself
+            _log.exception("Site %r: its first image could not be read", self.name)
+            return
+        if declared is None or image is None or declared.dim() < 1:
+            return
+        if tuple(image.shape) != tuple(declared.shape[1:]) or image.dtype != declared.dtype:
+            _log.warning(
+                "Site %r: its first training image has shape %s and dtype %s; the consortium's declared input is %s "
+                "and %s. Every patient whose images the model cannot take contributes nothing (a note for this "
+                "hospital's operator only; the server is not told). HINT: convert the images to the declared format "
+                "in the datamodule, or ask the consortium to declare the format its data have.",
+                self.name,
+                tuple(image.shape),
+                image.dtype,
+                tuple(declared.shape[1:]),
+                declared.dtype,
+            )
 
     def reply(self, theta: Tensor, round_number: int, bound: float | None = None) -> Tensor:
         """Σ over this round's included patients of clip_C(Δ_i), each Δ_i trained from ``theta`` on its own images.

@@ -6,7 +6,7 @@ from typing import Any
 
 from flwr.app import Context
 
-from hospitals_app.task import build_datamodule, build_model
+from hospitals_app.task import build_datamodule, build_model, dummy_batch, read_id_key
 from lightning_dp.federated import Site, calibrated_multiplier, share_std
 from lightning_dp.federated.flower import site_app
 from lightning_dp.training.patient_rounds import LocalSGD
@@ -30,6 +30,8 @@ def noise_share(config: Any) -> float:
 
 def make_site(context: Context) -> Site:
     config = context.run_config
+    node = context.node_config
+    declared = node.get("declared-patients", node.get("patients"))  # this site's share of N, compared locally only
     return Site.from_lightning(
         str(context.node_config["site"]),
         build_model(config),
@@ -42,11 +44,17 @@ def make_site(context: Context) -> Site:
             max_images=int(config.get("local-max-images", 64)),  # type: ignore[arg-type]
         ),
         noise_std=noise_share(config),
+        declared_patients=None if declared is None else int(declared),  # type: ignore[arg-type]
     )
 
 
-# A hospital that must never show the server its sum starts its SuperNode with
-# --node-config '... require-secure-aggregation=true': it then answers only SecAgg+ rounds.
+# The site checks its model on zeros of the declared input before it answers the server (dummy_batch), and sends
+# salted HMAC digests of its patients' ids under the key in its own `id-key-file` (read_id_key). A hospital that must
+# never show the server its sum starts its SuperNode with --node-config '... require-secure-aggregation=true': it
+# then answers only SecAgg+ rounds.
 app = site_app(
-    make_site, require_secure_aggregation=lambda context: bool(context.node_config.get("require-secure-aggregation"))
+    make_site,
+    id_key=read_id_key,
+    require_secure_aggregation=lambda context: bool(context.node_config.get("require-secure-aggregation")),
+    dummy_batch=dummy_batch,
 )

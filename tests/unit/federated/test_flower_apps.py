@@ -7,16 +7,29 @@ and N); dp-accounting's RDP accountant for the hospital-level ε.
 
 from __future__ import annotations
 
+import logging
+from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, RecordDict
+from PIL import Image
+from torch import nn
 
 from lightning_dp.accounting import PrivacyLedger, RDPAccountant
+from lightning_dp.data import PatientDataModule, PatientImageDataset
 from lightning_dp.errors import PrivacyBudgetExceededError, PrivacyConfigError, PrivacyStateError
 from lightning_dp.federated import FederatedServer, Site, calibrated_multiplier, share_std
-from lightning_dp.federated.flower import FederatedRoundError, FederatedStartError, LocalGrid, run_rounds, site_app
+from lightning_dp.federated.flower import (
+    FederatedRoundError,
+    FederatedStartError,
+    LocalGrid,
+    round_line,
+    run_rounds,
+    site_app,
+)
 from lightning_dp.sanitization import GaussianRelease
 from tests.unit.federated.test_federated_round import CLIP, _Net, _parts, _patients
 
@@ -108,7 +121,7 @@ def test_a_dropped_a_failing_and_a_malformed_site_contribute_nothing_and_the_rou
     logs = run_rounds(grid, server, rounds=3, sites=3)
     assert logs[0].refused == {"c": "failed (SiteFailure: the site could not answer (its own log says why))"}
     assert "MRN" not in str(logs[0].refused)
-    assert logs[1].refused == {"b": "no reply within 600 s"}
+    assert logs[1].refused == {"b": "no reply (within the 600 s deadline)"}
     assert logs[2].refused == {"c": "shape (5,), not (74,)"}
     assert [log.sites_replied for log in logs] == [2, 2, 2]
     assert server.ledger.steps == 3
@@ -178,7 +191,7 @@ def test_a_site_clip_bounds_what_one_hospital_moves_the_sum_by() -> None:
     ("names", "extra", "server", "message"),
     [
         (["a", "b"], {}, {}, "only 2 of the 3 expected sites connected"),
-        (["a", "b", "c"], {"c": {"patients": 0}}, {}, "site on node 3 failed at start (SiteFailure: the site could"),
+        (["a", "b", "c"], {"c": {"patients": 0}}, {}, "site 'c' failed at start: it could not build its site from"),
         (["a", "b", "b"], {}, {}, "two sites are named 'b'"),
         (["a", "b", "c"], {}, {"sample_rate": 0.25}, "site 'a' samples its patients at q = 0.5, the server's"),
     ],
@@ -390,3 +403,151 @@ def test_a_request_that_went_out_counts_even_if_the_server_crashes_before_its_re
     assert restarted.seen_shares == [share_std(1.1, CLIP, 3)] and restarted.requests == 1
     server.round({"a": torch.zeros(74)}, {"a": share_std(1.1, CLIP, 3) / 2})  # the replies replace the entry
     assert server.seen_shares == [share_std(1.1, CLIP, 3) / 2]
+
+
+# ---------------------------------------------------------------- patient ids from a hospital's manifest (issue 42 §1)
+class _TinyClassifier(nn.Module):
+    """Reads the library's patient batches, ``(images, labels, patients)``, of 3×4×4 images."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = nn.Linear(3 * 4 * 4, 2)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        images, labels = batch[0], batch[1]
+        return nn.functional.cross_entropy(self.fc(images.flatten(1)), labels)
+
+
+def _manifest(folder: Path, ids: list[str], images_per_patient: int = 2) -> Path:
+    """A hospital's manifest (``path,label,patient_id``) over tiny PNGs, one folder per hospital."""
+    folder.mkdir(parents=True)
+    rows = ["path,label,patient_id"]
+    rng = np.random.default_rng(len(ids))
+    for pid in ids:
+        for k in range(images_per_patient):
+            name = f"{pid}_{k}.png"
+            Image.fromarray(rng.integers(0, 256, (4, 4, 3), dtype=np.uint8)).save(folder / name)
+            rows.append(f"{name},{k % 2},{pid}")
+    path = folder / "manifest.csv"
+    path.write_text("\n".join(rows) + "\n")
+    return path
+
+
+def _manifest_grid(tmp_path: Path, ids: dict[str, list[str]]) -> LocalGrid:
+    def make(context: Context) -> Site:
+        datamodule = PatientDataModule(
+            manifest=str(context.node_config["manifest"]),
+            batch_size=4,
+            val_fraction=0.0,
+            test_fraction=0.0,
+            augment=False,
+        )
+        return Site.from_lightning(
+            str(context.node_config["site"]), _TinyClassifier(), datamodule, sample_rate=0.5, clip_norm=CLIP, seed=1
+        )
+
+    nodes = [{"site": name, "manifest": str(_manifest(tmp_path / name, pids))} for name, pids in ids.items()]
+    return LocalGrid(site_app(make, id_key=lambda context: KEY), nodes)
+
+
+def test_sites_built_from_manifests_compare_their_real_patient_ids(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Before the fix, `Site.from_lightning` keyed the patients by the dataset's numbering 0…N−1, which every site
+    # has: two hospitals with disjoint ids were refused ("5 patient id(s) appear at more than one site") and two
+    # sharing ids were refused by chance of their counts, not their ids.
+    caplog.set_level(logging.DEBUG)
+    disjoint = {"north": [f"MRN-N{k:03d}" for k in range(5)], "south": [f"MRN-S{k:03d}" for k in range(4)]}
+    server = _server(num_patients=9)
+    run_rounds(_manifest_grid(tmp_path / "disjoint", disjoint), server, rounds=1, sites=2)
+    assert server.ledger.steps == 1
+    shared = {"north": [f"MRN-{k:03d}" for k in range(5)], "south": ["MRN-001", "MRN-003", "MRN-004", "MRN-777"]}
+    with pytest.raises(FederatedStartError) as err:
+        run_rounds(_manifest_grid(tmp_path / "shared", shared), _server(num_patients=9), rounds=1, sites=2)
+    assert "3 patient id(s) appear at more than one site (the ids are not shown)" in str(err.value)
+    printed = str(err.value) + caplog.text + "".join(capsys.readouterr())
+    assert "MRN" not in printed
+
+
+def test_a_site_from_a_manifest_keys_its_patients_by_their_ids() -> None:
+    dataset = PatientImageDataset.from_arrays(np.zeros((3, 4, 4, 3), np.uint8), [0, 1, 0], ["z-9", "a-1", "z-9"])
+
+    class _DataModule:
+        def setup(self, stage: str) -> None:
+            pass
+
+        def train_dataloader(self) -> Any:
+            return torch.utils.data.DataLoader(dataset, batch_size=2)
+
+    site = Site.from_lightning("h", _TinyClassifier(), _DataModule(), sample_rate=1.0, clip_norm=CLIP, seed=0)
+    assert site.parts.data.keys == ["a-1", "z-9"] and site.parts.data.groups == [[1], [0, 2]]
+
+
+# ------------------------------------------------------------- a site that would train nothing (issue 42 §3, §6)
+def _dummy_batch(channels: int) -> Any:
+    """Zeros of a declared input format, from public settings only: (images, labels), 2 items of ``channels`` × 2."""
+    return lambda context: (torch.zeros(2, channels * 2), torch.zeros(2, dtype=torch.long))
+
+
+def test_a_site_whose_model_cannot_take_the_declared_input_is_refused_at_start_by_its_name(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # The sites' model reads 6 features; the consortium declared 4 (two "channels" of 2). Before, every patient's
+    # update failed in every round, each site contributed nothing, and the server printed "3 sites replied".
+    caplog.set_level(logging.DEBUG)
+    grid = LocalGrid(site_app(_make_site, dummy_batch=_dummy_batch(2)), [{"site": name} for name in SIZES])
+    server = _server()
+    with pytest.raises(FederatedStartError) as err:
+        run_rounds(grid, server, rounds=1, sites=3)
+    assert str(err.value).startswith(
+        "site 'a' failed at start: its model's training_step failed on a public dummy batch of the declared input"
+    )
+    assert "mat1 and mat2" not in str(err.value) and "mat1 and mat2" in caplog.text  # the real error: site's log
+    assert server.ledger.steps == 0
+    ok = _server()
+    grid = LocalGrid(site_app(_make_site, dummy_batch=_dummy_batch(3)), [{"site": name} for name in SIZES])
+    run_rounds(grid, ok, rounds=1, sites=3)
+    assert ok.ledger.steps == 1
+
+
+def test_the_dummy_batch_leaves_the_model_as_it_was() -> None:
+    site = _make_site(_grid().contexts[1])
+    before = site.parts.state.vector().clone()
+    site.check_training_step(_dummy_batch(3)(None))
+    assert torch.equal(site.parts.state.vector(), before)
+    assert all(p.grad is None for p in site.parts.module.parameters())
+
+
+def test_a_node_flower_reports_unavailable_is_reported_as_such_not_as_a_timeout() -> None:
+    # Flower answers for a node that stopped sending heartbeats with its own error message, sent by the SuperLink
+    # (not by the node): before, the server matched replies by sender and reported "no reply within 600 s".
+    from flwr.server.superlink.linkstate.utils import create_message_error_unavailable_res_message
+
+    class _KilledNode(LocalGrid):
+        def push_messages(self, messages: Any) -> Any:
+            ids = []
+            for message in messages:
+                if message.metadata.dst_node_id == 2 and message.metadata.message_type == "train":
+                    self._count += 1
+                    message.metadata.__dict__["_message_id"] = f"local-{self._count}"
+                    error = create_message_error_unavailable_res_message(message.metadata, "node_unavail")
+                    self._outbox[message.metadata.message_id] = error
+                    ids.append(message.metadata.message_id)
+                else:
+                    ids += list(super().push_messages([message]))
+            return ids
+
+    grid = _KilledNode(site_app(_make_site), [{"site": name} for name in SIZES])
+    logs = run_rounds(grid, _server(), rounds=1, sites=3)
+    assert logs[0].refused == {"b": "no reply (Flower: the node stopped sending heartbeats; it is down or cut off)"}
+    assert logs[0].sites_replied == 2
+
+
+def test_each_rounds_line_shows_the_noise_std_per_coordinate_and_the_hospital_level_epsilon() -> None:
+    server = _server(site_clip=4 * CLIP)
+    logs = run_rounds(_grid(), server, rounds=1, sites=3)
+    line = round_line(logs[0], server)
+    assert f"noise std {1.1 * CLIP / 6:.4g} per coordinate" in line  # z·C/(q·N), public
+    assert f"hospital ε = {server.hospital_epsilon():.4f}" in line and line.endswith("3 sites replied")
+    assert "hospital" not in round_line(logs[0], _server())
