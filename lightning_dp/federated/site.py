@@ -185,10 +185,7 @@ class Site:
                 "(no `patient_to_indices`), so no patient can be the unit. HINT: use a patient dataset "
                 "(lightning_dp.data), or add a dict patient id → image indices as `patient_to_indices`."
             )
-        groups, keys = patient_groups(dataset)
-        ids = getattr(dataset, "patient_ids", None)
-        if ids is not None and keys == list(range(len(ids))):  # numbered 0…N−1: key k is patient_ids[k]
-            keys = [str(pid) for pid in ids]
+        groups, keys = patient_groups(dataset)  # keyed by the patients' real ids (patient_ids) where the data name them
         collate = loader.collate_fn or default_collate
         data = PatientData(dataset, groups, keys, collate)
         parts = RoundParts(module, ModelState(module), module.training_step, data, local or LocalSGD(), clip_norm)

@@ -127,7 +127,8 @@ def patient_groups(dataset: Any) -> tuple[list[list[int]], list[Any]]:
 
     Patients may be keyed by any hashable id (a hospital's "MRN-0042" as well as 0..N-1): position k is the k-th id
     in sorted order (insertion order when the ids do not sort, e.g. a mix of types). Sorted order makes the
-    positions independent of how the dict was built; for the ids 0..N-1 position k is patient k.
+    positions independent of how the dict was built; for the ids 0..N-1 position k is patient k, and its id is
+    ``dataset.patient_ids[k]`` when the dataset names its patients (the library's patient datasets do).
 
     Example:
         >>> patient_groups(type("D", (), {"patient_to_indices": {"b": [2], "a": [0, 1]}})())
@@ -138,7 +139,14 @@ def patient_groups(dataset: Any) -> tuple[list[list[int]], list[Any]]:
         keys = sorted(groups)
     except TypeError:
         keys = list(groups)
-    return [[int(i) for i in groups[key]] for key in keys], keys
+    indices = [[int(i) for i in groups[key]] for key in keys]
+    ids = getattr(dataset, "patient_ids", None)
+    if ids is not None and keys == list(range(len(ids))):
+        # The library's datasets number their patients 0…N−1 and name them in ``patient_ids``: a patient's key (its
+        # random streams, a site's id digests) is its name, so adding a patient whose name sorts first does not move
+        # every other patient's randomness (a fixed-seed neighbouring test would see them all shift).
+        keys = [str(pid) for pid in ids]
+    return indices, keys
 
 
 @dataclass(frozen=True)

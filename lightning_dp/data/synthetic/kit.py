@@ -20,8 +20,8 @@ import json
 import os
 import shutil
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
 from typing import Any, ClassVar, Literal, TypeVar, Union
@@ -345,6 +345,9 @@ class GeneratedDataModule(PatientSplitsDataModule):
     root: str
     generator_kwargs: dict[str, Any]
     _generator: Callable[..., Path]
+    #: Set by the datamodule base this mixes into (its split arguments).
+    val_fraction: float
+    test_fraction: float
 
     @staticmethod
     def manifest_in(root: Union[str, os.PathLike[str]]) -> str:

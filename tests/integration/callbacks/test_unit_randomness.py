@@ -318,3 +318,34 @@ def test_dpsgd_an_image_inserted_in_a_library_dataset_moves_the_sum_by_at_most_c
     moved, total = _moved_by_one_unit(tmp_path, monkeypatch, run)
     assert total > 2
     assert moved <= 1 + 1e-4
+
+
+def _library_patients(with_first: bool) -> PatientImageDataset:
+    """6 patients of 3 in-memory 4×4 images (P01…P06), or with a 7th, "P00", whose id sorts before all of them.
+
+    The library's datasets number their patients 0…N−1 in id order: P00 takes position 0 and every other patient's
+    position moves by one.
+    """
+    images = torch.rand(21, 4, 4, generator=torch.Generator().manual_seed(6)).numpy()
+    labels = [int(image.mean() > 0.5) for image in images]
+    patients = [f"P{1 + k // 3:02d}" for k in range(18)] + ["P00"] * 3
+    keep = list(range(21 if with_first else 18))
+    return PatientImageDataset.from_arrays(
+        images[keep], [labels[j] for j in keep], [patients[j] for j in keep], transform=_Flattened(True)
+    )
+
+
+def test_p3sgd_a_patient_whose_id_sorts_first_moves_the_sum_by_at_most_c(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """P3SGD keys a patient's streams by its id (the dataset's ``patient_ids``), not its position: with a fixed seed
+    and augmentation, a patient added before all the others moved the clipped sum by 2.45·C when positions keyed
+    the streams (the review of issue 41's fixes)."""
+
+    def run(root: Path, with_unit: bool) -> None:
+        callback = P3SGD(sample_rate=1.0, clip_norm=CLIP, local_lr=0.5, seed=3, num_patients=7)
+        _fit(root, False, callback, _Data(_library_patients(with_unit)), dim=16)
+
+    moved, total = _moved_by_one_unit(tmp_path, monkeypatch, run)
+    assert total > 2
+    assert moved <= 1 + 1e-4
