@@ -373,8 +373,8 @@ def _hello(
             seen.update(values)
         if shared:
             raise FederatedStartError(
-                f"{shared} patient id(s) appear at more than one site (the ids are not shown); one patient's images "
-                "would be two units and the patient-level ε would not hold. HINT: link the records so that each "
+                "patient ids appear at more than one site (neither the ids nor their number are shown); one "
+                "patient's images would be two units and the patient-level ε would not hold. HINT: link the records so that each "
                 "patient belongs to exactly one site, or rename ids that are different patients."
             )
     return names
@@ -616,7 +616,11 @@ def server_app(
                 writer.add_scalar("privacy/noise_std", log.noise_std, log.round)
                 writer.add_scalar("federated/sites_replied", log.sites_replied, log.round)
                 if server.site_clip is not None:
+                    # Two relations (docs/federated.md): all of one hospital's patients removed, or its data replaced.
                     writer.add_scalar("privacy/hospital_epsilon", server.hospital_epsilon(), log.round)
+                    writer.add_scalar(
+                        "privacy/hospital_epsilon_replace_one", server.hospital_epsilon(replace_one=True), log.round
+                    )
 
         run_rounds(
             grid,
@@ -654,7 +658,12 @@ def round_line(log: RoundLog, server: FederatedServer) -> str:
         >>> round_line(log, server)
         'round 1: ε = 0.5000 (patient, δ = 1e-05), noise std 0.1 per coordinate, 2 sites replied; c: no reply'
     """
-    hospital = f", hospital ε = {server.hospital_epsilon():.4f}" if server.site_clip is not None else ""
+    hospital = (
+        f", hospital ε = {server.hospital_epsilon():.4f} (removed; {server.hospital_epsilon(replace_one=True):.4f} "
+        "replaced)"
+        if server.site_clip is not None
+        else ""
+    )
     return (
         f"round {log.round}: ε = {log.epsilon:.4f} (patient, δ = {server.ledger.delta:.2g}){hospital}, "
         f"noise std {log.noise_std:.4g} per coordinate, {log.sites_replied} sites replied"

@@ -7,6 +7,7 @@ import hashlib
 import hmac
 import logging
 import math
+import secrets
 import warnings
 from typing import Any, Literal
 
@@ -115,7 +116,10 @@ class Site:
     ) -> None:
         owner = f"Site({name!r})"
         if not parts.data.groups:
-            raise PrivacyConfigError(f"`{owner}`: the site has no patients. HINT: check its manifest.")
+            # Run or no run must not depend on one patient: a site whose last patient left still takes part, with
+            # zero sums (a refusal here would stop the consortium's start, and tell everyone).
+            _log.warning("Site %r has no training patients: it replies zeros (this note is for its operator)", name)
+            vectorize = False
         if declared_patients is not None:
             check_count(owner, "declared_patients", declared_patients, "this site's share of N.", minimum=1)
             if declared_patients != len(parts.data.groups):
@@ -127,6 +131,7 @@ class Site:
                     declared_patients,
                 )
         self.name = name
+        self.declared_patients = declared_patients
         if parts.local.max_images is None:
             parts = dataclasses.replace(parts, local=dataclasses.replace(parts.local, max_images=SITE_MAX_IMAGES))
         self.parts = parts
@@ -215,6 +220,8 @@ class Site:
         so no two releases read the same sample; with ``seed=None`` every process draws a fresh secret anyway. The
         coins never leave the site.
         """
+        if not self.num_patients:
+            return []
         seed = unit_seed(self._secret, "patient-coins", round_number)
         return PoissonPatientSampler(self.num_patients, self.sample_rate, seed=seed).sample().tolist()
 
@@ -227,11 +234,15 @@ class Site:
         Sites that share a key the server does not hold let the server compare digests; without the key the server
         cannot test a guessed id. The key must come from each site's own settings (its node config or a file), never
         from the run config, which whoever starts the run sets. The salt (the run's id) makes two runs' digests
-        unlinkable: a patient added between runs is not one new digest the server can follow.
+        unlinkable: a patient added between runs is not one new digest the server can follow. The list is padded
+        with random digests to ``declared_patients`` (when the site declared it and holds no more), so its length is
+        that public number, not the site's count.
         """
-        return sorted(
-            hmac.new(key, f"{salt}/{pid}".encode(), hashlib.sha256).hexdigest() for pid in self.parts.data.keys
-        )
+        digests = [hmac.new(key, f"{salt}/{pid}".encode(), hashlib.sha256).hexdigest() for pid in self.parts.data.keys]
+        # One digest a patient would tell the server the site's count: padded with random digests (the same format,
+        # never equal to a real one but with probability 2⁻²⁵⁶) to the public count the site declared.
+        padding = max(0, (self.declared_patients or 0) - len(digests))
+        return sorted(digests + [secrets.token_hex(32) for _ in range(padding)])
 
     def check_training_step(self, dummy_batch: Any) -> None:
         """Runs the model's ``training_step`` forward and backward once on a public dummy batch; raises if it fails.

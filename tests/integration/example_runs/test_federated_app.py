@@ -118,7 +118,7 @@ def test_the_example_consortium_app_runs_two_rounds_and_writes_its_report_and_mo
 def test_the_example_app_refuses_hospitals_that_share_patients_and_a_site_without_the_id_key(tmp_path: Path) -> None:
     # Two synthetic hospitals drawn from one seed hold the same patients (ids s0-P0000 … at both): refused.
     nodes, key = _nodes(tmp_path, south_seed=0)
-    with pytest.raises(FederatedStartError, match=r"3 patient id\(s\) appear at more than one site"):
+    with pytest.raises(FederatedStartError, match=r"patient ids appear at more than one site"):
         _run(_config(tmp_path), nodes, key)
     nodes, key = _nodes(tmp_path / "no-key")
     config = _config(tmp_path / "no-key")

@@ -153,3 +153,16 @@ def test_a_failing_patient_costs_its_own_work_only_never_a_second_pass_over_the_
         return calls[0]
 
     assert steps_taken(failing=True) == steps_taken(failing=False) == 6  # q = 1: six patients, one step each
+
+
+def test_the_id_digests_number_the_declared_patients_not_the_sites_count() -> None:
+    # The review of issue 41's fixes: one digest a patient told the server each site's count (4 vs 5 patients).
+    # Padded with random digests to the site's declared count, their number is that public number.
+    four, five = (_site("b", n, False, LocalSGD(lr=0.2, batch_size=8), seed=1) for n in (4, 5))
+    for site in (four, five):
+        site.declared_patients = 6
+    digests = [site.id_digests(b"consortium key", salt="run-1") for site in (four, five)]
+    assert [len(d) for d in digests] == [6, 6]
+    assert set(digests[0]) & set(digests[1]) == set(four.id_digests(b"consortium key", salt="run-1")) & set(
+        five.id_digests(b"consortium key", salt="run-1")
+    )  # the four shared patients' digests match; the padding never does
