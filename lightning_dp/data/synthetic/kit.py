@@ -224,7 +224,8 @@ class SyntheticCache:
         if self.is_current(overwrite):
             return self.manifest
         self.root.mkdir(parents=True, exist_ok=True)
-        with _exclusive(self.root / ".synthetic.lock"):
+        # The lock lies beside the data set, not in it: the data set's files (and their digests) stay the generator's.
+        with _exclusive(self.root.parent / f".{self.root.name}.lock"):
             # Another process (two trainings, a search's workers, two test workers) may have written it meanwhile:
             # one builder at a time, and each looks again once it holds the lock.
             if self.is_current(overwrite):
