@@ -3,10 +3,11 @@
 # Run it from any folder after `pip install -e ".[federated]"` in the repository root:
 #     bash examples/federated_app/try_on_one_machine.sh
 # It writes everything under ./consortium-drill (Flower's home, the logs, the data, the report, the model) and stops
-# the processes it started when it ends. Ports: LINK_PORT (the SuperLink) and NODE_PORTS (one per SuperNode).
+# the processes it started when it ends. Ports: LINK_PORT (the SuperLink) and NODE_PORTS (one per SuperNode); ROUNDS.
 set -euo pipefail
 APP="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 LINK_PORT="${LINK_PORT:-9092}"
+ROUNDS="${ROUNDS:-2}"  # the drill's rounds (the noise is calibrated so that they end at ε = 4)
 read -r PORT_A PORT_B PORT_C <<< "${NODE_PORTS:-9094 9095 9096}"  # three SuperNodes on one machine: three ports
 mkdir -p consortium-drill && cd consortium-drill
 export FLWR_HOME="$PWD/flwr-home"  # Flower's own folder for this drill (apps, runtime files, config.toml)
@@ -47,7 +48,7 @@ for _ in $(seq 120); do  # wait (at most 60 s) until the SuperLink listens
     sleep 0.5
 done
 
-# The run: N = 60 declared (3 × 20), ε = 4 after the 2 rounds of this drill. Each round prints ε and the noise std.
-flwr run "$APP" drill --stream --run-config "rounds=2"
+# The run: N = 60 declared (3 × 20), ε = 4 after the rounds of this drill. Each round prints ε and the noise std.
+flwr run "$APP" drill --stream --run-config "rounds=$ROUNDS"
 cat federated/privacy_report.json
 echo "The model: $PWD/federated/model.pt; the hospitals' logs: $PWD/supernode-*.log"
