@@ -28,19 +28,8 @@ from lightning_dp.schedules import ConstantNoise
 from lightning_dp.tuning import TrialOutcome, tune
 from lightning_dp.tuning.privacy import TrialPlan, trial_ledger
 from lightning_dp.tuning.search import trial_score
+from tests.unit.tuning.test_tuning_search import CONFIG, SPACE  # the same search, drawn twice
 
-CONFIG = Path(__file__).resolve().parents[3] / "configs" / "p3sgd_tune_synthetic.yaml"
-SPACE: dict[str, Any] = {
-    "total_epsilon": 4.0,
-    "trials": {"mean": 6, "distribution": "geometric"},
-    "score": {"metric": "val/acc", "mode": "max", "validation": "public"},
-    "space": {
-        "trainer.callbacks.P3SGD.init_args.clip_norm": [0.5, 1.0, 2.0],
-        "model.init_args.lr": {"log_uniform": [0.01, 1.0]},
-        "trainer.max_steps": [30, 60, 90],
-        "trainer.callbacks.P3SGD.init_args.sample_rate": [0.05, 0.1],
-    },
-}
 SEEDS = {3: 6, 0: 1}  # seed → K: two draws of the same search with different K
 PUBLISHED = ["config.yaml", "model.ckpt", "privacy_report.txt", "scores.json", "search_report.json"]
 
