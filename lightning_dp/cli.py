@@ -465,9 +465,12 @@ def tune_main(argv: Sequence[str]) -> int:
     """Runs ``lightning-dp tune``; returns the exit status."""
     args = _tune_parser().parse_args(list(argv))
     from lightning_dp.tuning import tune
-    from lightning_dp.tuning.search import report_text
+    from lightning_dp.tuning.search import report_text, resumes
 
     output = args.output or Path("runs") / "tune" / args.config.stem
+    # No counts in either line: how many trials were run or are left would reveal K.
+    if resumes(output):
+        print(f"lightning-dp tune: resuming the search in {output} (trials already run are not run again)", flush=True)
     try:
         result = tune(
             args.config,
@@ -480,6 +483,13 @@ def tune_main(argv: Sequence[str]) -> int:
     except (PrivacyConfigError, PrivacyStateError) as err:
         print(f"lightning-dp tune: error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(
+            f"lightning-dp tune: interrupted; the search is kept in {output}: run the same command to resume it "
+            "(the trial that was running counts and is not run again).",
+            file=sys.stderr,
+        )
+        return 130
     sys.stdout.write(report_text(result))  # the public report: nothing in it depends on K or on which trial won
     print(f"  folder                {output}: publish best/ only (private/ reveals K: keep it private)")
     return 0

@@ -52,6 +52,7 @@ __all__ = [
     "FederatedStartError",
     "LocalGrid",
     "RoundLog",
+    "end_line",
     "round_line",
     "run_rounds",
     "save_model",
@@ -374,8 +375,8 @@ def _hello(
         if shared:
             raise FederatedStartError(
                 "patient ids appear at more than one site (neither the ids nor their number are shown); one "
-                "patient's images would be two units and the patient-level ε would not hold. HINT: link the records so that each "
-                "patient belongs to exactly one site, or rename ids that are different patients."
+                "patient's images would be two units and the patient-level ε would not hold. HINT: link the records so "
+                "that each patient belongs to exactly one site, or rename ids that are different patients."
             )
     return names
 
@@ -595,7 +596,8 @@ def server_app(
     folder ``flower-superlink`` was started in.
 
     Each round prints one line: ε (patient level, and hospital level with a site clip), the noise std per coordinate
-    of the released update (z·C/(q·N), public), the number of sites summed and why any other site was not.
+    of the released update (z·C/(q·N), public), the number of sites summed and why any other site was not; the run
+    ends with `end_line` (rounds released, why it stopped, the final ε), also when a resumed run has nothing to run.
 
     Args:
         make_server: builds the `FederatedServer` (model, N, q, C, noise or target ε) from the ``Context``.
@@ -622,10 +624,11 @@ def server_app(
                         "privacy/hospital_epsilon_replace_one", server.hospital_epsilon(replace_one=True), log.round
                     )
 
-        run_rounds(
+        rounds = int(config["rounds"])
+        logs = run_rounds(
             grid,
             server,
-            int(config["rounds"]),
+            rounds,
             sites=int(config["sites"]),
             round_timeout=float(config.get("round-timeout", 600.0)),
             start_timeout=float(config.get("start-timeout", 60.0)),
@@ -635,6 +638,7 @@ def server_app(
             secure=_secure_sum(config),
             require_id_digests=bool(config.get("check-patient-ids", False)),
         )
+        print(end_line(server, rounds, len(logs)), flush=True)
         if writer is not None:
             writer.close()
         target = report(context) if report is not None else (str(config.get("report", "")) or None)
@@ -669,6 +673,26 @@ def round_line(log: RoundLog, server: FederatedServer) -> str:
         f"noise std {log.noise_std:.4g} per coordinate, {log.sites_replied} sites replied"
         + "".join(f"; {name}: {why}" for name, why in log.refused.items())
     )
+
+
+def end_line(server: FederatedServer, rounds: int, released: int) -> str:
+    """The console's last line: how many rounds are released, why the run stopped, the final ε (public numbers only).
+
+    A resumed run whose budget is spent, or whose rounds were all released, runs no round: this line says so.
+
+    Example:
+        >>> from torch import nn
+        >>> server = FederatedServer(nn.Linear(2, 2), num_patients=100, sample_rate=0.1, clip_norm=1.0, noise=1.0)
+        >>> end_line(server, rounds=0, released=0)
+        'done: 0 of 0 rounds released (0 in this run), ε = 0.0000 (patient, δ = 1e-05).'
+    """
+    head = f"{server.steps} of {rounds} rounds released ({released} in this run), ε = {server.epsilon():.4f} "
+    head += f"(patient, δ = {server.ledger.delta:.2g})"
+    if server.stop_reason:
+        return f"stopped: {head}. {server.stop_reason} HINT: nothing more can be released under this budget."
+    if released == 0 and rounds > 0:
+        return f"done: {head}: nothing left to run. HINT: raise rounds in the run config to train further."
+    return f"done: {head}."
 
 
 def _secure_sum(config: Any) -> SecureSum | None:

@@ -85,6 +85,7 @@ __all__ = [
     "released_score",
     "report",
     "report_text",
+    "resumes",
     "trial_score",
     "tune",
 ]
@@ -342,6 +343,15 @@ def _write_atomically(path: Path, state: Mapping[str, Any]) -> None:
 #: The search's folder: the release (published) and the private part (K, every trial, the resumable state).
 BEST_DIR, PRIVATE_DIR = "best", "private"
 PRIVATE_FILE, PRIVATE_REPORT_FILE = "PRIVATE.txt", "private_report.json"
+
+
+def resumes(output: str | Path) -> bool:
+    """True if `tune` would resume a search in ``output`` (it holds a search state, of either layout).
+
+    Says nothing about how many trials were run or are left: that would reveal K.
+    """
+    folder = Path(output)
+    return (folder / PRIVATE_DIR / STATE_FILE).is_file() or (folder / STATE_FILE).is_file()
 
 
 @dataclass(frozen=True)

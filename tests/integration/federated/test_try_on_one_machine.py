@@ -2,8 +2,9 @@
 
 The script starts a real ``flower-superlink`` and three ``flower-supernode`` processes (three synthetic hospitals with
 their own ports, styles, seeds and copies of the id key) and runs the example app for two rounds. The test changes
-nothing in it but its ports (``LINK_PORT``, ``NODE_PORTS``: free ones from the OS), its rounds (``ROUNDS``: one) and its folder (the script writes
-under ``./consortium-drill``, FLWR_HOME included, and runs here in the test's temporary folder); it checks that the page
+nothing in it but its ports (``LINK_PORT``, ``NODE_PORTS``: free ones from the OS), its rounds (``ROUNDS``: one) and
+its folder (the script writes under ``./consortium-drill``, FLWR_HOME included, and runs here in the test's temporary
+folder); it checks that the page
 shows the script verbatim, that the run trains the three hospitals' 60 declared patients, that the outputs land in the
 SuperLink's folder, and that the page's Python block loads the written model and evaluates it. The script runs in its
 own session and is stopped by its PID (its process group: every process it started) at the end.

@@ -14,7 +14,7 @@ from torch import Tensor, nn
 from torch.utils.data import Dataset
 
 from lightning_dp.accounting import PrivacyLedger, RDPAccountant
-from lightning_dp.errors import PrivacyConfigError, PrivacyStateError
+from lightning_dp.errors import PrivacyStateError
 from lightning_dp.federated import FederatedServer, Site
 from lightning_dp.sanitization import GaussianRelease, ModelState
 from lightning_dp.training.patient_rounds import LocalSGD, LoopRound, PatientData, RoundParts

@@ -28,6 +28,7 @@ from lightning_dp.federated.flower import (
     LocalGrid,
     round_line,
     run_rounds,
+    server_app,
     site_app,
 )
 from lightning_dp.sanitization import GaussianRelease
@@ -551,3 +552,25 @@ def test_each_rounds_line_shows_the_noise_std_per_coordinate_and_the_hospital_le
     assert f"noise std {1.1 * CLIP / 6:.4g} per coordinate" in line  # z·C/(q·N), public
     assert f"hospital ε = {server.hospital_epsilon():.4f}" in line and line.endswith("3 sites replied")
     assert "hospital" not in round_line(logs[0], _server())
+
+
+def _serve(make_server: Any, config: dict[str, Any]) -> None:
+    """The ServerApp of `server_app` run once over this module's three sites, as ``flwr run`` would run it."""
+    grid = LocalGrid(site_app(_make_site), [{"site": name} for name in SIZES], run_config=config)
+    context = Context(run_id=0, node_id=0, node_config={}, state=RecordDict(), run_config=config)
+    server_app(make_server)(grid, context)
+
+
+def test_a_resumed_run_with_nothing_to_do_says_why(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    config = {"rounds": 100, "sites": 3, "checkpoint": str(tmp_path / "server.pt"), "resume": False}
+    budgeted = lambda context: _server(noise=2.0, max_epsilon=3.0)  # noqa: E731
+    _serve(budgeted, config)
+    last = capsys.readouterr().out.splitlines()[-1]
+    assert last.startswith("stopped: ") and "above the budget 3" in last
+    released = int(last.split()[1])
+    assert 0 < released < 100 and f"({released} in this run)" in last
+    _serve(budgeted, {**config, "resume": True})  # once more: the budget is spent, no round runs, the console says so
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"stopped: {released} of 100 rounds released (0 in this run)")
+    _serve(lambda context: _server(), {**config, "resume": True, "rounds": released})  # every round asked for is run
+    assert "nothing left to run" in capsys.readouterr().out

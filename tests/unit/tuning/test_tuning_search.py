@@ -221,3 +221,23 @@ def test_the_command_line_refuses_in_one_line(tmp_path: Path, capsys: pytest.Cap
     with pytest.raises(SystemExit) as exited:
         main(["tune", "--config", str(CONFIG)])
     assert exited.value.code == 2 and "--search" in capsys.readouterr().err
+
+
+def test_the_command_line_says_when_it_is_interrupted_and_when_it_resumes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    search, out = tmp_path / "space.yaml", tmp_path / "o"
+    search.write_text(yaml.safe_dump(SPACE))
+    args = ["tune", "--config", str(CONFIG), "--search", str(search), "--output", str(out)]
+    calls: list[int] = []
+    monkeypatch.setattr("lightning_dp.tuning.trial.run_trial", _fake_trial(calls, kill={2}))
+    assert main([*args, "--seed", str(SEED)]) == 130
+    first = capsys.readouterr()
+    assert "interrupted" in first.err and str(out) in first.err and "run the same command to resume" in first.err
+    assert "resuming" not in first.out, "a new search is not a resumed one"
+    monkeypatch.setattr("lightning_dp.tuning.trial.run_trial", _fake_trial(calls))
+    assert main(args) == 0
+    second = capsys.readouterr().out
+    line = next(x for x in second.splitlines() if "resuming the search" in x)
+    assert str(out) in line and not any(ch.isdigit() for ch in line.replace(str(out), "")), "no count: it reveals K"
+    assert calls == list(range(6))
