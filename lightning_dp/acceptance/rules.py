@@ -103,7 +103,7 @@ class _EnergyRule(StepAcceptance):
         self.energy = _energy_args(owner, energy, energy_clip, energy_noise_multiplier)
         self.energy_clip = float(energy_clip)
         self.energy_noise_multiplier = energy_noise_multiplier
-        self.generator = torch.Generator().manual_seed(secure_seed())
+        self.generator = torch.Generator().manual_seed(secure_seed("acceptance"))
         self.proposals = 0
         self.accepted = 0
         self.last_energy: float | None = None

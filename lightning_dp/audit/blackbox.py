@@ -205,7 +205,7 @@ class MembershipAudit:
             raise PrivacyConfigError(f"`{owner}(accountant={accountant!r})`: the audited accountant is 'rdp' or 'prv'.")
         self.accountant: AccountantName = accountant
         self.significance = float(significance)
-        self.seed = secure_seed() if seed is None else int(seed)
+        self.seed = secure_seed("audit") if seed is None else int(seed)
         self.progress = progress
 
     # ------------------------------------------------------------------ data

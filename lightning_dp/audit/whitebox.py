@@ -167,7 +167,7 @@ class StepAudit:
         if not 0.0 < calibration < 1.0:
             raise PrivacyConfigError(f"`{owner}(calibration={calibration})`: must be in (0, 1), e.g. 0.2.")
         self.calibration = calibration
-        self.seed = secure_seed() if seed is None else int(seed)
+        self.seed = secure_seed("audit") if seed is None else int(seed)
         self.progress = progress
 
     # ------------------------------------------------------------------ the toy dataset

@@ -388,7 +388,11 @@ class DPCallback(pl.Callback):
                 self.attach_budget(budget)
         refuse_budget_conflicts(trainer, self.mechanism, self._budget, self._accounting_mode())
         delta = resolve_delta(self.mechanism, self.unit, self.delta, self._budget, units, self._default_delta)
-        seeds = [secure_seed() for _ in range(3)] if self.seed is None else [self.seed + k for k in range(3)]
+        seeds = (
+            [secure_seed(p) for p in ("coins", "noise", "acceptance")]
+            if self.seed is None
+            else [self.seed + k for k in range(3)]
+        )
         seeds = trainer.strategy.broadcast(seeds, src=0)  # every rank samples, noises and decides identically
         self.ledger = PrivacyLedger(self.unit, delta)
         if self._accounting_mode() == "paper":

@@ -591,7 +591,7 @@ class FederatedServer:
                 f"`FederatedServer`: the saved round counter ({saved['steps']}) disagrees with its ledger "
                 f"({ledger.steps} rounds). HINT: load an unmodified state."
             )
-        self.release.generator.manual_seed(secure_seed())
+        self.release.generator.manual_seed(secure_seed("noise"))
         self.ledger.load_state_dict(saved["ledger"])
         self.state.refresh()
         self.state.load(saved["theta"])

@@ -139,7 +139,7 @@ class Site:
         self.noise_std = float(noise_std)
         if not (self.noise_std >= 0.0 and math.isfinite(self.noise_std)):
             raise PrivacyConfigError(f"`{owner}`: noise_std must be a finite number >= 0, found {noise_std!r}.")
-        self._secret = secure_seed() if seed is None else int(seed)
+        self._secret = secure_seed("site") if seed is None else int(seed)
         self._units_seed = unit_seed(self._secret, "site-streams", name)
         choice = choose_round(parts, vectorize, images_per_pass)
         self.round: PatientRound = choice.round
@@ -360,7 +360,7 @@ class Site:
             if not norm <= bound:  # a non-finite sum cannot happen (each term is clipped), but would be zeroed
                 clipped_sum.mul_(bound / norm if math.isfinite(norm) else 0.0)
         if self.noise_std > 0:
-            share = standard_normal(clipped_sum.numel(), torch.Generator().manual_seed(secure_seed()))
+            share = standard_normal(clipped_sum.numel(), torch.Generator().manual_seed(secure_seed("share")))
             clipped_sum.add_(share.view_as(clipped_sum).to(clipped_sum), alpha=self.noise_std)
         return clipped_sum
 

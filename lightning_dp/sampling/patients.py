@@ -7,14 +7,14 @@ and would make the reported ε wrong.
 from __future__ import annotations
 
 import math
-import secrets
 from typing import Any
 
 import torch
 
 from lightning_dp.errors import PrivacyStateError, check_count, check_sample_rate
+from lightning_dp.secret import secure_bits, secure_seed
 
-__all__ = ["PoissonPatientSampler", "inclusion_threshold", "secure_seed"]
+__all__ = ["PoissonPatientSampler", "inclusion_threshold", "secure_bits", "secure_seed"]
 
 FORMAT_VERSION = 1
 
@@ -31,11 +31,6 @@ def inclusion_threshold(sample_rate: float) -> float:
         (0.5, 1.0, True)
     """
     return math.floor(sample_rate * 2.0**53) / 2.0**53
-
-
-def secure_seed() -> int:
-    """A 63-bit seed from the operating system's CSPRNG (never from user data)."""
-    return secrets.randbits(63)
 
 
 class PoissonPatientSampler:
@@ -58,7 +53,7 @@ class PoissonPatientSampler:
             "PoissonPatientSampler", "num_patients", num_patients, "the training set has no patients.", minimum=1
         )
         self.sample_rate = check_sample_rate("PoissonPatientSampler", sample_rate)
-        self.generator = torch.Generator().manual_seed(secure_seed() if seed is None else seed)
+        self.generator = torch.Generator().manual_seed(secure_seed("coins") if seed is None else seed)
 
     @property
     def expected_count(self) -> float:

@@ -64,7 +64,7 @@ class PoissonSampleSampler:
                 f"`PoissonSampleSampler(rank={rank}, world_size={world_size})`: rank must be < world_size, found "
                 f"{rank}. HINT: ranks are 0 .. world_size - 1."
             )
-        self.seed = secure_seed() if seed is None else int(seed)
+        self.seed = secure_seed("coins") if seed is None else int(seed)
 
     @property
     def expected_batch_size(self) -> float:

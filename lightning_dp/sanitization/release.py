@@ -186,7 +186,7 @@ class Release:
         self.clip_norm = check_finite_positive(owner, "clip_norm", clip_norm, "the per-unit clipping bound, e.g. 1.0.")
         self.sample_rate = None if sample_rate is None else float(sample_rate)
         self.schedule = schedule if isinstance(schedule, NoiseSchedule) else ConstantNoise(schedule)
-        self.generator = torch.Generator().manual_seed(secure_seed() if seed is None else seed)
+        self.generator = torch.Generator().manual_seed(secure_seed("noise") if seed is None else seed)
 
     # ------------------------------------------------------------------ what a step costs
     def noise_multiplier(self, step: int) -> float:

@@ -20,7 +20,6 @@ The noise is drawn from the OS's randomness (``secrets``), never from a seed the
 from __future__ import annotations
 
 import math
-import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +28,7 @@ import numpy as np
 
 from lightning_dp.accounting import GaussianEvent, PrivacyLedger
 from lightning_dp.errors import PrivacyConfigError
+from lightning_dp.secret import secure_bits
 
 __all__ = ["ReleasedScore"]
 
@@ -105,7 +105,7 @@ class ReleasedScore:
         values = np.nan_to_num(np.asarray(list(unit_scores.values()), dtype=np.float64), nan=self.low)
         clipped = np.clip(values, self.low, self.high) - self.low
         ledger.record(self.event)
-        rng = generator if generator is not None else np.random.default_rng(secrets.randbits(128))
+        rng = generator if generator is not None else np.random.default_rng(secure_bits(128, "score"))
         noisy = float(clipped.sum()) + float(rng.normal(0.0, self.noise_multiplier * self.sensitivity))
         return float(self.low) + noisy / self.patients
 

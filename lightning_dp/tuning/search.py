@@ -37,7 +37,6 @@ import logging
 import math
 import os
 import re
-import secrets
 import shutil
 import tempfile
 import time
@@ -55,6 +54,7 @@ from lightning_dp.accounting.repeat_select import draw_trials, search_ledger, tr
 from lightning_dp.checkpoints import without_privacy_state
 from lightning_dp.errors import PrivacyConfigError, PrivacyStateError, PrivacyWarning
 from lightning_dp.schedules import ConstantNoise, NoiseSchedule
+from lightning_dp.secret import secure_bits
 from lightning_dp.tuning.outcome import (
     SCORE_FILE,
     STATE_FILE,
@@ -928,7 +928,7 @@ def tune(
         _write_atomically(layout.state, state)
     else:
         _mark_private(layout)
-        generator = np.random.default_rng(secrets.randbits(128) if seed is None else seed)
+        generator = np.random.default_rng(secure_bits(128, "trials") if seed is None else seed)
         state = _fresh_state(config_dict, spec, layout, generator, units)
         _write_atomically(layout.state, state)
     runner: TrialRunner

@@ -1,0 +1,227 @@
+"""What an observer of a run sees, recorded and normalized so that equal means equal (ALGORITHMS.md §9).
+
+An `Observation` holds one world's channels in three kinds:
+
+* ``releases``: every sanitized release (`Release.release`'s noised vector per step or round, with its normalizer
+  and multiplier), recorded where the library makes it;
+* ``channels``: everything else an observer sees — console lines and log records, warnings, the outcome (a refusal
+  or an exception: type and text), the files the run wrote (names; text files' content; TensorBoard scalars;
+  checkpoints' structure, counters and privacy state), the number, shapes, normalizers and multipliers of the
+  releases, the secret draws made, which sites were summed: all must be equal across neighbouring worlds;
+* ``derived``: post-processing of the releases with public data (the weights and optimizer state in a checkpoint,
+  metrics on the validation split): listed, free to differ.
+
+Normalization removes what varies between two runs of one world whatever the data: durations, the world's folder,
+memory addresses, the names of TensorBoard event files (host, time, process id). After it, equality is exact.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import logging
+import math
+import re
+import warnings
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = ["Observation", "ReleaseRecord", "normalize", "observe_console", "observe_releases", "scan_files"]
+
+#: Loggers whose records an observer sees (some do not propagate to the root).
+LOGGERS = ("", "pytorch_lightning", "lightning.pytorch", "lightning_fabric", "lightning_dp", "flwr")
+#: TensorBoard tags, metric names and checkpoint keys that are post-processing of the release on public data.
+DERIVED_PREFIXES = ("val/", "val_", "test/", "test_", "state_dict", "optimizer_states", "lr_schedulers", "epoch")
+_DURATION = re.compile(r"\b\d+(?:\.\d+)?(?:e[-+]?\d+)? ?(?:s|ms|sec|seconds|it/s|s/it)\b")
+_ADDRESS = re.compile(r"0x[0-9a-fA-F]{6,}")
+_EVENTS = re.compile(r"events\.out\.tfevents\.[^/\s]+")
+
+
+@dataclass(frozen=True)
+class ReleaseRecord:
+    """One sanitized release: its step, the noised vector, the public normalizer and the multiplier."""
+
+    step: int
+    vector: Tensor
+    normalizer: float
+    multiplier: float
+
+
+@dataclass
+class Observation:
+    """One world as an observer sees it (see the module's docstring for the three kinds)."""
+
+    releases: list[ReleaseRecord] = field(default_factory=list)
+    channels: dict[str, Any] = field(default_factory=dict)
+    derived: dict[str, Any] = field(default_factory=dict)
+    #: What only the data holder sees (a site's or a single-machine run's console, the training checkpoint):
+    #: compared and reported, not failed.
+    holder: dict[str, Any] = field(default_factory=dict)
+
+
+def normalize(text: str, roots: tuple[str, ...] = ()) -> str:
+    """``text`` with the world's folder, durations, addresses and event-file names replaced by placeholders.
+
+    Example:
+        >>> normalize("saved /tmp/w1/runs/x.ckpt in 3.2 s at 0x7f3a2b4c5d60", ("/tmp/w1",))
+        'saved <world>/runs/x.ckpt in <t> at <addr>'
+    """
+    for root in sorted(roots, key=len, reverse=True):
+        if root:
+            text = text.replace(root, "<world>")
+    text = _EVENTS.sub("events.out.tfevents.<run>", text)
+    text = _ADDRESS.sub("<addr>", text)
+    return _DURATION.sub("<t>", text)
+
+
+@contextlib.contextmanager
+def observe_releases() -> Iterator[list[ReleaseRecord]]:
+    """Records every `Release.release` (each subclass's) made in this block: the vector the step released."""
+    from lightning_dp.sanitization.release import Release
+
+    records: list[ReleaseRecord] = []
+    classes: list[type] = []
+    pending = [Release]
+    while pending:
+        cls = pending.pop()
+        classes.append(cls)
+        pending.extend(cls.__subclasses__())
+    originals = {cls: cls.__dict__["release"] for cls in classes if "release" in cls.__dict__}
+
+    depth = [0]  # a subclass calling its parent's release makes one release
+
+    def wrap(original: Any) -> Any:
+        def release(self: Any, step: int, clipped_sum: Tensor, normalizer: float, **kwargs: Any) -> Any:
+            depth[0] += 1
+            try:
+                out = original(self, step, clipped_sum, normalizer, **kwargs)
+            finally:
+                depth[0] -= 1
+            if depth[0] == 0:
+                vector = out.update.detach().double().cpu().clone()
+                records.append(ReleaseRecord(int(step), vector, float(normalizer), float(out.noise_multiplier)))
+            return out
+
+        return release
+
+    for cls, original in originals.items():
+        setattr(cls, "release", wrap(original))
+    try:
+        yield records
+    finally:
+        for cls, original in originals.items():
+            setattr(cls, "release", original)
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(f"{record.levelname} {record.name}: {record.getMessage()}")
+
+
+@contextlib.contextmanager
+def observe_console(roots: tuple[str, ...]) -> Iterator[dict[str, list[str]]]:
+    """Records stdout, stderr, log records (INFO and above) and warnings of the block, normalized at the end."""
+    seen: dict[str, list[str]] = {}
+    handler = _Records()
+    handler.setLevel(logging.INFO)
+    loggers = [logging.getLogger(name) for name in LOGGERS]
+    out, err = io.StringIO(), io.StringIO()
+    streams: list[tuple[logging.StreamHandler[Any], Any]] = []
+    for logger in loggers:
+        for h in logger.handlers:  # Lightning's handlers hold the terminal's stream: write to the record instead
+            if type(h) is logging.StreamHandler:
+                streams.append((h, h.setStream(err)))
+        logger.addHandler(handler)
+    try:
+        with (
+            warnings.catch_warnings(record=True) as caught,
+            contextlib.redirect_stdout(out),
+            contextlib.redirect_stderr(err),
+        ):
+            warnings.simplefilter("always")
+            yield seen
+    finally:
+        for logger in loggers:
+            logger.removeHandler(handler)
+        for h, stream in streams:
+            h.setStream(stream)
+        seen["stdout"] = [normalize(x, roots) for x in out.getvalue().splitlines()]
+        seen["stderr"] = [normalize(x, roots) for x in err.getvalue().splitlines()]
+        seen["log"] = [normalize(x, roots) for x in handler.lines]
+        # Deprecation notices are about the installed libraries, shown once per process: not the data's.
+        shown = [w for w in caught if not issubclass(w.category, (DeprecationWarning, FutureWarning))]
+        seen["warnings"] = sorted({normalize(f"{w.category.__name__}: {w.message}", roots) for w in shown})
+
+
+def _is_derived(key: str) -> bool:
+    return key.startswith(DERIVED_PREFIXES)
+
+
+def _flatten(value: Any, prefix: str, channels: dict[str, Any], derived: dict[str, Any], roots: tuple[str, ...]) -> None:
+    """A checkpoint's leaves: tensors under derived keys go to ``derived`` (shape, dtype stay channels)."""
+    if isinstance(value, Mapping):
+        for k in sorted(value, key=str):
+            _flatten(value[k], f"{prefix}.{k}" if prefix else str(k), channels, derived, roots)
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            _flatten(v, f"{prefix}[{i}]", channels, derived, roots)
+    elif isinstance(value, Tensor):
+        head = f"{prefix}: tensor {tuple(value.shape)} {value.dtype}"
+        if _is_derived(prefix):
+            channels[head] = "derived"
+            derived[prefix] = value.detach().double().clone() if value.is_floating_point() else value.clone()
+        else:
+            channels[head] = value.detach().cpu().tolist()
+    elif isinstance(value, float) and math.isnan(value):
+        channels[prefix] = "nan"
+    elif _is_derived(prefix):
+        derived[prefix] = value
+    else:
+        channels[prefix] = normalize(repr(value), roots)
+
+
+def _scalars(path: Path) -> dict[str, list[tuple[int, float]]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(path))
+    events.Reload()
+    return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags().get("scalars", [])}
+
+
+def scan_files(root: Path, skip: tuple[str, ...], roots: tuple[str, ...]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Every file under ``root`` but those under ``skip``: (channels, derived) keyed by normalized relative path."""
+    channels: dict[str, Any] = {}
+    derived: dict[str, Any] = {}
+    for path in sorted(p for p in root.rglob("*") if p.is_file()):
+        rel = path.relative_to(root).as_posix()
+        if rel.startswith(skip):
+            continue
+        name = normalize(rel, roots)
+        if "tfevents" in path.name:
+            for tag, values in _scalars(path).items():
+                (derived if _is_derived(tag) else channels)[f"{name}:{tag}"] = values
+            channels[name] = "events"
+        elif path.suffix in (".ckpt", ".pt", ".pth"):
+            channels[name] = "checkpoint"
+            inner: dict[str, Any] = {}
+            _flatten(torch.load(path, map_location="cpu", weights_only=False), "", inner, derived, roots)
+            channels.update({f"{name}:{k}": v for k, v in inner.items()})
+        elif path.suffix in (".json", ".txt", ".yaml", ".yml", ".csv", ".log", ".md"):
+            text = normalize(path.read_text(errors="replace"), roots)
+            if path.suffix == ".json":
+                with contextlib.suppress(ValueError):
+                    text = json.dumps(json.loads(text), sort_keys=True, indent=1)
+            channels[name] = text.splitlines()
+        else:
+            channels[name] = f"{path.stat().st_size} bytes"
+    return channels, derived

@@ -1,0 +1,334 @@
+"""The things a user runs, each as a pipeline that plays one world and returns what an observer sees.
+
+* `FitPipeline`: ``lightning-dp fit --config`` in this process, on a manifest of PNG images the pipeline writes
+  (P3SGD: the unit is a patient; DP-SGD: an image), in a folder of its own that it makes the working folder, so that
+  the two worlds' configs, paths and outputs are the same text.
+* `FederatedPipeline`: federated P3SGD as deployed — each hospital a `Site` behind the ``ClientApp`` of `site_app`,
+  the ``ServerApp`` of `server_app` over `LocalGrid` (Flower's messages, in one process), which drops a reply that
+  arrives after the deadline as the deployment's grid does.
+
+A pipeline declares what is public before any data are seen (N, the steps or rounds, C, q, the multiplier, the
+deadline) and which secret purposes its guarantee rests on (``purposes``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from lightning_dp.audit.observer.channels import Observation, normalize, observe_console, observe_releases, scan_files
+from lightning_dp.audit.observer.units import Unit, unit_images
+
+__all__ = ["FederatedPipeline", "FitPipeline"]
+
+
+@contextlib.contextmanager
+def _inside(folder: Path) -> Iterator[None]:
+    before = Path.cwd()
+    os.chdir(folder)
+    try:
+        yield
+    finally:
+        os.chdir(before)
+
+
+def _outcome(err: BaseException | None, roots: tuple[str, ...]) -> str:
+    if err is None:
+        return "ran"
+    return normalize(f"{type(err).__name__}: {err}", roots)
+
+
+def _png(path: Path, image: np.ndarray) -> None:
+    from PIL import Image
+
+    Image.fromarray((np.clip(image, 0, 1) * 255).astype(np.uint8), mode="L").save(path)
+
+
+@dataclass
+class FitPipeline:
+    """``lightning-dp fit`` of a small config (``engine``: ``"p3sgd"`` or ``"dpsgd"``) on written PNG patients.
+
+    D holds ``patients`` training patients of ``images`` images each (a bright square marks label 1) and 4
+    validation patients; N is declared as ``patients + 1`` (the protocol's number, fixed before the data are
+    counted: D′'s count). ``overrides`` replace keys of the config's callback (e.g. a mutant's setting).
+    """
+
+    engine: str = "p3sgd"
+    patients: int = 8
+    images: int = 3
+    size: int = 16
+    steps: int = 3
+    sample_rate: float = 1.0
+    clip_norm: float = 0.05
+    noise_multiplier: float = 1.0
+    purposes: tuple[str, ...] = ("noise", "coins")
+    overrides: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        return f"fit-{self.engine}"
+
+    @property
+    def units_declared(self) -> int:
+        return self.patients + 1 if self.engine == "p3sgd" else self.patients * self.images + 1
+
+    def _config(self) -> dict[str, Any]:
+        if self.engine == "p3sgd":
+            dp = {
+                "class_path": "lightning_dp.callbacks.P3SGD",
+                "init_args": {
+                    "num_patients": self.units_declared,
+                    "sample_rate": self.sample_rate,
+                    "clip_norm": self.clip_norm,
+                    "noise_scales": [self.noise_multiplier],
+                    "local_lr": 0.5,
+                    "local_batch_size": 4,
+                    "delta": 1e-5,
+                },
+            }
+        elif self.engine == "dpsgd":
+            dp = {
+                "class_path": "lightning_dp.callbacks.DPSGD",
+                "init_args": {
+                    "num_samples": self.units_declared,
+                    "sample_rate": self.sample_rate,
+                    "clip_norm": self.clip_norm,
+                    "noise_multiplier": self.noise_multiplier,
+                    "delta": 1e-5,
+                },
+            }
+        else:
+            raise ValueError(f"FitPipeline(engine={self.engine!r}): 'p3sgd' or 'dpsgd'.")
+        dp["init_args"].update(self.overrides)
+        return {
+            "seed_everything": 0,
+            "trainer": {
+                "accelerator": "cpu",
+                "devices": 1,
+                "max_steps": self.steps,
+                "default_root_dir": "runs",
+                "enable_progress_bar": False,
+                "enable_model_summary": False,
+                "limit_val_batches": 1,
+                "num_sanity_val_steps": 0,
+                "callbacks": [
+                    dp,
+                    {
+                        "class_path": "pytorch_lightning.callbacks.ModelCheckpoint",
+                        "init_args": {"dirpath": "runs/checkpoints", "filename": "last", "enable_version_counter": False},
+                    },
+                ],
+            },
+            "model": {
+                "class_path": "lightning_dp.models.ImageClassifier",
+                "init_args": {
+                    "arch": "small_cnn",
+                    "num_classes": 2,
+                    "in_channels": 1,
+                    "trainable": ["norm", "head"],
+                    "lr": 1.0,
+                    "optimizer": "sgd",
+                },
+            },
+            "data": {
+                "class_path": "lightning_dp.data.PatientDataModule",
+                "init_args": {"manifest": "data/manifest.csv", "image_size": self.size, "batch_size": 8},
+            },
+        }
+
+    def _write_data(self, folder: Path, unit: Unit | None) -> None:
+        data = folder / "data"
+        data.mkdir(parents=True)
+        rows = ["path,label,patient_id,split"]
+        g = np.random.default_rng(0)  # public and fixed: D is the same in every world
+
+        def patient(pid: str, label: int, split: str, images: list[np.ndarray]) -> None:
+            for k, image in enumerate(images):
+                name = f"{pid}_{k}.png"
+                _png(data / name, image)
+                rows.append(f"{name},{label},{pid},{split}")
+
+        for i in range(self.patients + 4):
+            label, split = i % 2, ("train" if i < self.patients else "val")
+            images = []
+            for _ in range(self.images):
+                image = 0.3 * g.random((self.size, self.size), dtype=np.float32)
+                if label:
+                    image[2:6, 2:6] += 0.6
+                images.append(image)
+            patient(f"p{i:02d}", label, split, images)
+        if unit is not None:  # appended last: the other units keep their order and keys
+            if self.engine == "dpsgd" and unit.images is not None:
+                unit = Unit(unit.name, unit.images[:1], unit.label, unit.kind)  # one image: DP-SGD's unit
+            if unit.images is None:
+                (data / "zz_unit_0.png").write_bytes(b"\x89PNG\r\n\x1a\n not an image")
+                rows.append(f"zz_unit_0.png,{unit.label},zz_unit,train")
+            else:
+                patient("zz_unit", unit.label, "train", unit.images)
+        (data / "manifest.csv").write_text("\n".join(rows) + "\n")
+
+    def run(self, unit: str | None, folder: Path) -> Observation:
+        """One world (D, or D plus the adversarial ``unit``) in ``folder``; what an observer sees of it."""
+        import yaml
+
+        from lightning_dp.cli import main
+
+        folder.mkdir(parents=True, exist_ok=True)
+        self._write_data(folder, None if unit is None else unit_images(unit, self.size))
+        (folder / "config.yaml").write_text(yaml.safe_dump(self._config()))
+        roots = (str(folder.resolve()), str(folder))
+        obs = Observation()
+        err: BaseException | None = None
+        code: Any = None
+        with _inside(folder), observe_releases() as releases, observe_console(roots) as console:
+            try:
+                code = main(["fit", "--config", "config.yaml"])
+            except BaseException as caught:  # noqa: BLE001 — a refusal, an error or an exit is a channel
+                if isinstance(caught, KeyboardInterrupt):
+                    raise
+                err = caught
+        obs.releases = releases
+        obs.channels["outcome"] = _outcome(err, roots) if err is not None else f"exit {code}"
+        # The console and the training checkpoint are the data holder's (the config says the checkpoint is as
+        # private as the data); what is published is the model without the privacy state, the logs and reports.
+        obs.holder.update({f"console.{k}": v for k, v in console.items()})
+        trained = folder / "runs" / "checkpoints" / "last.ckpt"
+        if trained.is_file():
+            from lightning_dp.checkpoints import publishable_checkpoint
+
+            (folder / "published").mkdir()
+            publishable_checkpoint(trained, folder / "published" / "model.ckpt")
+        files, derived = scan_files(folder, ("data/", "config.yaml"), roots)
+        for key, value in files.items():
+            (obs.holder if key.startswith("runs/checkpoints/") else obs.channels)[f"file {key}"] = value
+        obs.derived.update(derived)
+        return obs
+
+
+@dataclass
+class FederatedPipeline:
+    """Federated P3SGD through Flower's messages: ``sites`` hospitals of ``patients`` patients, the unit at site b.
+
+    The server's app runs with run config ``rounds``, ``sites``, a ``round-timeout`` of ``deadline`` seconds and a
+    report; each site caps a patient's work at ``max_images`` images per round (public, declared). N is declared as
+    the consortium's patients plus one.
+    """
+
+    sites: int = 2
+    patients: int = 6
+    images: int = 3
+    rounds: int = 2
+    sample_rate: float = 0.5
+    clip_norm: float = 0.05
+    noise_multiplier: float = 1.0
+    deadline: float = 30.0
+    max_images: int = 8
+    whale_images: int = 200_000
+    purposes: tuple[str, ...] = ("noise", "site")
+    name: str = "federated"
+
+    @property
+    def units_declared(self) -> int:
+        return self.sites * self.patients + 1
+
+    def _site_data(self, name: str, unit: Unit | None) -> tuple[Any, list[list[int]], list[str]]:
+        from lightning_dp.audit.observer.datasets import UnitImages
+
+        g = np.random.default_rng(sum(map(ord, name)))  # public and fixed: D is the same in every world
+        images: list[np.ndarray | None] = []
+        labels: list[int] = []
+        groups: list[list[int]] = []
+        keys: list[str] = []
+        for p in range(self.patients):
+            label = p % 2
+            start = len(images)
+            for _ in range(self.images):
+                image = 0.3 * g.random((6,), dtype=np.float32)
+                image[label] += 0.6
+                images.append(image)
+                labels.append(label)
+            groups.append(list(range(start, len(images))))
+            keys.append(f"{name}-{p}")
+        if unit is not None:
+            start = len(images)
+            if unit.images is None:  # reading it raises
+                images.append(None)
+                labels.append(unit.label)
+            else:
+                for image in unit.images:
+                    images.append(image.reshape(-1)[:6].astype(np.float32))
+                    labels.append(unit.label)
+            groups.append(list(range(start, len(images))))
+            keys.append(f"{name}-unit")
+        return UnitImages(images, labels), groups, keys
+
+    def run(self, unit: str | None, folder: Path) -> Observation:
+        """One world: the consortium, with the adversarial ``unit`` added at site b (or not)."""
+        from flwr.app import Context, RecordDict
+
+        from lightning_dp.federated import FederatedServer, Site
+        from lightning_dp.federated.flower import LocalGrid, server_app, site_app
+        from lightning_dp.sanitization import ModelState
+        from lightning_dp.training.patient_rounds import LocalSGD, PatientData, RoundParts
+
+        folder.mkdir(parents=True, exist_ok=True)
+        added = None if unit is None else unit_images(unit, 6, whale_images=self.whale_images)
+        names = [chr(ord("a") + k) for k in range(self.sites)]
+
+        def model() -> torch.nn.Module:
+            torch.manual_seed(0)  # θ₀ is public
+            return torch.nn.Linear(6, 2)
+
+        def make_site(context: Context) -> Site:
+            name = str(context.node_config["site"])
+            dataset, groups, keys = self._site_data(name, added if name == "b" else None)
+            net = model()
+
+            def step(batch: Any, batch_idx: int) -> torch.Tensor:
+                return torch.nn.functional.cross_entropy(net(batch[0]), batch[1])
+
+            local = LocalSGD(lr=0.5, batch_size=4, max_images=self.max_images)
+            parts = RoundParts(net, ModelState(net), step, PatientData(dataset, groups, keys), local, self.clip_norm)
+            return Site(name, parts, sample_rate=self.sample_rate)
+
+        def make_server(context: Context) -> FederatedServer:
+            return FederatedServer(
+                model(),
+                num_patients=self.units_declared,
+                sample_rate=self.sample_rate,
+                clip_norm=self.clip_norm,
+                noise=self.noise_multiplier,
+            )
+
+        config = {
+            "rounds": self.rounds,
+            "sites": self.sites,
+            "round-timeout": self.deadline,
+            "start-timeout": 10.0,
+            "report": "report.json",
+            "model": "model.pt",
+        }
+        grid = LocalGrid(site_app(make_site), [{"site": n} for n in names], run_config=config)
+        roots = (str(folder.resolve()), str(folder))
+        obs = Observation()
+        err: BaseException | None = None
+        with _inside(folder), observe_releases() as releases, observe_console(roots) as console:
+            try:
+                context = Context(run_id=0, node_id=0, node_config={}, state=RecordDict(), run_config=config)
+                server_app(make_server)(grid, context)
+            except Exception as caught:  # noqa: BLE001 — a refusal or an error is a channel
+                err = caught
+        obs.releases = releases
+        obs.channels["outcome"] = _outcome(err, roots)
+        obs.channels.update({f"console.{k}": v for k, v in console.items()})
+        files, derived = scan_files(folder, (), roots)
+        obs.channels.update({f"file {k}": v for k, v in files.items()})
+        obs.derived.update(derived)
+        return obs

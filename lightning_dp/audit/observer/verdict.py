@@ -1,0 +1,239 @@
+"""`ObserverAudit`: neighbouring worlds replayed end to end with equal secrets, every channel diffed (§9).
+
+For a pipeline (`FitPipeline`, `FederatedPipeline`) and a set of adversarial units it runs, each in a folder of its
+own and with every secret draw answered by one `SecretTape`:
+
+1. **D twice** (same tape): every channel and every release must be equal — a run that differs from itself under
+   equal secrets draws randomness the tape does not hold (it cannot be replayed, and nothing says it is secret).
+2. **D and D′ = D plus one unit** (same tape): every channel must be equal, the secret draws included (their
+   purposes, in order); the releases must be as many, with equal normalizers and multipliers, and the first one
+   (from the same public θ₀) may move by at most C: ‖r′ − r‖·n ≤ C·(1 + tolerance). Later releases start from
+   different weights, so only their shape, normalizer and multiplier are compared.
+3. **D with one secret purpose varied** (for each purpose the pipeline's guarantee rests on): the purpose must be
+   drawn at all, the releases must change (the draw decides them; a draw from a public value — a seed, a step or
+   round number, torch's global generator — leaves them as they were), and every other channel must stay equal (a
+   channel that follows a secret but is not the release publishes that secret, as a search's trial count does).
+
+The verdict names each channel that differs and shows both values, shortened. ``derived`` values (weights and
+optimizer state in checkpoints, validation metrics) are post-processing of the releases and are not compared.
+What it does not see: leaks at steps after the first through the release itself (the release's own sensitivity at
+every step is `SensitivityAudit`'s), timing as such (durations are stripped; a deadline that a unit trips shows as
+the sites summed), and parties in other processes (secrets are held in this process).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from lightning_dp.audit.observer.channels import Observation
+from lightning_dp.audit.observer.secrets import SecretTape
+
+__all__ = ["Finding", "ObserverAudit", "ObserverResult", "Pipeline", "diff"]
+
+#: fp round-off allowed over C for the first release (two equal noise vectors subtracted in fp32).
+TOLERANCE = 0.02
+#: A varied secret must move some release by more than this, relative to its norm (fp32 round-off is ~1e-7).
+CHANGED = 1e-5
+
+
+class Pipeline(Protocol):
+    name: str
+    clip_norm: float
+    purposes: tuple[str, ...]
+
+    def run(self, unit: str | None, folder: Path) -> Observation: ...
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One difference an observer sees: the comparison, the channel, and both values (shortened)."""
+
+    check: str
+    channel: str
+    left: str
+    right: str
+
+    def __str__(self) -> str:
+        return f"[{self.check}] {self.channel}: {self.left} ≠ {self.right}"
+
+
+def _short(value: Any, width: int = 160) -> str:
+    text = repr(value)
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def _first_difference(a: Any, b: Any) -> tuple[str, str]:
+    if isinstance(a, list) and isinstance(b, list):
+        for x, y in zip(a, b):
+            if x != y:
+                return _short(x), _short(y)
+        return f"{len(a)} entries", f"{len(b)} entries"
+    return _short(a), _short(b)
+
+
+def diff(check: str, a: Observation, b: Observation, draws: tuple[list[str], list[str]] | None = None) -> list[Finding]:
+    """Every channel of ``a`` and ``b`` that differs (the releases' shapes, normalizers and multipliers included)."""
+    found = []
+    for key in sorted(set(a.channels) | set(b.channels)):
+        left, right = a.channels.get(key, "<absent>"), b.channels.get(key, "<absent>")
+        if left != right:
+            found.append(Finding(check, key, *_first_difference(left, right)))
+    shape = [(r.step, tuple(r.vector.shape), r.normalizer, r.multiplier) for r in a.releases]
+    other = [(r.step, tuple(r.vector.shape), r.normalizer, r.multiplier) for r in b.releases]
+    if shape != other:
+        found.append(Finding(check, "releases (step, shape, normalizer, multiplier)", *_first_difference(shape, other)))
+    if draws is not None and draws[0] != draws[1]:
+        found.append(Finding(check, "secret draws (purposes, in order)", *_first_difference(*draws)))
+    return found
+
+
+@dataclass
+class ObserverResult:
+    """The audit's verdict: every finding, the first release's move per unit (in units of C), what ran."""
+
+    pipeline: str
+    units: list[str]
+    findings: list[Finding] = field(default_factory=list)
+    #: Differences in what only the data holder sees (its console, the training checkpoint): reported, not failed.
+    notes: list[Finding] = field(default_factory=list)
+    moved: dict[str, float] = field(default_factory=dict)
+    purposes_drawn: list[str] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return not self.findings
+
+    def summary(self) -> str:
+        moved = ", ".join(f"{u}: {m:.4f}·C" for u, m in self.moved.items())
+        head = f"observer audit of {self.pipeline}: {'PASSED' if self.passed else 'FAILED'}"
+        lines = [f"{head} (units {', '.join(self.units)}; first release moved {moved or 'n/a'})"]
+        lines += [f"  {finding}" for finding in self.findings]
+        if self.notes:
+            lines.append(f"  seen by the data holder only ({len(self.notes)}; not failed):")
+            lines += [f"    {note}" for note in self.notes]
+        return "\n".join(lines)
+
+
+class ObserverAudit:
+    """Replays ``pipeline`` on D and on D plus each of ``units`` with equal secrets, and diffs what an observer sees.
+
+    Args:
+        pipeline: what the user runs (`FitPipeline`, `FederatedPipeline`), with its public declarations.
+        units: adversarial units to add (`lightning_dp.audit.observer.units`).
+        tolerance: fp round-off allowed over C for the first release's move.
+        vary: secret purposes to vary (default: the pipeline's ``purposes``).
+        folder: where the worlds run (default: a temporary folder, removed at the end).
+        coins_rate: the sample rate at which a pipeline declared at q = 1 is run to vary its coins.
+    """
+
+    def __init__(
+        self,
+        pipeline: Pipeline,
+        units: Sequence[str],
+        *,
+        tolerance: float = TOLERANCE,
+        vary: Sequence[str] | None = None,
+        folder: str | Path | None = None,
+        coins_rate: float = 0.5,
+    ) -> None:
+        self.pipeline = pipeline
+        self.units = list(units)
+        self.tolerance = float(tolerance)
+        self.vary = list(pipeline.purposes if vary is None else vary)
+        self.folder = None if folder is None else Path(folder)
+        self.coins_rate = float(coins_rate)
+
+    def run(self) -> ObserverResult:
+        if self.folder is not None:
+            return self._run(self.folder)
+        with tempfile.TemporaryDirectory(prefix="observer-") as tmp:
+            return self._run(Path(tmp))
+
+    def _world(
+        self, tape: SecretTape, unit: str | None, folder: Path, pipeline: Pipeline | None = None
+    ) -> tuple[Observation, list[str]]:
+        with tape.held():
+            obs = (pipeline or self.pipeline).run(unit, folder)
+        return obs, list(tape.draws)
+
+    def _for(self, purpose: str) -> Pipeline:
+        """The pipeline that shows ``purpose`` deciding the release: for the coins, at q < 1 (``coins_rate``)."""
+        if purpose == "coins" and getattr(self.pipeline, "sample_rate", None) == 1.0:
+            return dataclasses.replace(self.pipeline, sample_rate=self.coins_rate)  # type: ignore[type-var]
+        return self.pipeline
+
+    @staticmethod
+    def _compare(
+        result: ObserverResult, check: str, a: Observation, b: Observation, draws: tuple[list[str], list[str]]
+    ) -> None:
+        result.findings += diff(check, a, b, draws)
+        for key in sorted(set(a.holder) | set(b.holder)):
+            left, right = a.holder.get(key, "<absent>"), b.holder.get(key, "<absent>")
+            if left != right:
+                result.notes.append(Finding(check, key, *_first_difference(left, right)))
+
+    def _run(self, root: Path) -> ObserverResult:
+        result = ObserverResult(self.pipeline.name, self.units)
+        tape = SecretTape()
+        base, draws = self._world(tape, None, root / "D")
+        result.purposes_drawn = sorted(set(draws))
+        again, draws_again = self._world(tape, None, root / "D-again")
+        self._compare(result, "D twice", base, again, (draws, draws_again))
+        result.findings += self._releases_equal("D twice", base, again)
+        for unit in self.units:
+            other, other_draws = self._world(tape, unit, root / f"D+{unit}")
+            self._compare(result, f"D vs D+{unit}", base, other, (draws, other_draws))
+            if base.releases and other.releases:
+                first, second = base.releases[0], other.releases[0]
+                if first.vector.shape == second.vector.shape:
+                    moved = float((second.vector - first.vector).norm()) * first.normalizer / self.pipeline.clip_norm
+                    result.moved[unit] = moved
+                    if not moved <= 1 + self.tolerance:
+                        result.findings.append(
+                            Finding(f"D vs D+{unit}", "first release", "moved ≤ 1.00·C", f"moved {moved:.4f}·C")
+                        )
+        for purpose in self.vary:
+            if purpose not in draws:
+                result.findings.append(
+                    Finding(f"secret {purpose}", "secret draws", f"a draw of {purpose!r}", f"none (drew {draws})")
+                )
+                continue
+            pipeline = self._for(purpose)
+            reference = base
+            if pipeline is not self.pipeline:  # the coins decide nothing at q = 1: both worlds at q < 1
+                reference, reference_draws = self._world(tape, None, root / f"D@{purpose}", pipeline)
+            else:
+                reference_draws = draws
+            varied, varied_draws = self._world(tape.varied(purpose), None, root / f"D~{purpose}", pipeline)
+            self._compare(result, f"secret {purpose} varied", reference, varied, (reference_draws, varied_draws))
+            if not self._changed(reference, varied):
+                result.findings.append(
+                    Finding(
+                        f"secret {purpose} varied",
+                        "releases",
+                        "changed by the secret",
+                        "unchanged: decided by public values",
+                    )
+                )
+        return result
+
+    @staticmethod
+    def _changed(a: Observation, b: Observation) -> bool:
+        for x, y in zip(a.releases, b.releases):
+            if x.vector.shape != y.vector.shape:
+                return True
+            if float((x.vector - y.vector).norm()) > CHANGED * max(float(x.vector.norm()), 1e-12):
+                return True
+        return len(a.releases) != len(b.releases)
+
+    @staticmethod
+    def _releases_equal(check: str, a: Observation, b: Observation) -> list[Any]:
+        for x, y in zip(a.releases, b.releases):
+            if x.vector.shape == y.vector.shape and not bool((x.vector == y.vector).all()):
+                return [Finding(check, f"release at step {x.step}", "equal under equal secrets", "differs")]
+        return []
