@@ -87,7 +87,7 @@ def observe_releases() -> Iterator[list[ReleaseRecord]]:
 
     records: list[ReleaseRecord] = []
     classes: list[type] = []
-    pending = [Release]
+    pending: list[type] = [Release]
     while pending:
         cls = pending.pop()
         classes.append(cls)
@@ -111,12 +111,12 @@ def observe_releases() -> Iterator[list[ReleaseRecord]]:
         return release
 
     for cls, original in originals.items():
-        setattr(cls, "release", wrap(original))
+        setattr(cls, "release", wrap(original))  # noqa: B010
     try:
         yield records
     finally:
         for cls, original in originals.items():
-            setattr(cls, "release", original)
+            setattr(cls, "release", original)  # noqa: B010
 
 
 class _Records(logging.Handler):
@@ -129,8 +129,12 @@ class _Records(logging.Handler):
 
 
 @contextlib.contextmanager
-def observe_console(roots: tuple[str, ...]) -> Iterator[dict[str, list[str]]]:
-    """Records stdout, stderr, log records (INFO and above) and warnings of the block, normalized at the end."""
+def observe_console(roots: tuple[str, ...], holder: tuple[str, ...] = ()) -> Iterator[dict[str, list[str]]]:
+    """Records stdout, stderr, log records (INFO and above) and warnings of the block, normalized at the end.
+
+    Records of the loggers named in ``holder`` (a site's own log, in a process that runs every party) are kept apart
+    under ``holder_log``.
+    """
     seen: dict[str, list[str]] = {}
     handler = _Records()
     handler.setLevel(logging.INFO)
@@ -157,7 +161,9 @@ def observe_console(roots: tuple[str, ...]) -> Iterator[dict[str, list[str]]]:
             h.setStream(stream)
         seen["stdout"] = [normalize(x, roots) for x in out.getvalue().splitlines()]
         seen["stderr"] = [normalize(x, roots) for x in err.getvalue().splitlines()]
-        seen["log"] = [normalize(x, roots) for x in handler.lines]
+        mine = [x for x in handler.lines if x.split(" ", 2)[1].rstrip(":").startswith(holder or ("\0",))]
+        seen["log"] = [normalize(x, roots) for x in handler.lines if x not in mine]
+        seen["holder_log"] = [normalize(x, roots) for x in mine]
         # Deprecation notices are about the installed libraries, shown once per process: not the data's.
         shown = [w for w in caught if not issubclass(w.category, (DeprecationWarning, FutureWarning))]
         seen["warnings"] = sorted({normalize(f"{w.category.__name__}: {w.message}", roots) for w in shown})
@@ -167,7 +173,9 @@ def _is_derived(key: str) -> bool:
     return key.startswith(DERIVED_PREFIXES)
 
 
-def _flatten(value: Any, prefix: str, channels: dict[str, Any], derived: dict[str, Any], roots: tuple[str, ...]) -> None:
+def _flatten(
+    value: Any, prefix: str, channels: dict[str, Any], derived: dict[str, Any], roots: tuple[str, ...]
+) -> None:
     """A checkpoint's leaves: tensors under derived keys go to ``derived`` (shape, dtype stay channels)."""
     if isinstance(value, Mapping):
         for k in sorted(value, key=str):
@@ -191,15 +199,20 @@ def _flatten(value: Any, prefix: str, channels: dict[str, Any], derived: dict[st
 
 
 def _scalars(path: Path) -> dict[str, list[tuple[int, float]]]:
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # type: ignore[import-untyped]
 
     events = EventAccumulator(str(path))
     events.Reload()
     return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags().get("scalars", [])}
 
 
-def scan_files(root: Path, skip: tuple[str, ...], roots: tuple[str, ...]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Every file under ``root`` but those under ``skip``: (channels, derived) keyed by normalized relative path."""
+def scan_files(
+    root: Path, skip: tuple[str, ...], roots: tuple[str, ...], released: tuple[str, ...] = ()
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Every file under ``root`` but those under ``skip``: (channels, derived) keyed by normalized relative path.
+
+    The tensors of a checkpoint named in ``released`` (a model written from the releases) are all derived.
+    """
     channels: dict[str, Any] = {}
     derived: dict[str, Any] = {}
     for path in sorted(p for p in root.rglob("*") if p.is_file()):
@@ -214,7 +227,8 @@ def scan_files(root: Path, skip: tuple[str, ...], roots: tuple[str, ...]) -> tup
         elif path.suffix in (".ckpt", ".pt", ".pth"):
             channels[name] = "checkpoint"
             inner: dict[str, Any] = {}
-            _flatten(torch.load(path, map_location="cpu", weights_only=False), "", inner, derived, roots)
+            loaded = torch.load(path, map_location="cpu", weights_only=False)
+            _flatten({"state_dict": loaded} if rel in released else loaded, "", inner, derived, roots)
             channels.update({f"{name}:{k}": v for k, v in inner.items()})
         elif path.suffix in (".json", ".txt", ".yaml", ".yml", ".csv", ".log", ".md"):
             text = normalize(path.read_text(errors="replace"), roots)

@@ -70,6 +70,7 @@ class FitPipeline:
     noise_multiplier: float = 1.0
     purposes: tuple[str, ...] = ("noise", "coins")
     overrides: dict[str, Any] = field(default_factory=dict)
+    augment: bool = True
 
     @property
     def name(self) -> str:
@@ -80,6 +81,7 @@ class FitPipeline:
         return self.patients + 1 if self.engine == "p3sgd" else self.patients * self.images + 1
 
     def _config(self) -> dict[str, Any]:
+        dp: dict[str, Any]
         if self.engine == "p3sgd":
             dp = {
                 "class_path": "lightning_dp.callbacks.P3SGD",
@@ -122,7 +124,11 @@ class FitPipeline:
                     dp,
                     {
                         "class_path": "pytorch_lightning.callbacks.ModelCheckpoint",
-                        "init_args": {"dirpath": "runs/checkpoints", "filename": "last", "enable_version_counter": False},
+                        "init_args": {
+                            "dirpath": "runs/checkpoints",
+                            "filename": "last",
+                            "enable_version_counter": False,
+                        },
                     },
                 ],
             },
@@ -139,7 +145,12 @@ class FitPipeline:
             },
             "data": {
                 "class_path": "lightning_dp.data.PatientDataModule",
-                "init_args": {"manifest": "data/manifest.csv", "image_size": self.size, "batch_size": 8},
+                "init_args": {
+                    "manifest": "data/manifest.csv",
+                    "image_size": self.size,
+                    "batch_size": 8,
+                    "augment": self.augment,
+                },
             },
         }
 
@@ -176,7 +187,7 @@ class FitPipeline:
 
     def run(self, unit: str | None, folder: Path) -> Observation:
         """One world (D, or D plus the adversarial ``unit``) in ``folder``; what an observer sees of it."""
-        import yaml
+        import yaml  # type: ignore[import-untyped]
 
         from lightning_dp.cli import main
 
@@ -225,7 +236,7 @@ class FederatedPipeline:
     patients: int = 6
     images: int = 3
     rounds: int = 2
-    sample_rate: float = 0.5
+    sample_rate: float = 1.0
     clip_norm: float = 0.05
     noise_multiplier: float = 1.0
     deadline: float = 30.0
@@ -307,7 +318,7 @@ class FederatedPipeline:
                 noise=self.noise_multiplier,
             )
 
-        config = {
+        config: dict[str, bool | float | int | str] = {
             "rounds": self.rounds,
             "sites": self.sites,
             "round-timeout": self.deadline,
@@ -319,7 +330,8 @@ class FederatedPipeline:
         roots = (str(folder.resolve()), str(folder))
         obs = Observation()
         err: BaseException | None = None
-        with _inside(folder), observe_releases() as releases, observe_console(roots) as console:
+        site_logs = ("lightning_dp.federated.site",)  # a hospital's own log: its operator reads it, not the server
+        with _inside(folder), observe_releases() as releases, observe_console(roots, site_logs) as console:
             try:
                 context = Context(run_id=0, node_id=0, node_config={}, state=RecordDict(), run_config=config)
                 server_app(make_server)(grid, context)
@@ -327,8 +339,10 @@ class FederatedPipeline:
                 err = caught
         obs.releases = releases
         obs.channels["outcome"] = _outcome(err, roots)
+        holder = console.pop("holder_log")
         obs.channels.update({f"console.{k}": v for k, v in console.items()})
-        files, derived = scan_files(folder, (), roots)
+        obs.holder["console.site_logs"] = holder
+        files, derived = scan_files(folder, (), roots, released=("model.pt",))
         obs.channels.update({f"file {k}": v for k, v in files.items()})
         obs.derived.update(derived)
         return obs

@@ -57,7 +57,10 @@ def unit_images(name: str, size: int, whale_images: int = 64) -> Unit:
     raise ValueError(f"no adversarial unit {name!r}; the units are {sorted(MEMORY_UNITS)}.")
 
 
-#: Units a manifest of image files can hold.
-FILE_UNITS = ("huge", "whale", "one_image", "unreadable")
+#: Units a single-machine run's manifest can hold. ``unreadable`` is not one: ``lightning-dp fit`` reads every image
+#: before training and refuses a manifest with one it cannot decode, naming the file, before anything is released —
+#: the data holder's check of its own data, whose refused run publishes nothing. Where others see a refusal (a
+#: federated site), a failing image is skipped instead: `FederatedPipeline`'s ``raising`` unit.
+FILE_UNITS = ("huge", "whale", "one_image")
 #: Units an in-memory data set (a federated site here) can hold.
 MEMORY_UNITS = ("huge", "whale", "one_image", "nonfinite", "raising", "empty")

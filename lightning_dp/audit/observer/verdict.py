@@ -162,10 +162,17 @@ class ObserverAudit:
         return obs, list(tape.draws)
 
     def _for(self, purpose: str) -> Pipeline:
-        """The pipeline that shows ``purpose`` deciding the release: for the coins, at q < 1 (``coins_rate``)."""
-        if purpose == "coins" and getattr(self.pipeline, "sample_rate", None) == 1.0:
-            return dataclasses.replace(self.pipeline, sample_rate=self.coins_rate)  # type: ignore[type-var]
-        return self.pipeline
+        """The pipeline that shows ``purpose`` deciding the release: the coins (a site's secret) at q < 1."""
+        if purpose not in ("coins", "site"):
+            return self.pipeline
+        changes: dict[str, Any] = {}
+        if getattr(self.pipeline, "sample_rate", None) == 1.0:
+            changes["sample_rate"] = self.coins_rate
+        if getattr(self.pipeline, "augment", False):
+            # The coins' secret also keys the units' streams (augmentation): without augmentation they decide only
+            # the order of a patient's images in one local batch, a change of round-off, below CHANGED.
+            changes["augment"] = False
+        return dataclasses.replace(self.pipeline, **changes) if changes else self.pipeline  # type: ignore[type-var]
 
     @staticmethod
     def _compare(
