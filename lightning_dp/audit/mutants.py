@@ -388,7 +388,7 @@ def _federated_normalizer_from_counts() -> Iterator[None]:
 
 
 def _shares_cancel_pairwise() -> Any:
-    key = secure_seed()  # the pairs' common secret: nobody outside can regenerate the masks, they only cancel
+    key = secure_seed("share")  # the pairs' common secret: nobody outside can regenerate the masks, they only cancel
 
     order: list[str] = []  # the sites in the order they first reply: 0 and 1 are a pair, 2 and 3, …
 
