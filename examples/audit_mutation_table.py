@@ -62,6 +62,13 @@ COUPLING: dict[str, Callable[[], SensitivityAudit]] = {
 #: The federated audit's scenario (rounds per world: `Mutant.steps`, or `CORRECT_ROUNDS` for correct code).
 FEDERATED: dict[str, Callable[[int], FederatedAudit]] = {
     "P3SGD-federated": lambda rounds: federated_scenario(rounds=rounds),
+    "P3SGD-federated-sites": lambda rounds: federated_scenario(rounds=rounds, noise_at="sites"),
+    "P3SGD-federated-secure": lambda rounds: federated_scenario(
+        rounds=rounds, noise_at="sites", secure_aggregation=True
+    ),
+    "P3SGD-federated-dropout": lambda rounds: federated_scenario(
+        rounds=rounds, noise_at="sites", drop={"c": list(range(1, rounds, 2))}
+    ),
 }
 CORRECT_ROUNDS = 20
 
@@ -84,6 +91,10 @@ def federated_row(name: str, where: str, scenario: str, mutant: Mutant | None, r
         "canary_rate": round(result.canary_rate, 3),
         "population_rate": round(result.population_rate, 3),
         "ledger_sample_rate": result.sample_rate,
+        "noise_at": result.noise_at,
+        "secure_aggregation": result.secure_aggregation,
+        "share_ratio": None if result.noise_at == "server" else round(result.share_ratio, 4),
+        "shares_summed": result.shares_summed,
         "checks": {
             c.name: [c.passed, float(f"{c.statistic:.4g}"), float(f"{c.limit:.4g}"), c.worst] for c in result.checks
         },
@@ -106,6 +117,28 @@ def print_federated(rows: list[dict[str, Any]]) -> None:
             f"| {r['mutant']} | `{r['where']}` | {r['steps']} | {caught} | {r['max_moved']:.4f} | "
             f"{r['max_excess']:.2g} | {r['noise_ratio']:.3f} | {r['canary_rate']:.2f} / {r['population_rate']:.3f} / "
             f"{r['ledger_sample_rate']:g} |"
+        )
+
+
+def print_federated_sites(rows: list[dict[str, Any]]) -> None:
+    """The rows with the noise at the sites: the shares' size and freshness beside the sum's."""
+    print(
+        "\n| mutant | where | scenario | T | caught by | noise sd ÷ charged z | shares' sd ÷ declared "
+        "| fresh noise: worst abs(correlation) / limit (where) |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        if r["noise_at"] != "sites":
+            continue
+        caught = (
+            ("**" + r["caught_by"] + "**" if r["caught"] else "NOT CAUGHT")
+            if r["mutant"] != "(correct code)"
+            else ("no (passes)" if not r["caught"] else "FAILS (" + r["caught_by"] + ")")
+        )
+        _, stat, limit, where = r["checks"]["fresh noise"]
+        print(
+            f"| {r['mutant']} | `{r['where']}` | {r['scenario']} | {r['steps']} | {caught} | {r['noise_ratio']:.3f} | "
+            f"{r['share_ratio']:.3f} | {stat:.3f} / {limit:.3f} ({where}) |"
         )
 
 
@@ -198,6 +231,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     if args.federated_only:
         rows = federated_rows(args.steps)
         print_federated(rows)
+        print_federated_sites(rows)
         print(
             f"\n{sum(r['as_expected'] for r in rows)}/{len(rows)} rows as expected, {time.perf_counter() - start:.0f} s"
         )
@@ -266,6 +300,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     rows += paired
     federated = federated_rows(args.steps)
     print_federated(federated)
+    print_federated_sites(federated)
     rows += federated
     print(f"\n{sum(r['as_expected'] for r in rows)}/{len(rows)} rows as expected, {time.perf_counter() - start:.0f} s")
     if args.json is not None:

@@ -1,44 +1,79 @@
 """White-box audit of the federated round: a canary patient at one site, the run through Flower, every θ observed.
 
 `FederatedAudit` runs federated P3SGD (`lightning_dp.federated`) as it is deployed: each hospital a `Site` behind the
-``ClientApp`` of `site_app`, the server's loop `run_rounds` sending θ_t and receiving the clipped sums as Flower
+``ClientApp`` of `site_app`, the server's loop `run_rounds` sending θ_t and receiving the sites' replies as Flower
 ``Message`` s, through `LocalGrid` (the same ``ClientApp`` and message path, in one process). It runs two worlds in
 lockstep: with a *canary* patient at one site (images far larger than the others', adversarial labels, a heavy loss
 weight: its local update is far above C) and without it, with the same site seeds (the same coins for every other
-patient: the canary is appended last at its site, so it draws its coin after theirs) and the same server noise seed.
-Before every round the "out" server is set to the "in" server's θ_t (the neighbouring data set, evaluated at the
-same released model), so both rounds start from one θ_t and draw the same noise.
+patient: the canary is appended last at its site, so it draws its coin after theirs). Before every round the "out"
+server is set to the "in" server's θ_t (the neighbouring data set, evaluated at the same released model).
 
-The auditor observes every θ_t at the server and every message the server received (the sites' clipped sums S_w).
-Each world's release, brought back to the public normalizer, D_w = (θ_{t+1} − θ_t)·q·N / server_lr (N declared: the
-same in both worlds), is S_w + Z with the *same* Z in both worlds. Three checks, each stated per round:
+Where the noise is added (``noise_at``), and what is held equal between the worlds:
 
-* **sensitivity**: the canary moves the release by at most C: ``moved`` = ‖D_in − D_out‖ / C ≤ 1 + tolerance (that
-  is, the two worlds' θ changes, each at its public normalizer, differ by at most server_lr·C/(q·N)); and by what
-  its site sent alone: ``excess`` = ‖(D_in − D_out) − (S_in − S_out)‖ / C ≤ tolerance (a server that treats the
-  worlds differently, e.g. divides by the private count of included patients, shows here). The tolerance (0.02·C,
-  `lightning_dp.audit.sensitivity.TOLERANCE`) is for fp32 round-off; its bound is computed and must be below half.
-* **noise**: the release less the sum the server received, (D_in − S_in) / C, is the noise alone on every
-  coordinate: N(0, z²) with z the multiplier the ledger charges (`noise_equals_ledger`: two-sided χ² pooled, per
-  round, per tensor, per coordinate) and fresh at every lag (`fresh_noise`); the noise std each round reports is
-  z·C/(q·N) exactly (relative 1e-9).
-* **rate**: the canary's inclusion, read from the released θ (a round it joins moves the release by C, one it
+* ``"server"``: the server adds N(0, z²C²) once, from its seed, the same in both worlds, so both draw the same noise
+  Z and the canary's effect is read without noise.
+* ``"sites"``: each of the m sites adds its share N(0, z²C²/m) (`Site.noise_share`) and the server adds none; with
+  ``secure_aggregation=True`` the sum is formed by Flower's SecAgg+ (`lightning_dp.federated.secure.SecureSum`) and
+  the server receives nothing but the sum. **The shares are not held equal between the worlds**: each site draws
+  them as it does in deployment (from the OS CSPRNG, at every reply), and the audit subtracts the shares it measured
+  instead. What is held equal is only what the neighbouring relation and the lockstep need: the sites' secret seeds
+  (the coins and the patients' random streams), θ_t, the data of every other patient, and the public settings.
+  Holding the shares equal (seeding them from the audit's seed) would make the worlds' shares identical by
+  construction and would hide the one bug that only a second run shows, a share drawn from a public seed (the round
+  number, the site's name): two runs of the same public configuration must draw different shares, and the two
+  worlds are two such runs.
+
+The auditor observes every θ_t at the server and every reply the server received (in plain rounds the messages, R_k;
+through SecAgg+ the server receives only their sum, and the auditor reads each site's reply where it is made). It
+builds the sites itself and reads, white-box, each site's clipped sum S_k before any share (`Site.clipped_sum`), so a
+site's share is R_k − S_k. Each world's release, brought back to the public normalizer, D_w = (θ_{t+1} − θ_t)·q·N /
+server_lr (N declared: the same in both worlds), is S_w + (its noise), S_w = Σ_k S_k over the sites whose reply the
+server summed. The checks, each stated per round:
+
+* **sensitivity**: the canary moves the release, less its noise, by at most C: ``moved`` = ‖(D_in − N_in) − (D_out −
+  N_out)‖ / C ≤ 1 + tolerance, with N_w = R_w − S_w the sum of the world's measured shares (0 with the noise at the
+  server, where the two worlds' Z is one); and by what its site sent alone: ``excess`` = ‖(D_in − D_out) − (R_in −
+  R_out)‖ / C ≤ tolerance (a server that treats the worlds differently, e.g. divides by the private count of
+  included patients, shows here). The tolerance (0.02·C, `lightning_dp.audit.sensitivity.TOLERANCE`) is for fp32
+  round-off (and SecAgg+'s quantization, ~1e-5·C); its bound is computed and must be below half.
+* **noise std**: the release less the clipped sums, (D_w − S_w) / C, is the noise alone on every coordinate: N(0,
+  z_t²) with z_t the multiplier the ledger charged for that round (`noise_equals_ledger`: two-sided χ² pooled, per
+  round, per tensor, per coordinate), and each round reports z_t·C/(q·N) as its noise std (relative 1e-9). With the
+  noise at the sites z_t is what the server charged for the shares that arrived (z·√(m'/m), m' of m), both worlds
+  are tested (their noise is independent), and shares of the right size that cancel, or that add up to less than
+  what was charged, fail here.
+* **share std** (noise at the sites): each site's share, R_k − S_k, is N(0, σ_k²) per coordinate with σ_k the std
+  the site declared in its reply (what the server charges from, and what ε without secure aggregation assumes):
+  `noise_equals_ledger` per site, at ``significance``/m each.
+* **fresh noise** (`fresh_noise`): no two noise vectors correlate beyond chance: with the noise at the server, the
+  rounds' noise at every lag; at the sites, every pair of shares (m sites × T rounds × 2 worlds): a share reused
+  in a later round, a share that another site's cancels, or a share a second run draws again (a public seed) has
+  |correlation| 1.
+* **rate**: the canary's inclusion, read from the released θ less its noise (a round it joins moves it by C, one it
   misses by 0), is Binomial(T, q) with q the ledger's sample rate (two-sided exact binomial test), and so is the sum
   of the sites' coins over all patients and rounds (`Site.patients_of_round`, what each site's reply uses).
+
+``drop`` makes named sites miss named rounds (a public schedule, the same in both worlds): the server then sums the
+others, and, with the noise at the sites, charges z·√(m'/m) for the m' shares that arrived (``min_shares`` is set
+to the fewest the schedule leaves); the noise check holds the release to that charge.
 
 Each statistical check fails correct code with probability at most ``significance`` (default 1e-3, the noise checks'
 `NOISE_CHECK_SIGNIFICANCE`; the two rate tests at half of it each). What it does not see: a leak that the canary's
 clipped update does not show (the coupling scenarios of `SensitivityAudit` cover those for the engines both paths
-share), distributed noise and secure aggregation (not implemented), and the ε of the ledger itself (the accountant is
-audited by `CallbackAudit`). A passing audit is evidence from one canary, not a proof.
+share); with the noise at the server, a server noise seed that is public (the audit sets the seed, the same in both
+worlds; `FederatedServer` draws it from the OS CSPRNG by default); SecAgg+'s own cryptography (the audit reads the
+replies where the sites make them, and checks that the unmasked sum is theirs, not that the masks hide them); shares
+that are dependent in a way no pair of them shows (e.g. three sites whose shares sum to zero fail the noise check,
+not the pairwise one); and the ε of the ledger itself (the accountant is audited by `CallbackAudit`). A passing
+audit is evidence from one canary, not a proof.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -51,7 +86,7 @@ from lightning_dp.audit.callback_audit import NOISE_CHECK_SIGNIFICANCE, _Units, 
 from lightning_dp.audit.noise import NoiseCheck, fresh_noise, ledger_multipliers, noise_equals_ledger
 from lightning_dp.audit.sensitivity import TOLERANCE
 from lightning_dp.errors import PrivacyConfigError, check_count, check_finite_positive, check_sample_rate
-from lightning_dp.federated import FederatedServer, Site
+from lightning_dp.federated import FederatedServer, Site, share_std
 from lightning_dp.sanitization import ModelState
 from lightning_dp.training.patient_rounds import LocalSGD, PatientData, RoundParts
 from lightning_dp.training.threads import ThreadGovernor
@@ -74,7 +109,12 @@ class FederatedAuditResult:
     site sent differently), ``included[t]`` whether the canary joined round t (read from θ). ``noise_ratio`` is the
     measured noise sd over the ledger's multiplier, pooled (1 for correct code), ``canary_rate`` and
     ``population_rate`` the measured inclusion rates against the ledger's ``sample_rate``. ``checks`` holds the
-    verdicts: "sensitivity", "noise std", "fresh noise", "rate".
+    verdicts: "sensitivity", "noise std", "fresh noise", "rate", and with the noise at the sites "share std".
+
+    With the noise at the sites (``noise_at="sites"``): ``shares_summed[t]`` is how many sites' shares the server
+    summed in round t ("in" world), ``noise_ratio`` is pooled over both worlds, ``share_ratio`` is the measured sd
+    of the sites' shares over the std each declared, pooled (1 for correct code), and ``shares`` holds every share
+    in units of C, (world, round, site, coordinate) with NaN rows for a site that did not reply.
     """
 
     rounds: int
@@ -99,6 +139,11 @@ class FederatedAuditResult:
     significance: float
     checks: tuple[NoiseCheck, ...]
     residual: NDArray[np.float64] = field(default_factory=lambda: np.zeros(0), repr=False)
+    noise_at: str = "server"
+    secure_aggregation: bool = False
+    shares_summed: list[int] = field(default_factory=list)
+    share_ratio: float = math.nan
+    shares: NDArray[np.float64] = field(default_factory=lambda: np.zeros(0), repr=False)
 
     def check(self, name: str) -> NoiseCheck:
         """The check called ``name``."""
@@ -115,7 +160,7 @@ class FederatedAuditResult:
         return not self.failed
 
     def to_dict(self) -> dict[str, Any]:
-        out = {k: v for k, v in asdict(self).items() if k not in ("residual", "checks")}
+        out = {k: v for k, v in asdict(self).items() if k not in ("residual", "checks", "shares")}
         out["checks"] = {c.name: [c.passed, c.statistic, c.limit, c.worst] for c in self.checks}
         out.update(passed=self.passed, failed=self.failed, kind="white-box audit of the federated round (Flower)")
         return out
@@ -123,34 +168,53 @@ class FederatedAuditResult:
     def summary(self) -> str:
         verdict = "passed" if self.passed else "FAILED"
         verdict += "".join(check.failure(".4g") for check in self.checks)
+        where = {"server": "noise at the server", "sites": "noise shares at the sites"}.get(self.noise_at, "")
+        where += " summed by SecAgg+" if self.secure_aggregation else ""
         return (
-            f"federated P3SGD over {len(self.sites)} sites, canary at {self.canary_site!r}, {self.rounds} rounds "
-            f"through Flower: {verdict}. The canary moved the release by {max(self.moved):.4f}·C at most (bound 1), "
-            f"{max(self.excess):.3g}·C beyond what its site sent (tolerance {self.tolerance:g}); noise sd "
-            f"{self.noise_ratio:.3f}× the ledger's z = {self.noise_multiplier:g}; inclusion rate: canary "
+            f"federated P3SGD over {len(self.sites)} sites ({where}), canary at {self.canary_site!r}, {self.rounds} "
+            f"rounds through Flower: {verdict}. The canary moved the release by {max(self.moved):.4f}·C at most "
+            f"(bound 1), {max(self.excess):.3g}·C beyond what its site sent (tolerance {self.tolerance:g}); noise sd "
+            f"{self.noise_ratio:.3f}× the ledger's z = {self.noise_multiplier:g}"
+            + (f" (the shares' sd {self.share_ratio:.3f}× declared)" if self.noise_at == "sites" else "")
+            + "; inclusion rate: canary "
             f"{self.canary_rate:.3f} ({sum(self.included)}/{self.rounds}), all patients {self.population_rate:.3f} "
             f"({self.population_coins} coins), ledger q = {self.sample_rate:g}."
         )
 
 
-def _observed_grid(client_app: Any, node_configs: list[dict[str, Any]]) -> Any:
-    """A `LocalGrid` that keeps the clipped sums the server received (what a white-box auditor at the server sees)."""
+def _observed_grid(client_app: Any, node_configs: list[dict[str, Any]], drop: Any = None) -> Any:
+    """A `LocalGrid` that keeps the replies the server received, by site (what a white-box auditor at the server sees).
+
+    In a SecAgg+ round the messages carry masked vectors, not replies: nothing is kept (the server sees only the sum).
+    """
     from lightning_dp.federated.flower import LocalGrid
 
     class _ObservedGrid(LocalGrid):
         def __init__(self) -> None:
-            super().__init__(client_app, node_configs)
-            self.received: list[Tensor] = []
+            super().__init__(client_app, node_configs, drop=drop)
+            self.received: dict[str, Tensor] = {}
 
         def pull_messages(self, message_ids: Any) -> Any:
             replies = list(super().pull_messages(message_ids))
             for reply in replies:
                 content: Any = reply.content
                 if not reply.has_error() and "clipped_sum" in content:
-                    self.received.append(torch.from_numpy(content["clipped_sum"]["clipped_sum"].numpy().copy()))
+                    name = str(content["site"]["name"])
+                    self.received[name] = torch.from_numpy(content["clipped_sum"]["clipped_sum"].numpy().copy())
             return replies
 
     return _ObservedGrid()
+
+
+def _recorded(store: dict[str, Tensor], name: str, method: Callable[..., Tensor]) -> Callable[..., Tensor]:
+    """``method`` (a site's bound method), with a copy of each value it returns kept in ``store[name]``."""
+
+    def call(*args: Any, **kwargs: Any) -> Tensor:
+        out = method(*args, **kwargs)
+        store[name] = out.detach().double().clone()  # a copy: `Site.reply` adds the share to its clipped sum in place
+        return out
+
+    return call
 
 
 class FederatedAudit:
@@ -171,11 +235,18 @@ class FederatedAudit:
         canary_weight: the canary's loss weight (its update must be far above C).
         significance: the false-alarm probability of each statistical check.
         tolerance: the fp32 round-off allowed in the sensitivity check, in units of C.
-        seed: the sites' and the server's seeds (public; the same in both worlds).
+        seed: the sites' and the server's seeds (public; the same in both worlds). With the noise at the sites it
+            seeds no noise: each site draws its shares from the OS CSPRNG, as deployed.
+        noise_at: ``"server"`` (the server adds the noise) or ``"sites"`` (each site adds its share z·C/√m,
+            `lightning_dp.federated.share_std`; the server charges the shares that arrived).
+        secure_aggregation: with ``noise_at="sites"``, every round's sum by SecAgg+ (`SecureSum`, over `LocalGrid`).
+        drop: site name → the rounds (0-based) in which that site's message is lost (public, the same in both
+            worlds); with the noise at the sites the server's ``min_shares`` is the fewest sites this leaves.
 
     Raises:
-        PrivacyConfigError: an unknown canary site, tensors that do not match, or a round that did not run with every
-            site (a budget, a dropout, a refused reply).
+        PrivacyConfigError: an unknown canary or dropped site, tensors that do not match, SecAgg+ without the noise at
+            the sites or with dropouts, a round without a site, or a round that did not run with every site that the
+            schedule keeps (a budget, an unplanned dropout, a refused reply).
 
     Example:
         >>> from lightning_dp.audit.scenarios import federated_scenario
@@ -201,6 +272,9 @@ class FederatedAudit:
         significance: float = NOISE_CHECK_SIGNIFICANCE,
         tolerance: float = TOLERANCE,
         seed: int = 0,
+        noise_at: Literal["server", "sites"] = "server",
+        secure_aggregation: bool = False,
+        drop: Mapping[str, Collection[int]] | None = None,
     ) -> None:
         owner = "FederatedAudit"
         if canary_site not in sites:
@@ -220,6 +294,23 @@ class FederatedAudit:
             raise PrivacyConfigError(f"`{owner}(significance={significance})`: must be in (0, 1), e.g. 1e-3.")
         if not (math.isfinite(tolerance) and tolerance >= 0):
             raise PrivacyConfigError(f"`{owner}(tolerance={tolerance})`: must be a finite number >= 0, e.g. 0.02.")
+        if noise_at not in ("server", "sites"):
+            raise PrivacyConfigError(f"`{owner}(noise_at={noise_at!r})`: must be 'server' or 'sites'.")
+        if secure_aggregation and noise_at != "sites":
+            raise PrivacyConfigError(
+                f"`{owner}(secure_aggregation=True)`: SecAgg+ carries the sites' noise shares. HINT: noise_at='sites'."
+            )
+        schedule = {str(name): sorted({int(t) for t in rounds_}) for name, rounds_ in (drop or {}).items()}
+        unknown = sorted(set(schedule) - set(sites))
+        if unknown:
+            raise PrivacyConfigError(
+                f"`{owner}(drop=…)`: no such site {unknown}; the sites are {sorted(sites)}. HINT: name hospitals."
+            )
+        if secure_aggregation and any(schedule.values()):
+            raise PrivacyConfigError(
+                f"`{owner}`: dropouts are audited in plain rounds only (a site that leaves SecAgg+ halts its round). "
+                "HINT: drop=None with secure_aggregation=True."
+            )
         self.model = model
         self.sites = {name: tuple(parts) for name, parts in sites.items()}
         self.canary = tuple(canary)
@@ -234,11 +325,25 @@ class FederatedAudit:
         self.significance = float(significance)
         self.tolerance = float(tolerance)
         self.seed = int(seed)
+        self.noise_at = noise_at
+        self.secure_aggregation = bool(secure_aggregation)
+        self.drop = schedule
+        fewest = min(len(self.sites) - len(self._dropped(t)) for t in range(self.rounds))
+        if fewest < 1:
+            raise PrivacyConfigError(f"`{owner}(drop=…)`: a round in which no site replies. HINT: keep one site.")
+        self.min_shares = fewest
         self.built: dict[tuple[str, str], Site] = {}
+        # White-box, per world, for the round in progress: each site's clipped sum S_k and the reply it made.
+        self._sums: dict[str, dict[str, Tensor]] = {"in": {}, "out": {}}
+        self._replies: dict[str, dict[str, Tensor]] = {"in": {}, "out": {}}
 
     def _largest_patient(self) -> int:
         counts = [int(torch.unique(p, return_counts=True)[1].max()) for _, _, p in self.sites.values()]
         return max(counts + [len(self.canary[1])])
+
+    def _dropped(self, round_number: int) -> set[str]:
+        """The sites whose message is lost in that round (the public schedule ``drop``)."""
+        return {name for name, rounds in self.drop.items() if round_number in rounds}
 
     # ------------------------------------------------------------------ the two worlds
     def _site(self, world: str, name: str) -> Site:
@@ -264,7 +369,14 @@ class FederatedAudit:
             net, ModelState(net), step, PatientData(_Units(x, y, w, None), groups, keys), self.local, self.clip_norm
         )
         index = sorted(self.sites).index(name)
-        site = Site(name, parts, sample_rate=self.sample_rate, seed=self.seed * 1000 + index + 1)
+        noise_std = (
+            share_std(self.noise_multiplier, self.clip_norm, len(self.sites)) if self.noise_at == "sites" else 0.0
+        )
+        site = Site(name, parts, sample_rate=self.sample_rate, seed=self.seed * 1000 + index + 1, noise_std=noise_std)
+        # White-box: the clipped sum before any share, and the reply the site made (through SecAgg+ the server never
+        # sees it). Bound now, so a mutant patched into the class is what runs.
+        site.clipped_sum = _recorded(self._sums[world], name, site.clipped_sum)  # type: ignore[method-assign]
+        site.reply = _recorded(self._replies[world], name, site.reply)  # type: ignore[method-assign]
         self.built[(world, name)] = site
         return site
 
@@ -272,6 +384,7 @@ class FederatedAudit:
         # N is declared by the consortium before the data are counted: the same in both worlds (the canary's
         # included), so the two releases have one normalizer and the only difference is the canary's sum.
         patients = sum(len(set(p.tolist())) for _, _, p in self.sites.values()) + 1
+        sites = self.noise_at == "sites"
         torch.manual_seed(self.seed)
         return FederatedServer(
             self.model(),
@@ -281,17 +394,26 @@ class FederatedAudit:
             noise=self.noise_multiplier,
             server_lr=self.server_lr,
             seed=self.seed,
+            noise_at=self.noise_at,
+            sites=len(self.sites) if sites else None,
+            min_shares=self.min_shares if sites else None,
         )
 
-    def _grid(self, world: str) -> Any:
-        from lightning_dp.federated.flower import site_app
+    def _grid(self, world: str, names: list[str], servers: Mapping[str, FederatedServer]) -> Any:
+        from lightning_dp.federated.flower import TRAIN, site_app
 
         app = site_app(lambda context: self._site(str(context.node_config["world"]), str(context.node_config["site"])))
-        return _observed_grid(app, [{"site": name, "world": world} for name in sorted(self.sites)])
+
+        def drop(node: int, message: Any) -> bool:  # the public schedule: a train message of a listed round is lost
+            if message.metadata.message_type != TRAIN or not self.drop:
+                return False
+            return names[node - 1] in self._dropped(servers[world].steps)
+
+        return _observed_grid(app, [{"site": name, "world": world} for name in names], drop)
 
     # ------------------------------------------------------------------ the audit
     def run(self) -> FederatedAuditResult:
-        """Both worlds in lockstep through Flower, every θ_t and message observed, then the four checks."""
+        """Both worlds in lockstep through Flower, every θ_t and reply observed, then the checks."""
         from lightning_dp.federated.flower import run_rounds
 
         self.built.clear()
@@ -301,43 +423,79 @@ class FederatedAudit:
         finally:
             governor.restore()
 
+    def _secure_sum(self) -> Any:
+        if not self.secure_aggregation:
+            return None
+        from lightning_dp.federated.secure import SecureSum
+
+        return SecureSum()
+
     def _run(self, governor: ThreadGovernor, run_rounds: Callable[..., Any]) -> FederatedAuditResult:
         from lightning_dp.federated.flower import RoundLog
 
+        names = sorted(self.sites)
         servers = {w: self._server(w) for w in ("in", "out")}
-        grids = {w: self._grid(w) for w in ("in", "out")}
+        grids = {w: self._grid(w, names, servers) for w in ("in", "out")}
         normalizers = {w: s.normalizer for w, s in servers.items()}  # the public q·N (declared: equal in both worlds)
-        clip = self.clip_norm
-        moved, excess, site_moved, residuals, reported = [], [], [], [], []
+        clip, d = self.clip_norm, servers["in"].theta().numel()
+        moved, excess, site_moved, reported, summed = [], [], [], [], []
+        residuals: dict[str, list[NDArray[np.float64]]] = {"in": [], "out": []}
+        shares = np.full((2, self.rounds, len(names), d), np.nan)  # (world, round, site, coordinate), units of C
         round_off = 0.0
         for t in range(self.rounds):
             governor.adjust()
             theta = servers["in"].theta().clone()
             servers["out"].state.refresh()
             servers["out"].state.load(theta)  # the neighbouring data set at the same released θ_t
-            release, received = {}, {}
-            for world in ("in", "out"):
+            release, received, sums = {}, {}, {}
+            for w, world in enumerate(("in", "out")):
                 logs: list[RoundLog] = []
                 grids[world].received.clear()
-                run_rounds(grids[world], servers[world], t + 1, sites=len(self.sites), on_round=logs.append)
-                if len(logs) != 1 or logs[0].refused:
+                self._sums[world].clear()
+                self._replies[world].clear()
+                run_rounds(
+                    grids[world],
+                    servers[world],
+                    t + 1,
+                    sites=len(self.sites),
+                    on_round=logs.append,
+                    secure=self._secure_sum(),
+                    max_empty_rounds=1,
+                )
+                lost = self._dropped(t)
+                if len(logs) != 1 or set(logs[0].refused) != lost:
                     raise PrivacyConfigError(
-                        f"`FederatedAudit`: round {t} of the {world!r} world did not run with every site "
-                        f"({[log.refused for log in logs]}). HINT: no budget, dropouts or refusals in the audited run."
+                        f"`FederatedAudit`: round {t} of the {world!r} world did not run with every site the schedule "
+                        f"keeps ({[log.refused for log in logs]}; dropped by the schedule: {sorted(lost)}). HINT: no "
+                        "budget, unplanned dropouts or refusals in the audited run."
+                    )
+                arrived = [name for name in names if name not in lost]
+                replies = self._replies[world] if self.secure_aggregation else grids[world].received
+                if sorted(replies) != arrived or sorted(self._sums[world]) != arrived:
+                    raise PrivacyConfigError(
+                        f"`FederatedAudit`: round {t} of the {world!r} world: replies from {sorted(replies)}, clipped "
+                        f"sums from {sorted(self._sums[world])}, expected {arrived}. HINT: the audit builds the sites "
+                        "itself; a site built elsewhere cannot be read."
                     )
                 after = servers[world].theta()
                 scale = normalizers[world] / self.server_lr
                 release[world] = (after.double() - theta.double()) * scale
-                received[world] = torch.stack(grids[world].received).double().sum(0)
+                received[world] = torch.stack([replies[name].double() for name in arrived]).sum(0)
+                sums[world] = torch.stack([self._sums[world][name] for name in arrived]).sum(0)
+                for name in arrived:
+                    shares[w, t, names.index(name)] = (
+                        (replies[name].double() - self._sums[world][name]) / clip
+                    ).numpy()
+                residuals[world].append(((release[world] - sums[world]) / clip).numpy())
                 round_off += 2.0**-24 * float(after.norm()) * scale / clip
                 if world == "in":
                     reported.append(float(logs[0].noise_std))
+                    summed.append(len(arrived))
+            noise = {world: received[world] - sums[world] for world in release}  # Σ of the measured shares (or 0)
             difference = release["in"] - release["out"]
-            sent = received["in"] - received["out"]
-            moved.append(float(difference.norm()) / clip)
-            excess.append(float((difference - sent).norm()) / clip)
-            site_moved.append(float(sent.norm()) / clip)
-            residuals.append(((release["in"] - received["in"]) / clip).numpy())
+            moved.append(float((difference - (noise["in"] - noise["out"])).norm()) / clip)
+            excess.append(float((difference - (received["in"] - received["out"])).norm()) / clip)
+            site_moved.append(float((sums["in"] - sums["out"]).norm()) / clip)
         round_off /= self.rounds
         if round_off > self.tolerance / 2:
             raise PrivacyConfigError(
@@ -346,8 +504,13 @@ class FederatedAudit:
                 "norm, or fewer patients."
             )
         server = servers["in"]
-        residual = np.stack(residuals)
-        ledger_z = ledger_multipliers(server.ledger)
+        sites_mode = self.noise_at == "sites"
+        ledgers = {w: ledger_multipliers(s.ledger) for w, s in servers.items()}
+        ledger_z = ledgers["in"]
+        # With the noise at the sites the worlds' noise is independent: both are tested, each against its own ledger.
+        # At the server it is one Z in both worlds: the "in" world alone.
+        residual = np.stack(residuals["in"] + residuals["out"]) if sites_mode else np.stack(residuals["in"])
+        tested_z = np.concatenate([ledgers["in"], ledgers["out"]]) if sites_mode else ledger_z
         tensors = [(name, p.numel()) for name, p in server.state.module.named_parameters() if p.requires_grad]
         included = [m > INCLUDED for m in moved]
         coins = sum(  # white-box: the coins each site's reply drew (its own `patients_of_round`)
@@ -356,16 +519,24 @@ class FederatedAudit:
             if world == "in"
             for t in range(self.rounds)
         )
-        checks = (
+        declared = {name: self.built[("in", name)].noise_std / clip for name in names}
+        if sites_mode:
+            fresh = self._fresh_shares(shares, names)
+        else:
+            fresh = fresh_noise(residual, residual[:0], self.significance)
+        checks = [
             self._sensitivity(moved, excess),
-            self._noise(residual, ledger_z, tensors, reported, normalizers["in"]),
-            fresh_noise(residual, residual[:0], self.significance),
-            self._rate(included, coins, server),
-        )
+            self._noise(residual, tested_z, tensors, reported, normalizers["in"]),
+        ]
+        if sites_mode:
+            checks.append(self._share_std(shares, names, declared, tensors))
+        checks += [fresh, self._rate(included, coins, server)]
         total = self.rounds * server.num_patients
+        scaled = shares / np.array([declared[name] if declared[name] > 0 else math.nan for name in names])[:, None]
+        share_ratio = float(np.sqrt(np.nanmean(scaled**2))) if sites_mode else math.nan
         return FederatedAuditResult(
             rounds=self.rounds,
-            sites=sorted(self.sites),
+            sites=names,
             canary_site=self.canary_site,
             sample_rate=self._ledger_rate(server),
             clip_norm=clip,
@@ -375,8 +546,8 @@ class FederatedAudit:
             excess=excess,
             site_moved=site_moved,
             included=included,
-            noise_ratio=float(np.sqrt(((residual / ledger_z[:, None]) ** 2).mean()))
-            if len(ledger_z) == self.rounds
+            noise_ratio=float(np.sqrt(((residual / tested_z[:, None]) ** 2).mean()))
+            if len(tested_z) == len(residual)
             else math.nan,
             canary_rate=sum(included) / self.rounds,
             population_rate=coins / total,
@@ -386,8 +557,13 @@ class FederatedAudit:
             delta=server.ledger.delta,
             tolerance=self.tolerance,
             significance=self.significance,
-            checks=checks,
+            checks=tuple(checks),
             residual=residual,
+            noise_at=self.noise_at,
+            secure_aggregation=self.secure_aggregation,
+            shares_summed=summed,
+            share_ratio=share_ratio,
+            shares=shares if sites_mode else np.zeros(0),
         )
 
     # ------------------------------------------------------------------ the checks
@@ -422,6 +598,42 @@ class FederatedAudit:
             where = f"round {t}: reported noise std {reported[t]:.6g}, the ledger's z·C/(q·N) {expected[t]:.6g}"
             return NoiseCheck(check.name, False, reported[t] / expected[t], 1.0, where, check.significance, check.tests)
         return check
+
+    def _share_std(
+        self,
+        shares: NDArray[np.float64],
+        names: list[str],
+        declared: Mapping[str, float],
+        tensors: list[tuple[str, int]],
+    ) -> NoiseCheck:
+        """Each site's shares, both worlds, are N(0, σ_k²) per coordinate, σ_k the std it declared (units of C)."""
+        checks = []
+        for k, name in enumerate(names):
+            rows = shares[:, :, k].reshape(-1, shares.shape[-1])
+            rows = rows[~np.isnan(rows[:, 0])]
+            if declared[name] <= 0:
+                where = f"site {name!r} declared no noise share"
+                return NoiseCheck("share std", False, 0.0, 1.0, where, self.significance, 0)
+            check = noise_equals_ledger(
+                rows, np.full(len(rows), declared[name]), tensors, self.significance / len(names)
+            )
+            checks.append((check, name))
+        tests = sum(check.tests for check, _ in checks)
+        failed = [(check, name) for check, name in checks if not check.passed]
+        check, name = failed[0] if failed else max(checks, key=lambda c: abs(c[0].statistic - 1.0))
+        where = f"site {name!r}: {check.worst} (its declared share {declared[name]:.4g}·C)"
+        return NoiseCheck("share std", not failed, check.statistic, check.limit, where, self.significance, tests)
+
+    def _fresh_shares(self, shares: NDArray[np.float64], names: list[str]) -> NoiseCheck:
+        """No two shares correlate beyond chance: across sites, rounds (at every lag) and the two worlds (two runs)."""
+        rows, labels = [], []
+        for w, world in enumerate(("in", "out")):
+            for t in range(shares.shape[1]):
+                for k, name in enumerate(names):
+                    if not np.isnan(shares[w, t, k, 0]):
+                        rows.append(shares[w, t, k])
+                        labels.append(f"site {name!r} round {t} ({world} world)")
+        return fresh_noise(np.stack(rows), np.zeros((0, shares.shape[-1])), self.significance, labels)
 
     def _ledger_rate(self, server: FederatedServer) -> float:
         rates = {e.sample_rate if isinstance(e, PoissonSampledEvent) else math.nan for e, _ in server.ledger.entries}

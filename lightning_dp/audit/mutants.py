@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
+import torch
 
 from lightning_dp.accounting import ComposedEvent, GaussianEvent, PoissonSampledEvent, accountants, ledger
 from lightning_dp.callbacks.dpsgd import DPSGD
@@ -25,6 +26,7 @@ from lightning_dp.callbacks.p3sgd import P3SGD
 from lightning_dp.federated import server as federated_server
 from lightning_dp.federated import site as federated_site
 from lightning_dp.sampling import randomness
+from lightning_dp.sampling.patients import secure_seed
 from lightning_dp.sanitization import per_sample, release, rules, updates
 from lightning_dp.training import patient_rounds
 
@@ -42,7 +44,9 @@ def _replaced(owner: Any, name: str, make: Callable[[Any], Any]) -> Iterator[Non
 
 
 #: The verdict's checks a mutant can be caught by (`CallbackAuditResult.failed`).
-Check = Literal["ε", "fresh noise", "noise vs ledger", "noise as released", "state", "sensitivity", "noise std", "rate"]
+Check = Literal[
+    "ε", "fresh noise", "noise vs ledger", "noise as released", "state", "sensitivity", "noise std", "share std", "rate"
+]
 
 
 @dataclass(frozen=True)
@@ -51,10 +55,12 @@ class Mutant:
 
     A mechanism names a scenario: a `CallbackAudit` one, a `SensitivityAudit` one (``-cancel``, ``-neighbour``, …),
     or ``"P3SGD-federated"``, the `FederatedAudit` of `federated_scenario` (its checks: "sensitivity", "noise std",
-    "fresh noise", "rate"; ``steps`` is its number of rounds). ``steps`` is how many steps per world `CallbackAudit`
-    observes to catch it on the scenarios of `lightning_dp.audit.scenarios`, sized so that the catch is not a coin
-    flip (for a catch by ε, a plug-in catch probability ≥ 0.99: `CallbackAuditResult.power`); ``check`` is the
-    verdict's check that catches it.
+    "fresh noise", "rate"; ``steps`` is its number of rounds); with the noise at the sites,
+    ``"P3SGD-federated-sites"`` (plain rounds), ``"P3SGD-federated-secure"`` (summed by SecAgg+) and
+    ``"P3SGD-federated-dropout"`` (plain rounds, site "c" misses every other round), whose checks add "share std".
+    ``steps`` is how many steps per world `CallbackAudit` observes to catch it on the scenarios of
+    `lightning_dp.audit.scenarios`, sized so that the catch is not a coin flip (for a catch by ε, a plug-in catch
+    probability ≥ 0.99: `CallbackAuditResult.power`); ``check`` is the verdict's check that catches it.
     """
 
     name: str
@@ -381,6 +387,56 @@ def _federated_normalizer_from_counts() -> Iterator[None]:
         yield
 
 
+def _shares_cancel_pairwise() -> Any:
+    key = secure_seed("share")  # the pairs' common secret: nobody outside can regenerate the masks, they only cancel
+
+    order: list[str] = []  # the sites in the order they first reply: 0 and 1 are a pair, 2 and 3, …
+
+    def make(f: Any) -> Any:
+        def mutated(self: Any, numel: int, round_number: int) -> Any:
+            if self.name not in order:
+                order.append(self.name)
+            index = order.index(self.name)
+            mask = randomness.unit_seed(key, "pair-mask", (index // 2, round_number))
+            share = release.standard_normal(numel, torch.Generator().manual_seed(mask))
+            return share.mul_(self.noise_std if index % 2 == 0 else -self.noise_std)  # +g at one site, −g at the next
+
+        return mutated
+
+    return _replaced(federated_site.Site, "noise_share", make)
+
+
+def _share_reused_across_rounds() -> Any:
+    def make(f: Any) -> Any:
+        def mutated(self: Any, numel: int, round_number: int) -> Any:
+            share = self.__dict__.get("_mutant_share")
+            if share is None:
+                share = self._mutant_share = f(self, numel, round_number)  # drawn once, at the site's first reply
+            return share.clone()
+
+        return mutated
+
+    return _replaced(federated_site.Site, "noise_share", make)
+
+
+def _share_seeded_from_round() -> Any:
+    def make(f: Any) -> Any:
+        def mutated(self: Any, numel: int, round_number: int) -> Any:
+            seed = randomness.unit_seed(round_number, "noise-share", self.name)  # public: the round and the site's name
+            return release.standard_normal(numel, torch.Generator().manual_seed(seed)).mul_(self.noise_std)
+
+        return mutated
+
+    return _replaced(federated_site.Site, "noise_share", make)
+
+
+def _missing_shares_charged_as_present() -> Any:
+    def make(f: Any) -> Any:
+        return lambda self, step: self.schedule.checked(step)  # z whatever arrived, not z·√(m'/m)
+
+    return _replaced(federated_server.SharedNoiseRelease, "noise_multiplier", make)
+
+
 #: The mutants the test suite's audit must catch (docs/results/audit.md, 'The mutation table').
 MUTANTS: tuple[Mutant, ...] = (
     Mutant(
@@ -625,5 +681,43 @@ MUTANTS: tuple[Mutant, ...] = (
         _federated_normalizer_from_counts,
         steps=20,
         check="sensitivity",
+    ),
+    Mutant(
+        "site shares cancel pairwise",
+        "federated/site.py: Site.noise_share",
+        "sites draw their shares as pairwise masks: the first site of a pair adds +g, the second −g (each share alone "
+        "N(0, z²C²/m); with m = 3 only the unpaired site's share is left in the sum)",
+        ("P3SGD-federated-sites", "P3SGD-federated-secure"),
+        _shares_cancel_pairwise,
+        steps=20,
+        check="noise std",
+    ),
+    Mutant(
+        "site share reused across rounds",
+        "federated/site.py: Site.noise_share",
+        "each site draws its share once and adds it again in every round (each round alone a correct share)",
+        ("P3SGD-federated-sites", "P3SGD-federated-secure"),
+        _share_reused_across_rounds,
+        steps=20,
+        check="fresh noise",
+    ),
+    Mutant(
+        "site share seeded from the round",
+        "federated/site.py: Site.noise_share",
+        "each site seeds its share from the round number and its public name: within a run the shares are fresh "
+        "and of the right size, but anyone can regenerate them",
+        ("P3SGD-federated-sites", "P3SGD-federated-secure"),
+        _share_seeded_from_round,
+        steps=20,
+        check="fresh noise",
+    ),
+    Mutant(
+        "missing shares charged as present",
+        "federated/server.py: SharedNoiseRelease.noise_multiplier",
+        "a round in which m' < m shares arrived is charged the planned z, not the z·√(m'/m) present",
+        ("P3SGD-federated-dropout",),
+        _missing_shares_charged_as_present,
+        steps=20,
+        check="noise std",
     ),
 )

@@ -89,8 +89,13 @@ class NoiseCheck:
         return f" ({self.name}: {self.statistic:{spec}} vs limit {self.limit:{spec}} at {self.worst})"
 
 
-def fresh_noise(orthogonal_in: Array, orthogonal_out: Array, significance: float) -> NoiseCheck:
+def fresh_noise(
+    orthogonal_in: Array, orthogonal_out: Array, significance: float, labels: Sequence[str] | None = None
+) -> NoiseCheck:
     """No two steps' noise vectors correlate beyond chance, at any lag, within or across the two worlds.
+
+    ``labels`` names each row (those of ``orthogonal_in``, then those of ``orthogonal_out``) in the verdict's
+    ``worst``, when the rows are not one vector per step and world (`FederatedAudit`: one per site, round and world).
 
     Example:
         >>> rng = np.random.default_rng(0)
@@ -112,7 +117,9 @@ def fresh_noise(orthogonal_in: Array, orthogonal_out: Array, significance: float
     half = (d - 2) / 2  # the rows live in (d − 1)-dimensional subspaces: (1 + c)/2 ~ Beta(half, half)
     limit = 2 * float(stats.beta.isf(significance / (2 * max(1, pairs)), half, half)) - 1
     where = ""
-    if pairs:
+    if pairs and labels is not None:
+        where = f"{labels[int(i[k])]} and {labels[int(j[k])]}"
+    elif pairs:
         a, b = int(i[k]), int(j[k])
         world = ("in" if a < steps else "out") if (a < steps) == (b < steps) else "across"
         ta, tb = a % steps, b % steps

@@ -308,12 +308,21 @@ def coupling_audit(
     )
 
 
-def federated_scenario(*, rounds: int = 20, seed: int = 0) -> FederatedAudit:
+def federated_scenario(
+    *,
+    rounds: int = 20,
+    seed: int = 0,
+    noise_at: Literal["server", "sites"] = "server",
+    secure_aggregation: bool = False,
+    drop: dict[str, list[int]] | None = None,
+) -> FederatedAudit:
     """A `FederatedAudit` of three hospitals (5, 4 and 6 patients of 3 images, 16 features) and a canary at "a".
 
     An MLP 16 → 8 → 2 (154 parameters), q = ½ at every site, C = 0.5, z = 1, one full-batch local SGD step per
     patient (lr 0.2), server_lr 1. The canary patient's images are 10× larger than the others' and labelled against
     the initial model's prediction, its loss weighted by `CANARY_WEIGHT`: its local update is far above C (even 2C).
+    ``noise_at="sites"``: each hospital adds a share z·C/√3 (with ``secure_aggregation``, summed by SecAgg+);
+    ``drop``: hospitals that miss rounds (see `FederatedAudit`).
     """
     g = torch.Generator().manual_seed(seed)
     sites = {}
@@ -335,6 +344,9 @@ def federated_scenario(*, rounds: int = 20, seed: int = 0) -> FederatedAudit:
         rounds=rounds,
         canary_weight=CANARY_WEIGHT,
         seed=seed,
+        noise_at=noise_at,
+        secure_aggregation=secure_aggregation,
+        drop=drop,
     )
 
 

@@ -309,7 +309,37 @@ class Site:
             )
 
     def reply(self, theta: Tensor, round_number: int, bound: float | None = None) -> Tensor:
+        """What the site sends: `clipped_sum`, plus its `noise_share` when the noise is at the sites (``noise_std``).
+
+        Args:
+            theta: θ_t from the server.
+            round_number: the request's serial number.
+            bound: the server's public N·C (see `clipped_sum`); the share is added after the projection.
+
+        Returns:
+            A float32 vector the size of ``theta``. Nothing else leaves the site.
+        """
+        clipped_sum = self.clipped_sum(theta, round_number, bound)
+        if self.noise_std > 0:
+            share = self.noise_share(clipped_sum.numel(), round_number)
+            clipped_sum.add_(share.view_as(clipped_sum).to(clipped_sum))
+        return clipped_sum
+
+    def noise_share(self, numel: int, round_number: int) -> Tensor:
+        """This reply's noise share: ``numel`` independent N(0, noise_std²) draws, fresh for every reply.
+
+        The generator is seeded from the OS CSPRNG at every call, never from the round number, the site's seed or
+        name, or torch's global generator: the share is the mechanism's secret randomness, and one that an observer
+        could regenerate (a public seed), that repeats across rounds, or that another site's share cancels would
+        remove the noise the ledger charges for (`lightning_dp.audit.FederatedAudit` checks all three).
+        ``round_number`` is not used by the draw; it is passed so that the draw's contract can be audited.
+        """
+        return standard_normal(numel, torch.Generator().manual_seed(secure_seed("share"))).mul_(self.noise_std)
+
+    def clipped_sum(self, theta: Tensor, round_number: int, bound: float | None = None) -> Tensor:
         """Σ over this round's included patients of clip_C(Δ_i), each Δ_i trained from ``theta`` on its own images.
+
+        With the noise at the sites this sum never leaves the site alone: `reply` adds the share to it.
 
         Args:
             theta: θ_t from the server (the model's released tensors, as `ModelState.vector` lays them out).
@@ -321,8 +351,7 @@ class Site:
                 own count happens to be large (that refusal would follow the data). None: no projection.
 
         Returns:
-            The clipped sum (plus the site's noise share, with ``noise_std``): a float32 vector the size of ``theta``.
-            Nothing else leaves the site.
+            The clipped sum, a float32 vector the size of ``theta`` (without any noise share).
         """
         state = self.parts.state
         state.refresh()
@@ -359,9 +388,6 @@ class Site:
             norm = float(clipped_sum.double().norm())
             if not norm <= bound:  # a non-finite sum cannot happen (each term is clipped), but would be zeroed
                 clipped_sum.mul_(bound / norm if math.isfinite(norm) else 0.0)
-        if self.noise_std > 0:
-            share = standard_normal(clipped_sum.numel(), torch.Generator().manual_seed(secure_seed("share")))
-            clipped_sum.add_(share.view_as(clipped_sum).to(clipped_sum), alpha=self.noise_std)
         return clipped_sum
 
     def _one_by_one(self, patients: list[int], clipped_sum: Tensor, secret: int, start: Any) -> None:
