@@ -14,6 +14,8 @@
   patient at one site, every released θ observed at the server; sensitivity, noise and sampling rate checked per
   round.
 * `MembershipAudit`: black-box membership inference on final models trained through the private step.
+* `OneRunAudit` (`one_run`): one P3SGD run with m ≥ 1,000 canary patients, each in by a secret coin; lower bounds by
+  Steinke–Nasr–Jagielski and by the f-DP tail bound of Mahloujifar et al. (2025), scores joined to coins by patient id.
 """
 
 from lightning_dp.audit.blackbox import MembershipAudit, MembershipAuditResult
@@ -21,6 +23,7 @@ from lightning_dp.audit.bounds import *  # noqa: F403
 from lightning_dp.audit.bounds import __all__ as _bounds
 from lightning_dp.audit.callback_audit import CallbackAudit, CallbackAuditResult
 from lightning_dp.audit.federated import FederatedAudit, FederatedAuditResult
+from lightning_dp.audit.one_run import OneRunAudit, OneRunAuditResult, join_by_id, one_run_fdp
 from lightning_dp.audit.sensitivity import SensitivityAudit, SensitivityAuditResult
 from lightning_dp.audit.whitebox import StepAudit, StepAuditResult
 
@@ -32,8 +35,12 @@ __all__ = [
     "FederatedAuditResult",
     "MembershipAudit",
     "MembershipAuditResult",
+    "OneRunAudit",
+    "OneRunAuditResult",
     "SensitivityAudit",
     "SensitivityAuditResult",
     "StepAudit",
     "StepAuditResult",
+    "join_by_id",
+    "one_run_fdp",
 ]

@@ -261,13 +261,13 @@ class _Units(Dataset):
 class _Data(pl.LightningDataModule):
     """A world's training data, with N declared as the auditor fixes it for every world (never the world's count)."""
 
-    def __init__(self, dataset: _Units, declared: int) -> None:
+    def __init__(self, dataset: Dataset[Any], declared: int) -> None:
         super().__init__()
         self.train_dataset = dataset
         self.declared_num_patients = self.declared_num_samples = declared
 
     def train_dataloader(self) -> DataLoader[Any]:
-        return DataLoader(self.train_dataset, batch_size=len(self.train_dataset))
+        return DataLoader(self.train_dataset, batch_size=len(self.train_dataset))  # type: ignore[arg-type]
 
 
 class _Module(pl.LightningModule):
@@ -344,7 +344,7 @@ def check_units(owner: str, level: str, population: Sequence[Tensor], canary: Se
 def fit_world(
     model: nn.Module,
     callback: Any,
-    data: _Units,
+    data: Dataset[Any],
     lr: float,
     steps: int,
     trainer_kwargs: dict[str, Any],
