@@ -489,8 +489,8 @@ class OneRunAudit:
             target = check_finite_positive(owner, "target_epsilon", target_epsilon, "e.g. 4.0.")
             noise_multiplier = calibrate_noise_multiplier(target, self.delta, self.sample_rate, self.steps, accountant)
         self.noise_multiplier = check_finite_positive(owner, "noise_multiplier", noise_multiplier, "e.g. 1.0.")
-        self.coin_seed = secure_seed() if coin_seed is None else int(coin_seed)
-        self.seed = secure_seed() if seed is None else int(seed)
+        self.coin_seed = secure_seed("audit") if coin_seed is None else int(coin_seed)
+        self.seed = secure_seed("audit") if seed is None else int(seed)
         self.canary_weight = check_finite_positive(owner, "canary_weight", canary_weight, "e.g. 100.")
         self.local_lr = check_finite_positive(owner, "local_lr", local_lr, "e.g. 0.1.")
 

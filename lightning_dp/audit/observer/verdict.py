@@ -72,7 +72,8 @@ def _first_difference(a: Any, b: Any) -> tuple[str, str]:
         for x, y in zip(a, b):
             if x != y:
                 return _short(x), _short(y)
-        return f"{len(a)} entries", f"{len(b)} entries"
+        n = min(len(a), len(b))  # one is the other plus entries: show the first one only one world has
+        return (_short(a[n]) if len(a) > n else "<none>"), (_short(b[n]) if len(b) > n else "<none>")
     return _short(a), _short(b)
 
 
