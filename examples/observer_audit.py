@@ -31,9 +31,16 @@ PIPELINES: dict[str, Any] = {
     "fit-p3sgd": (lambda: FitPipeline("p3sgd", **SMALL), list(FILE_UNITS)),
     "fit-dpsgd": (lambda: FitPipeline("dpsgd", **SMALL), ["huge", "one_image"]),
     "federated": (lambda: FederatedPipeline(), list(MEMORY_UNITS)),
+    "federated-sites": (lambda: FederatedPipeline(noise_at="sites"), list(MEMORY_UNITS)),
+    "federated-secagg": (lambda: FederatedPipeline(noise_at="sites", secure=True), list(MEMORY_UNITS)),
     "federated-deadline": (lambda: FederatedPipeline(rounds=1, deadline=1.0, whale_images=80_000), ["whale"]),
 }
-VARY = {"secret coins varied": ["coins"], "secret noise": ["noise"], "secret noise varied": ["noise"]}
+VARY = {
+    "secret coins varied": ["coins"],
+    "secret noise": ["noise"],
+    "secret noise varied": ["noise"],
+    "secret share": ["share"],
+}
 
 
 def _leak(mutant: Any) -> str:
@@ -73,7 +80,7 @@ def main() -> None:
     rows: dict[str, Any] = {"correct": [], "mutants": []}
     print("| pipeline | units | first release moved (·C) | verdict | notes (data holder only) | s |")
     print("|---|---|---|---|---|---:|")
-    for name in ("fit-p3sgd", "fit-dpsgd", "federated"):
+    for name in ("fit-p3sgd", "fit-dpsgd", "federated", "federated-sites", "federated-secagg"):
         make, units = PIPELINES[name]
         started = time.monotonic()
         result = ObserverAudit(make(), units).run()

@@ -23,6 +23,7 @@ import json
 import logging
 import math
 import re
+import sys
 import warnings
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -139,12 +140,13 @@ def observe_console(roots: tuple[str, ...], holder: tuple[str, ...] = ()) -> Ite
     handler = _Records()
     handler.setLevel(logging.INFO)
     loggers = [logging.getLogger(name) for name in LOGGERS]
-    out, err = io.StringIO(), io.StringIO()
+    out, err, terminal = io.StringIO(), io.StringIO(), io.StringIO()
     streams: list[tuple[logging.StreamHandler[Any], Any]] = []
     for logger in loggers:
-        for h in logger.handlers:  # Lightning's handlers hold the terminal's stream: write to the record instead
-            if type(h) is logging.StreamHandler:
-                streams.append((h, h.setStream(err)))
+        for h in logger.handlers:  # handlers that write to the terminal (Lightning's, Flower's): their records are
+            stream = getattr(h, "stream", None)  # in ``log`` already, so what they would print is dropped
+            if isinstance(h, logging.StreamHandler) and stream in (sys.stderr, sys.stdout, sys.__stderr__):
+                streams.append((h, h.setStream(terminal)))
         logger.addHandler(handler)
     try:
         with (

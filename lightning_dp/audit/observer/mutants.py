@@ -88,6 +88,18 @@ def _work_not_capped() -> AbstractContextManager[None]:
     return _replaced(LocalSGD, "images", lambda f: lambda self, indices, generator: torch.as_tensor(list(indices)))
 
 
+def _shares_from_round() -> AbstractContextManager[None]:
+    from lightning_dp.audit.mutants import _share_seeded_from_round
+
+    return _share_seeded_from_round()
+
+
+def _shares_cancel() -> AbstractContextManager[None]:
+    from lightning_dp.audit.mutants import _shares_cancel_pairwise
+
+    return _shares_cancel_pairwise()
+
+
 #: The observer tier's mutants: each must be caught (docs/results/audit.md, "The observer's view").
 OBSERVER_MUTANTS: tuple[ObserverMutant, ...] = (
     ObserverMutant(
@@ -129,5 +141,21 @@ OBSERVER_MUTANTS: tuple[ObserverMutant, ...] = (
         "federated-deadline",
         "D vs D+whale",
         _work_not_capped,
+    ),
+    ObserverMutant(
+        "noise shares from the round",
+        "federated/site.py: Site.noise_share",
+        "each site's share seeded from the round and the site's name (`FederatedAudit`'s mutant, through SecAgg+)",
+        "federated-secagg",
+        "secret share",
+        _shares_from_round,
+    ),
+    ObserverMutant(
+        "noise shares that cancel",
+        "federated/site.py: Site.noise_share",
+        "+g at one site, −g at the next: each share of the right size, their sum 0 (`FederatedAudit`'s mutant)",
+        "federated-sites",
+        "secret share",
+        _shares_cancel,
     ),
 )

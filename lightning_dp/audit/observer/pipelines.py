@@ -229,7 +229,8 @@ class FederatedPipeline:
 
     The server's app runs with run config ``rounds``, ``sites``, a ``round-timeout`` of ``deadline`` seconds and a
     report; each site caps a patient's work at ``max_images`` images per round (public, declared). N is declared as
-    the consortium's patients plus one.
+    the consortium's patients plus one. ``noise_at="sites"`` adds the noise as the sites' shares (z·C/√m each);
+    ``secure=True`` sums them with SecAgg+ (the server sees the sum only).
     """
 
     sites: int = 2
@@ -242,8 +243,28 @@ class FederatedPipeline:
     deadline: float = 30.0
     max_images: int = 8
     whale_images: int = 200_000
-    purposes: tuple[str, ...] = ("noise", "site")
-    name: str = "federated"
+    noise_at: str = "server"
+    secure: bool = False
+    purposes: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.secure and self.noise_at != "sites":
+            raise ValueError("FederatedPipeline(secure=True): SecAgg+ sums the sites' shares; set noise_at='sites'.")
+        if not self.purposes:  # what the guarantee rests on: the server's noise, or the sites' shares
+            self.purposes = ("noise", "site") if self.noise_at == "server" else ("share", "site")
+
+    @property
+    def name(self) -> str:
+        return "federated" + ("" if self.noise_at == "server" else "-secagg" if self.secure else "-sites")
+
+    @property
+    def replay_tolerance(self) -> float:
+        """How far (·C) one world's release may move when replayed under equal secrets (0 but with SecAgg+).
+
+        SecAgg+ rounds each coordinate stochastically with randomness of its own (≤ 2·range/levels per site and
+        coordinate: far below 1e-3·C here).
+        """
+        return 1e-3 if self.secure else 0.0
 
     @property
     def units_declared(self) -> int:
@@ -284,7 +305,7 @@ class FederatedPipeline:
         """One world: the consortium, with the adversarial ``unit`` added at site b (or not)."""
         from flwr.app import Context, RecordDict
 
-        from lightning_dp.federated import FederatedServer, Site
+        from lightning_dp.federated import FederatedServer, Site, share_std
         from lightning_dp.federated.flower import LocalGrid, server_app, site_app
         from lightning_dp.sanitization import ModelState
         from lightning_dp.training.patient_rounds import LocalSGD, PatientData, RoundParts
@@ -307,7 +328,9 @@ class FederatedPipeline:
 
             local = LocalSGD(lr=0.5, batch_size=4, max_images=self.max_images)
             parts = RoundParts(net, ModelState(net), step, PatientData(dataset, groups, keys), local, self.clip_norm)
-            return Site(name, parts, sample_rate=self.sample_rate)
+            shares = self.noise_at == "sites"
+            std = share_std(self.noise_multiplier, self.clip_norm, self.sites) if shares else 0.0
+            return Site(name, parts, sample_rate=self.sample_rate, noise_std=std)
 
         def make_server(context: Context) -> FederatedServer:
             return FederatedServer(
@@ -316,6 +339,8 @@ class FederatedPipeline:
                 sample_rate=self.sample_rate,
                 clip_norm=self.clip_norm,
                 noise=self.noise_multiplier,
+                noise_at="sites" if self.noise_at == "sites" else "server",
+                sites=self.sites if self.noise_at == "sites" else None,
             )
 
         config: dict[str, bool | float | int | str] = {
@@ -325,6 +350,7 @@ class FederatedPipeline:
             "start-timeout": 10.0,
             "report": "report.json",
             "model": "model.pt",
+            "secure-aggregation": self.secure,
         }
         grid = LocalGrid(site_app(make_site), [{"site": n} for n in names], run_config=config)
         roots = (str(folder.resolve()), str(folder))

@@ -192,7 +192,7 @@ class ObserverAudit:
         result.purposes_drawn = sorted(set(draws))
         again, draws_again = self._world(tape, None, root / "D-again")
         self._compare(result, "D twice", base, again, (draws, draws_again))
-        result.findings += self._releases_equal("D twice", base, again)
+        result.findings += self._releases_equal("D twice", base, again, getattr(self.pipeline, "replay_tolerance", 0.0))
         for unit in self.units:
             other, other_draws = self._world(tape, unit, root / f"D+{unit}")
             self._compare(result, f"D vs D+{unit}", base, other, (draws, other_draws))
@@ -239,9 +239,12 @@ class ObserverAudit:
                 return True
         return len(a.releases) != len(b.releases)
 
-    @staticmethod
-    def _releases_equal(check: str, a: Observation, b: Observation) -> list[Any]:
+    def _releases_equal(self, check: str, a: Observation, b: Observation, tolerance: float) -> list[Any]:
+        """Equal releases (to ``tolerance``·C in the sum, a pipeline's own rounding; 0: bit for bit)."""
         for x, y in zip(a.releases, b.releases):
-            if x.vector.shape == y.vector.shape and not bool((x.vector == y.vector).all()):
-                return [Finding(check, f"release at step {x.step}", "equal under equal secrets", "differs")]
+            if x.vector.shape != y.vector.shape:
+                continue
+            gap = float((x.vector - y.vector).norm()) * x.normalizer / self.pipeline.clip_norm
+            if gap > tolerance or (tolerance == 0 and not bool((x.vector == y.vector).all())):
+                return [Finding(check, f"release at step {x.step}", "equal under equal secrets", f"{gap:.3g}·C apart")]
         return []

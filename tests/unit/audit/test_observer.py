@@ -70,10 +70,17 @@ PIPELINES = {
     "fit-p3sgd": (lambda: FitPipeline("p3sgd", **SMALL), ["one_image"]),
     "fit-dpsgd": (lambda: FitPipeline("dpsgd", **SMALL), []),
     "federated": (lambda: FederatedPipeline(), []),
-    # The whale's uncapped round (80,000 images, 20,000 local steps) takes seconds; a capped round, milliseconds.
-    "federated-deadline": (lambda: FederatedPipeline(rounds=1, deadline=1.0, whale_images=80_000), ["whale"]),
+    "federated-sites": (lambda: FederatedPipeline(noise_at="sites"), []),
+    "federated-secagg": (lambda: FederatedPipeline(noise_at="sites", secure=True), []),
+    # The whale's uncapped round (40,000 images, 10,000 local steps) takes > 1 s; a capped round, milliseconds.
+    "federated-deadline": (lambda: FederatedPipeline(rounds=1, deadline=0.5, whale_images=40_000), ["whale"]),
 }
-VARY = {"secret coins varied": ["coins"], "secret noise": ["noise"], "secret noise varied": ["noise"]}
+VARY = {
+    "secret coins varied": ["coins"],
+    "secret noise": ["noise"],
+    "secret noise varied": ["noise"],
+    "secret share": ["share"],
+}
 
 
 @pytest.mark.parametrize("mutant", OBSERVER_MUTANTS, ids=[m.name for m in OBSERVER_MUTANTS])
@@ -100,3 +107,14 @@ def test_normalization_strips_only_what_varies_whatever_the_data() -> None:
     events = normalize("/w/D/runs/events.out.tfevents.1795.vm.14876.0", ("/w/D",))
     assert events == "<world>/runs/events.out.tfevents.<run>"
     assert math.isfinite(float(normalize("3.0", ())))
+
+
+@pytest.mark.parametrize("secure", [False, True], ids=["shares", "secagg"])
+def test_correct_federated_training_with_the_noise_at_the_sites_passes(secure: bool) -> None:
+    pytest.importorskip("cryptography")
+    result = ObserverAudit(FederatedPipeline(noise_at="sites", secure=secure), ["huge", "raising"]).run()
+    assert result.passed, result.summary()
+    assert result.moved["huge"] == pytest.approx(1.0, abs=1e-3) and result.moved["raising"] == pytest.approx(
+        0, abs=1e-3
+    )
+    assert {"share", "site"} <= set(result.purposes_drawn)
