@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from lightning_dp.audit.observer import FederatedPipeline, FitPipeline, ObserverAudit, SecretTape
+from lightning_dp.audit.observer import FederatedPipeline, FitPipeline, ObserverAudit, SecretTape, TunePipeline
 from lightning_dp.audit.observer.mutants import OBSERVER_MUTANTS
 from lightning_dp.audit.observer.units import FILE_UNITS, MEMORY_UNITS
 
@@ -30,6 +30,7 @@ SMALL = {"patients": 6, "steps": 2}
 PIPELINES: dict[str, Any] = {
     "fit-p3sgd": (lambda: FitPipeline("p3sgd", **SMALL), list(FILE_UNITS)),
     "fit-dpsgd": (lambda: FitPipeline("dpsgd", **SMALL), ["huge", "one_image"]),
+    "tune": (lambda: TunePipeline(), ["huge", "one_image"]),
     "federated": (lambda: FederatedPipeline(), list(MEMORY_UNITS)),
     "federated-sites": (lambda: FederatedPipeline(noise_at="sites"), list(MEMORY_UNITS)),
     "federated-secagg": (lambda: FederatedPipeline(noise_at="sites", secure=True), list(MEMORY_UNITS)),
@@ -40,6 +41,7 @@ VARY = {
     "secret noise": ["noise"],
     "secret noise varied": ["noise"],
     "secret share": ["share"],
+    "secret trials varied": ["trials"],
 }
 
 
@@ -48,6 +50,14 @@ def _leak(mutant: Any) -> str:
     make, units = PIPELINES[mutant.pipeline]
     pipeline = make()
     with tempfile.TemporaryDirectory() as tmp, mutant.plant():
+        if mutant.pipeline == "tune":  # the public report against the private one
+            with SecretTape().held():
+                pipeline.run(None, Path(tmp) / "a")
+            search = Path(tmp) / "a" / "search"
+            public = json.loads((search / "best" / "search_report.json").read_text())
+            private = json.loads((search / "private" / "private_report.json").read_text())
+            k = private["trials_drawn"]
+            return f"best/search_report.json says trials_run = {public.get('trials_run')}: K = {k}"
         if mutant.check.startswith("secret"):
             purpose = VARY[mutant.check][0]
             if purpose == "coins":  # the coins decide the sample at q < 1; augmentation off (its streams share them)
@@ -80,7 +90,7 @@ def main() -> None:
     rows: dict[str, Any] = {"correct": [], "mutants": []}
     print("| pipeline | units | first release moved (·C) | verdict | notes (data holder only) | s |")
     print("|---|---|---|---|---|---:|")
-    for name in ("fit-p3sgd", "fit-dpsgd", "federated", "federated-sites", "federated-secagg"):
+    for name in ("fit-p3sgd", "fit-dpsgd", "tune", "federated", "federated-sites", "federated-secagg"):
         make, units = PIPELINES[name]
         started = time.monotonic()
         result = ObserverAudit(make(), units).run()

@@ -5,12 +5,22 @@ ALGORITHMS.md §9: a guarantee covers everything an observer sees. Rooms:
 * `secrets`: `SecretTape`, every secret draw of a run replayed in its neighbour, one purpose varied at will;
 * `channels`: what an observer sees (releases, console, log records, warnings, files, refusals), normalized;
 * `units`: the adversarial units a neighbour adds (huge, whale, one image, unreadable, non-finite, raising, empty);
-* `pipelines`: what a user runs — ``lightning-dp fit`` (`FitPipeline`), the federated apps (`FederatedPipeline`);
+* `pipelines`: what a user runs — ``lightning-dp fit`` (`FitPipeline`), ``lightning-dp tune`` (`TunePipeline`), the
+  federated apps (`FederatedPipeline`);
 * `verdict`: `ObserverAudit`, the comparisons and the findings.
 """
 
-from lightning_dp.audit.observer.pipelines import FederatedPipeline, FitPipeline
+from lightning_dp.audit.observer.pipelines import FederatedPipeline, FitPipeline, TunePipeline
 from lightning_dp.audit.observer.secrets import SecretTape
 from lightning_dp.audit.observer.verdict import Finding, ObserverAudit, ObserverResult, diff
 
-__all__ = ["FederatedPipeline", "Finding", "FitPipeline", "ObserverAudit", "ObserverResult", "SecretTape", "diff"]
+__all__ = [
+    "FederatedPipeline",
+    "Finding",
+    "FitPipeline",
+    "ObserverAudit",
+    "ObserverResult",
+    "SecretTape",
+    "TunePipeline",
+    "diff",
+]

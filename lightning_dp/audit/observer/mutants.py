@@ -100,6 +100,20 @@ def _shares_cancel() -> AbstractContextManager[None]:
     return _shares_cancel_pairwise()
 
 
+def _report_publishes_k() -> AbstractContextManager[None]:
+    from lightning_dp.tuning import search
+
+    def make(f: Any) -> Any:
+        def report(state: Any) -> Any:
+            published = f(state)
+            published["trials_run"] = len(state["trials"])  # K, in the search's public report
+            return published
+
+        return report
+
+    return _replaced(search, "report", make)
+
+
 #: The observer tier's mutants: each must be caught (docs/results/audit.md, "The observer's view").
 OBSERVER_MUTANTS: tuple[ObserverMutant, ...] = (
     ObserverMutant(
@@ -141,6 +155,14 @@ OBSERVER_MUTANTS: tuple[ObserverMutant, ...] = (
         "federated-deadline",
         "D vs D+whale",
         _work_not_capped,
+    ),
+    ObserverMutant(
+        "a tuning report that publishes K",
+        "tuning/search.py: report",
+        "best/search_report.json gives the number of trials run (K), which the repeat-and-select bound needs hidden",
+        "tune",
+        "secret trials varied",
+        _report_publishes_k,
     ),
     ObserverMutant(
         "noise shares from the round",

@@ -3,6 +3,8 @@
 * `FitPipeline`: ``lightning-dp fit --config`` in this process, on a manifest of PNG images the pipeline writes
   (P3SGD: the unit is a patient; DP-SGD: an image), in a folder of its own that it makes the working folder, so that
   the two worlds' configs, paths and outputs are the same text.
+* `TunePipeline`: ``lightning-dp tune`` of `FitPipeline`'s config: the release is the best trial (its model,
+  hyperparameters and scores); K, the other trials and the index stay in ``private/`` (the data holder's).
 * `FederatedPipeline`: federated P3SGD as deployed — each hospital a `Site` behind the ``ClientApp`` of `site_app`,
   the ``ServerApp`` of `server_app` over `LocalGrid` (Flower's messages, in one process), which drops a reply that
   arrives after the deadline as the deployment's grid does.
@@ -26,7 +28,7 @@ import torch
 from lightning_dp.audit.observer.channels import Observation, normalize, observe_console, observe_releases, scan_files
 from lightning_dp.audit.observer.units import Unit, unit_images
 
-__all__ = ["FederatedPipeline", "FitPipeline"]
+__all__ = ["FederatedPipeline", "FitPipeline", "TunePipeline"]
 
 
 @contextlib.contextmanager
@@ -371,4 +373,90 @@ class FederatedPipeline:
         files, derived = scan_files(folder, (), roots, released=("model.pt",))
         obs.channels.update({f"file {k}": v for k, v in files.items()})
         obs.derived.update(derived)
+        return obs
+
+
+#: A search file's published report fields that are the best trial's release (its hyperparameters and scores).
+_RELEASED_REPORT = ("best",)
+
+
+@dataclass
+class TunePipeline:
+    """``lightning-dp tune`` over `FitPipeline`'s config (P3SGD) with E[K] = ``mean_trials`` and a learning-rate space.
+
+    What is published is ``best/``: its config, scores and model are the release (derived here), and every other
+    field of its reports must be equal across worlds; ``private/`` and the console are the data holder's. Each trial
+    is a ``fit`` whose releases `FitPipeline` audits; here the releases are the best model's weights (``derived``).
+    Varying the ``trials`` secret (K and the trials' draws) need not change the best (``hidden``): it must change
+    nothing else.
+    """
+
+    patients: int = 6
+    steps: int = 2
+    mean_trials: float = 2.0
+    total_epsilon: float = 8.0
+    clip_norm: float = 0.05
+    purposes: tuple[str, ...] = ("noise",)
+    hidden: tuple[str, ...] = ("trials",)
+    name: str = "tune"
+
+    def run(self, unit: str | None, folder: Path) -> Observation:
+        """One world: the search of D (or D plus ``unit``) in ``folder``; what an observer sees of ``best/``."""
+        import yaml
+
+        from lightning_dp.cli import main
+
+        fit = FitPipeline("p3sgd", patients=self.patients, steps=self.steps, clip_norm=self.clip_norm)
+        folder.mkdir(parents=True, exist_ok=True)
+        fit._write_data(folder, None if unit is None else unit_images(unit, fit.size))
+        config = fit._config()
+        args = config["trainer"]["callbacks"][0]["init_args"]
+        args.pop("noise_scales")
+        args["target_epsilon"] = self.total_epsilon  # tune replaces it with the trial's calibrated noise
+        (folder / "config.yaml").write_text(yaml.safe_dump(config))
+        search = {
+            "total_epsilon": self.total_epsilon,
+            "trials": {"mean": self.mean_trials, "distribution": "geometric"},
+            "score": {"metric": "val/acc", "mode": "max", "validation": "public"},
+            "space": {"model.init_args.lr": [0.5, 1.0], "trainer.callbacks.P3SGD.init_args.local_lr": [0.2, 0.5]},
+        }
+        (folder / "search.yaml").write_text(yaml.safe_dump(search))
+        roots = (str(folder.resolve()), str(folder))
+        obs = Observation()
+        err: BaseException | None = None
+        code: Any = None
+        argv = ["tune", "--config", "config.yaml", "--search", "search.yaml", "--output", "search"]
+        with _inside(folder), observe_console(roots) as console:
+            try:
+                code = main(argv)
+            except Exception as caught:  # noqa: BLE001 — a refusal or an error is a channel
+                err = caught
+        obs.channels["outcome"] = _outcome(err, roots) if err is not None else f"exit {code}"
+        obs.holder.update({f"console.{k}": v for k, v in console.items()})
+        best = folder / "search" / "best"
+        report = best / "search_report.json"
+        if report.is_file():
+            import json
+
+            fields = json.loads(report.read_text())
+            for key in _RELEASED_REPORT:
+                obs.derived[f"report.{key}"] = fields.pop(key, None)
+            text = json.dumps(fields, sort_keys=True, indent=1)
+            obs.channels["file search/best/search_report.json"] = text.splitlines()
+        files, derived = scan_files(folder / "search", ("private/",), roots, released=("best/model.ckpt",))
+        for key, value in files.items():
+            if key in ("best/search_report.json",):
+                continue
+            if key == "best/privacy_report.txt":  # the report as text: its best line is the release
+                obs.channels[f"file search/{key}"] = [x for x in value if not x.startswith("  best ")]
+                obs.derived[key] = [x for x in value if x.startswith("  best ")]
+            elif key in ("best/config.yaml", "best/scores.json"):
+                obs.derived[key] = value  # the best trial's hyperparameters and scores
+            else:
+                obs.channels[f"file search/{key}"] = value
+        obs.derived.update(derived)
+        private = folder / "search" / "private"
+        obs.holder["files private/"] = sorted(
+            normalize(p.relative_to(private).as_posix(), roots) for p in private.rglob("*")
+        )
         return obs

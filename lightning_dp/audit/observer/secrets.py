@@ -43,15 +43,16 @@ class SecretTape:
     master: int = field(default_factory=lambda: secrets.randbits(128))
     varied_purpose: str | None = None
     draws: list[str] = field(default_factory=list)
+    variation: int = 1
 
-    def varied(self, purpose: str) -> SecretTape:
-        """This tape with every draw of ``purpose`` replaced by an independent one."""
-        return SecretTape(self.master, purpose)
+    def varied(self, purpose: str, variation: int = 1) -> SecretTape:
+        """This tape with every draw of ``purpose`` replaced by an independent one (``variation``: which one)."""
+        return SecretTape(self.master, purpose, variation=variation)
 
     def _draw(self, bits: int, purpose: str) -> int:
         k = self.draws.count(purpose)
         self.draws.append(purpose)
-        salt = "varied" if purpose == self.varied_purpose else "held"
+        salt = f"varied{self.variation}" if purpose == self.varied_purpose else "held"
         digest = hashlib.sha512(f"{self.master}:{purpose}:{k}:{salt}".encode()).digest()
         if bits > 8 * len(digest):
             raise ValueError(f"SecretTape: {bits} bits asked for; at most {8 * len(digest)}.")

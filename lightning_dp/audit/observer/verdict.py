@@ -1,7 +1,7 @@
 """`ObserverAudit`: neighbouring worlds replayed end to end with equal secrets, every channel diffed (§9).
 
-For a pipeline (`FitPipeline`, `FederatedPipeline`) and a set of adversarial units it runs, each in a folder of its
-own and with every secret draw answered by one `SecretTape`:
+For a pipeline (`FitPipeline`, `TunePipeline`, `FederatedPipeline`) and a set of adversarial units it runs, each in a
+folder of its own and with every secret draw answered by one `SecretTape`:
 
 1. **D twice** (same tape): every channel and every release must be equal — a run that differs from itself under
    equal secrets draws randomness the tape does not hold (it cannot be replayed, and nothing says it is secret).
@@ -13,6 +13,9 @@ own and with every secret draw answered by one `SecretTape`:
    drawn at all, the releases must change (the draw decides them; a draw from a public value — a seed, a step or
    round number, torch's global generator — leaves them as they were), and every other channel must stay equal (a
    channel that follows a secret but is not the release publishes that secret, as a search's trial count does).
+   A pipeline's ``hidden`` purposes (a search's K) need not change the release, and the draws they lead to may
+   differ: only the published channels are compared, over ``HIDDEN_VARIATIONS`` independent variations (two
+   geometric K of mean 2 are equal with probability 1/3; three pairs all equal, 1/27).
 
 The verdict names each channel that differs and shows both values, shortened. ``derived`` values (weights and
 optimizer state in checkpoints, validation metrics) are post-processing of the releases and are not compared.
@@ -30,6 +33,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+import torch
+
 from lightning_dp.audit.observer.channels import Observation
 from lightning_dp.audit.observer.secrets import SecretTape
 
@@ -37,6 +42,8 @@ __all__ = ["Finding", "ObserverAudit", "ObserverResult", "Pipeline", "diff"]
 
 #: fp round-off allowed over C for the first release (two equal noise vectors subtracted in fp32).
 TOLERANCE = 0.02
+#: How many independent variations of a hidden purpose are compared with D.
+HIDDEN_VARIATIONS = 3
 #: A varied secret must move some release by more than this, relative to its norm (fp32 round-off is ~1e-7).
 CHANGED = 1e-5
 
@@ -130,6 +137,7 @@ class ObserverAudit:
         vary: secret purposes to vary (default: the pipeline's ``purposes``).
         folder: where the worlds run (default: a temporary folder, removed at the end).
         coins_rate: the sample rate at which a pipeline declared at q = 1 is run to vary its coins.
+        master: the tape's master secret (default: from the OS; a fixed one makes a test reproducible).
     """
 
     def __init__(
@@ -139,15 +147,19 @@ class ObserverAudit:
         *,
         tolerance: float = TOLERANCE,
         vary: Sequence[str] | None = None,
+        master: int | None = None,
         folder: str | Path | None = None,
         coins_rate: float = 0.5,
     ) -> None:
         self.pipeline = pipeline
         self.units = list(units)
         self.tolerance = float(tolerance)
-        self.vary = list(pipeline.purposes if vary is None else vary)
+        hidden = tuple(getattr(pipeline, "hidden", ()))
+        self.vary = list([*pipeline.purposes, *hidden] if vary is None else vary)
+        self.hidden = set(hidden)
         self.folder = None if folder is None else Path(folder)
         self.coins_rate = float(coins_rate)
+        self.master = master
 
     def run(self) -> ObserverResult:
         if self.folder is not None:
@@ -177,7 +189,7 @@ class ObserverAudit:
 
     @staticmethod
     def _compare(
-        result: ObserverResult, check: str, a: Observation, b: Observation, draws: tuple[list[str], list[str]]
+        result: ObserverResult, check: str, a: Observation, b: Observation, draws: tuple[list[str], list[str]] | None
     ) -> None:
         result.findings += diff(check, a, b, draws)
         for key in sorted(set(a.holder) | set(b.holder)):
@@ -187,7 +199,7 @@ class ObserverAudit:
 
     def _run(self, root: Path) -> ObserverResult:
         result = ObserverResult(self.pipeline.name, self.units)
-        tape = SecretTape()
+        tape = SecretTape() if self.master is None else SecretTape(self.master)
         base, draws = self._world(tape, None, root / "D")
         result.purposes_drawn = sorted(set(draws))
         again, draws_again = self._world(tape, None, root / "D-again")
@@ -217,6 +229,11 @@ class ObserverAudit:
                 reference, reference_draws = self._world(tape, None, root / f"D@{purpose}", pipeline)
             else:
                 reference_draws = draws
+            if purpose in self.hidden:  # K: how many trials ran (and so the draws) may differ; nothing published may
+                for k in range(1, HIDDEN_VARIATIONS + 1):
+                    hidden, _ = self._world(tape.varied(purpose, k), None, root / f"D~{purpose}{k}", pipeline)
+                    self._compare(result, f"secret {purpose} varied", reference, hidden, None)
+                continue
             varied, varied_draws = self._world(tape.varied(purpose), None, root / f"D~{purpose}", pipeline)
             self._compare(result, f"secret {purpose} varied", reference, varied, (reference_draws, varied_draws))
             if not self._changed(reference, varied):
@@ -232,6 +249,10 @@ class ObserverAudit:
 
     @staticmethod
     def _changed(a: Observation, b: Observation) -> bool:
+        if not a.releases and not b.releases:  # a pipeline that publishes a model, not its steps: its weights
+            return any(
+                isinstance(v, torch.Tensor) and not torch.equal(v, b.derived.get(k, v)) for k, v in a.derived.items()
+            )
         for x, y in zip(a.releases, b.releases):
             if x.vector.shape != y.vector.shape:
                 return True

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import lightning_dp.secret as secret
-from lightning_dp.audit.observer import FederatedPipeline, FitPipeline, ObserverAudit, SecretTape
+from lightning_dp.audit.observer import FederatedPipeline, FitPipeline, ObserverAudit, SecretTape, TunePipeline
 from lightning_dp.audit.observer.channels import normalize
 from lightning_dp.audit.observer.mutants import OBSERVER_MUTANTS
 
@@ -70,6 +70,7 @@ PIPELINES = {
     "fit-p3sgd": (lambda: FitPipeline("p3sgd", **SMALL), ["one_image"]),
     "fit-dpsgd": (lambda: FitPipeline("dpsgd", **SMALL), []),
     "federated": (lambda: FederatedPipeline(), []),
+    "tune": (lambda: TunePipeline(), []),
     "federated-sites": (lambda: FederatedPipeline(noise_at="sites"), []),
     "federated-secagg": (lambda: FederatedPipeline(noise_at="sites", secure=True), []),
     # The whale's uncapped round (40,000 images, 10,000 local steps) takes > 1 s; a capped round, milliseconds.
@@ -80,6 +81,7 @@ VARY = {
     "secret noise": ["noise"],
     "secret noise varied": ["noise"],
     "secret share": ["share"],
+    "secret trials varied": ["trials"],
 }
 
 
@@ -87,7 +89,8 @@ VARY = {
 def test_every_observer_mutant_is_caught_by_its_check(mutant: object) -> None:
     make, units = PIPELINES[mutant.pipeline]  # type: ignore[attr-defined]
     with mutant.plant():  # type: ignore[attr-defined]
-        result = ObserverAudit(make(), units, vary=VARY.get(mutant.check, [])).run()  # type: ignore[attr-defined]
+        # A fixed master secret: the K mutant shows only where the varied K differs (2 of 3 variations, each).
+        result = ObserverAudit(make(), units, vary=VARY.get(mutant.check, []), master=5).run()  # type: ignore[attr-defined]
     assert [f for f in result.findings if f.check.startswith(mutant.check)], result.summary()  # type: ignore[attr-defined]
 
 
@@ -118,3 +121,11 @@ def test_correct_federated_training_with_the_noise_at_the_sites_passes(secure: b
         0, abs=1e-3
     )
     assert {"share", "site"} <= set(result.purposes_drawn)
+
+
+def test_a_correct_search_publishes_nothing_that_follows_k_or_a_patient() -> None:
+    # best/: the release (the best trial's model, hyperparameters, scores) may differ; the reports' other fields,
+    # the published files' names and the outcome may not, neither with a huge patient added nor with K varied.
+    result = ObserverAudit(TunePipeline(), ["huge"], master=5).run()
+    assert result.passed, result.summary()
+    assert "trials" in result.purposes_drawn
