@@ -7,6 +7,10 @@ cover (a noisy-update selection, a private acceptance energy, the paper's accoun
 the reason; what leaves the release unchanged (a public acceptance energy, augmentation multiplicity)
 is named in the output. Prints ε_lower beside ε_upper; writes ``audit.json`` and
 ``audit.png`` (the attack's ROC against the region (ε_upper, δ)-DP allows) to ``--out``.
+
+``--observer PIPELINE`` runs the observer's audit instead (`lightning_dp.audit.observer.ObserverAudit`) on a built-in
+pipeline at small size (``lightning-dp fit`` with P3SGD or DP-SGD, ``tune``, the federated apps with the noise at the
+server, at the sites, or through SecAgg+), and writes ``observer.json``.
 """
 
 from __future__ import annotations
@@ -53,7 +57,63 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--blackbox-runs", type=int, default=16, help="models for the black-box audit (default 16).")
     p.add_argument("--seed", type=int, help="public seed (default: from the OS).")
     p.add_argument("--out", type=Path, default=Path("runs/audit"), help="where audit.json/png go.")
+    p.add_argument(
+        "--observer",
+        choices=[*OBSERVER_PIPELINES, "all"],
+        help="instead: the observer's audit of what a user runs (neighbouring worlds replayed end to end with equal "
+        "secrets, every channel compared), on this built-in pipeline at small size; writes observer.json.",
+    )
+    p.add_argument("--units", help="with --observer: adversarial units to add, comma-separated (default: all).")
     return p
+
+
+#: `lightning-dp audit --observer`'s pipelines: (what runs, the units it can hold).
+OBSERVER_PIPELINES = ("fit-p3sgd", "fit-dpsgd", "tune", "federated", "federated-sites", "federated-secagg")
+
+
+def _observer_pipeline(name: str) -> tuple[Any, list[str]]:
+    from lightning_dp.audit.observer import FederatedPipeline, FitPipeline, TunePipeline
+    from lightning_dp.audit.observer.units import FILE_UNITS, MEMORY_UNITS
+
+    pipelines: dict[str, tuple[Any, list[str]]] = {
+        "fit-p3sgd": (FitPipeline("p3sgd", patients=6, steps=2), list(FILE_UNITS)),
+        "fit-dpsgd": (FitPipeline("dpsgd", patients=6, steps=2), ["huge", "one_image"]),
+        "tune": (TunePipeline(), ["huge"]),
+        "federated": (FederatedPipeline(), list(MEMORY_UNITS)),
+        "federated-sites": (FederatedPipeline(noise_at="sites"), list(MEMORY_UNITS)),
+        "federated-secagg": (FederatedPipeline(noise_at="sites", secure=True), list(MEMORY_UNITS)),
+    }
+    return pipelines[name]
+
+
+def observer_main(args: argparse.Namespace) -> int:
+    """``lightning-dp audit --observer PIPELINE``: 0 when every pipeline passes, 1 when one fails, 2 on bad input."""
+    from lightning_dp.audit.observer import ObserverAudit
+
+    names = list(OBSERVER_PIPELINES) if args.observer == "all" else [args.observer]
+    results = []
+    for name in names:
+        pipeline, units = _observer_pipeline(name)
+        if args.units:
+            asked = [u.strip() for u in args.units.split(",") if u.strip()]
+            unknown = sorted(set(asked) - set(units))
+            if unknown:
+                print(
+                    f"lightning-dp audit: error: --units {','.join(unknown)}: not a unit of {name}; its units are "
+                    f"{','.join(units)}. HINT: pick from those.",
+                    file=sys.stderr,
+                )
+                return 2
+            units = asked
+        started = time.monotonic()
+        result = ObserverAudit(pipeline, units).run()
+        print(result.summary(), flush=True)
+        print(f"  ({time.monotonic() - started:.0f} s)", flush=True)
+        results.append(result)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "observer.json").write_text(json.dumps([r.to_dict() for r in results], indent=1) + "\n")
+    print(f"  wrote {args.out / 'observer.json'}")
+    return 0 if all(r.passed for r in results) else 1
 
 
 def _instantiate(spec: Any) -> Any:
@@ -292,6 +352,11 @@ def _plot(result: StepAuditResult, path: Path) -> bool:
 def audit_main(argv: Sequence[str]) -> int:
     """``lightning-dp audit ...``; returns 0 when every ε_lower ≤ ε_upper, 1 when the audit failed, 2 on bad input."""
     args = _parser().parse_args(list(argv))
+    if args.observer is not None:
+        return observer_main(args)
+    if args.units is not None:
+        print("lightning-dp audit: error: --units needs --observer PIPELINE. HINT: add --observer.", file=sys.stderr)
+        return 2
     try:
         values = _resolve(args)
         schedule = values["noise_multiplier"]

@@ -116,6 +116,18 @@ class ObserverResult:
     def passed(self) -> bool:
         return not self.findings
 
+    def to_dict(self) -> dict[str, Any]:
+        """The verdict as JSON-ready data (findings and notes as their four strings)."""
+        return {
+            "pipeline": self.pipeline,
+            "units": self.units,
+            "passed": self.passed,
+            "moved": self.moved,
+            "purposes_drawn": self.purposes_drawn,
+            "findings": [dataclasses.asdict(f) for f in self.findings],
+            "notes": [dataclasses.asdict(f) for f in self.notes],
+        }
+
     def summary(self) -> str:
         moved = ", ".join(f"{u}: {m:.4f}·C" for u, m in self.moved.items())
         head = f"observer audit of {self.pipeline}: {'PASSED' if self.passed else 'FAILED'}"

@@ -73,3 +73,17 @@ def test_audit_refuses_what_it_cannot_audit(config, message, tmp_path, capsys):
     assert rc == 2
     assert message in capsys.readouterr().err
     assert not (tmp_path / "audit.json").exists()
+
+
+def test_the_observer_audit_from_the_command_line(tmp_path, capsys):
+    rc = main(["audit", "--observer", "federated", "--units", "huge,raising", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert rc == 0 and "observer audit of federated: PASSED" in out
+    (report,) = json.loads((tmp_path / "observer.json").read_text())
+    assert report["passed"] is True and report["units"] == ["huge", "raising"]
+    assert report["moved"]["huge"] == pytest.approx(1.0, abs=1e-4) and report["moved"]["raising"] == 0
+    assert main(["audit", "--observer", "federated", "--units", "whale,bogus"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "bogus" in err and "HINT" in err
+    assert main(["audit", "--units", "huge"]) == 2
+    assert "--units needs --observer" in capsys.readouterr().err
