@@ -248,6 +248,9 @@ class FederatedPipeline:
     noise_at: str = "server"
     secure: bool = False
     purposes: tuple[str, ...] = ()
+    check_ids: bool = True
+    #: Public by the consortium's agreement: a shared patient id refuses the start (one bit, before any training).
+    declared_refusals: tuple[str, ...] = ("patient ids appear at more than one site",)
 
     def __post_init__(self) -> None:
         if self.secure and self.noise_at != "sites":
@@ -300,7 +303,7 @@ class FederatedPipeline:
                     images.append(image.reshape(-1)[:6].astype(np.float32))
                     labels.append(unit.label)
             groups.append(list(range(start, len(images))))
-            keys.append(f"{name}-unit")
+            keys.append("a-0" if unit.name == "colliding" else f"{name}-unit")  # a-0: site a's first patient
         return UnitImages(images, labels), groups, keys
 
     def run(self, unit: str | None, folder: Path) -> Observation:
@@ -353,8 +356,10 @@ class FederatedPipeline:
             "report": "report.json",
             "model": "model.pt",
             "secure-aggregation": self.secure,
+            "check-patient-ids": self.check_ids,
         }
-        grid = LocalGrid(site_app(make_site), [{"site": n} for n in names], run_config=config)
+        key = (lambda context: b"the consortium's id key, shared") if self.check_ids else None
+        grid = LocalGrid(site_app(make_site, id_key=key), [{"site": n} for n in names], run_config=config)
         roots = (str(folder.resolve()), str(folder))
         obs = Observation()
         err: BaseException | None = None

@@ -5,7 +5,8 @@ Each is a unit a real data set can hold and a bug has mishandled before (ALGORIT
 many images: its work, and so the time of its round or site, grows with them), ``one_image`` (the smallest patient),
 ``unreadable`` (an image file that cannot be decoded), ``nonfinite`` (images of NaN and inf: an in-memory data set
 only), ``raising`` (reading it raises: an in-memory data set only), ``empty`` (a patient with no images: in-memory
-only, since a manifest lists images).
+only, since a manifest lists images), ``colliding`` (a patient whose id is another site's patient's: the same person
+at two hospitals).
 """
 
 from __future__ import annotations
@@ -54,6 +55,8 @@ def unit_images(name: str, size: int, whale_images: int = 64) -> Unit:
         return Unit(name, None, 0, "reading it raises")
     if name == "empty":
         return Unit(name, [], 0, "no images")
+    if name == "colliding":
+        return Unit(name, [g.random((size, size), dtype=np.float32)], 1, "the id of a patient at another site")
     raise ValueError(f"no adversarial unit {name!r}; the units are {sorted(MEMORY_UNITS)}.")
 
 
@@ -63,4 +66,4 @@ def unit_images(name: str, size: int, whale_images: int = 64) -> Unit:
 #: federated site), a failing image is skipped instead: `FederatedPipeline`'s ``raising`` unit.
 FILE_UNITS = ("huge", "whale", "one_image")
 #: Units an in-memory data set (a federated site here) can hold.
-MEMORY_UNITS = ("huge", "whale", "one_image", "nonfinite", "raising", "empty")
+MEMORY_UNITS = ("huge", "whale", "one_image", "nonfinite", "raising", "empty", "colliding")

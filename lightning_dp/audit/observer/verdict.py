@@ -19,9 +19,11 @@ folder of its own and with every secret draw answered by one `SecretTape`:
 
 The verdict names each channel that differs and shows both values, shortened. ``derived`` values (weights and
 optimizer state in checkpoints, validation metrics) are post-processing of the releases and are not compared.
-What it does not see: leaks at steps after the first through the release itself (the release's own sensitivity at
-every step is `SensitivityAudit`'s), timing as such (durations are stripped; a deadline that a unit trips shows as
-the sites summed), and parties in other processes (secrets are held in this process).
+A pipeline's ``declared_refusals`` (text of a refusal it declares public, e.g. a consortium's shared-id check at
+start) are reported as declared when a unit triggers them, and that world is not compared further: it released
+nothing but the refusal. What it does not see: leaks at steps after the first through the release itself (the
+release's own sensitivity at every step is `SensitivityAudit`'s), timing as such (durations are stripped; a deadline
+that a unit trips shows as the sites summed), and parties in other processes (secrets are held in this process).
 """
 
 from __future__ import annotations
@@ -109,6 +111,8 @@ class ObserverResult:
     findings: list[Finding] = field(default_factory=list)
     #: Differences in what only the data holder sees (its console, the training checkpoint): reported, not failed.
     notes: list[Finding] = field(default_factory=list)
+    #: Refusals the pipeline declares public (a consortium's shared-id check): reported, not failed.
+    declared: list[Finding] = field(default_factory=list)
     moved: dict[str, float] = field(default_factory=dict)
     purposes_drawn: list[str] = field(default_factory=list)
 
@@ -126,6 +130,7 @@ class ObserverResult:
             "purposes_drawn": self.purposes_drawn,
             "findings": [dataclasses.asdict(f) for f in self.findings],
             "notes": [dataclasses.asdict(f) for f in self.notes],
+            "declared": [dataclasses.asdict(f) for f in self.declared],
         }
 
     def summary(self) -> str:
@@ -133,6 +138,9 @@ class ObserverResult:
         head = f"observer audit of {self.pipeline}: {'PASSED' if self.passed else 'FAILED'}"
         lines = [f"{head} (units {', '.join(self.units)}; first release moved {moved or 'n/a'})"]
         lines += [f"  {finding}" for finding in self.findings]
+        if self.declared:
+            lines.append(f"  public by declaration ({len(self.declared)}; not failed):")
+            lines += [f"    {finding}" for finding in self.declared]
         if self.notes:
             lines.append(f"  seen by the data holder only ({len(self.notes)}; not failed):")
             lines += [f"    {note}" for note in self.notes]
@@ -219,6 +227,11 @@ class ObserverAudit:
         result.findings += self._releases_equal("D twice", base, again, getattr(self.pipeline, "replay_tolerance", 0.0))
         for unit in self.units:
             other, other_draws = self._world(tape, unit, root / f"D+{unit}")
+            outcome = str(other.channels.get("outcome", ""))
+            declared = [d for d in getattr(self.pipeline, "declared_refusals", ()) if d in outcome]
+            if declared and outcome != base.channels.get("outcome"):  # one declared bit, before anything is released
+                result.declared.append(Finding(f"D vs D+{unit}", "outcome", str(base.channels.get("outcome")), outcome))
+                continue
             self._compare(result, f"D vs D+{unit}", base, other, (draws, other_draws))
             if base.releases and other.releases:
                 first, second = base.releases[0], other.releases[0]

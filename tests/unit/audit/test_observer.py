@@ -58,9 +58,12 @@ def test_correct_training_passes_with_the_first_release_moved_by_c(engine: str) 
 
 
 def test_correct_federated_training_passes_for_every_adversarial_patient() -> None:
-    units = ["huge", "whale", "one_image", "nonfinite", "raising", "empty"]
+    units = ["huge", "whale", "one_image", "nonfinite", "raising", "empty", "colliding"]
     result = ObserverAudit(FederatedPipeline(whale_images=20_000), units).run()
     assert result.passed, result.summary()
+    # A patient id two sites share refuses the start: one bit the consortium declares public (docs/federated.md).
+    assert [(f.check, f.channel) for f in result.declared] == [("D vs D+colliding", "outcome")]
+    assert "patient ids appear at more than one site" in result.declared[0].right
     assert result.moved["huge"] == pytest.approx(1.0, abs=1e-4) and result.moved["whale"] == pytest.approx(1, abs=1e-4)
     assert all(result.moved[u] == 0 for u in ("nonfinite", "raising", "empty")), result.moved
     assert [n.channel for n in result.notes] == ["console.site_logs"], "a failing patient: in its site's log only"
