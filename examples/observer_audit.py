@@ -22,33 +22,14 @@ from typing import Any
 
 import torch
 
-from lightning_dp.audit.observer import FederatedPipeline, FitPipeline, ObserverAudit, SecretTape, TunePipeline
+from lightning_dp.audit.observer import FitPipeline, ObserverAudit, SecretTape
 from lightning_dp.audit.observer.mutants import OBSERVER_MUTANTS
-from lightning_dp.audit.observer.units import FILE_UNITS, MEMORY_UNITS
-
-SMALL = {"patients": 6, "steps": 2}
-PIPELINES: dict[str, Any] = {
-    "fit-p3sgd": (lambda: FitPipeline("p3sgd", **SMALL), list(FILE_UNITS)),
-    "fit-dpsgd": (lambda: FitPipeline("dpsgd", **SMALL), ["huge", "one_image"]),
-    "tune": (lambda: TunePipeline(), ["huge", "one_image"]),
-    "federated": (lambda: FederatedPipeline(), list(MEMORY_UNITS)),
-    "federated-sites": (lambda: FederatedPipeline(noise_at="sites"), list(MEMORY_UNITS)),
-    "federated-secagg": (lambda: FederatedPipeline(noise_at="sites", secure=True), list(MEMORY_UNITS)),
-    "federated-deadline": (lambda: FederatedPipeline(rounds=1, deadline=1.0, whale_images=80_000), ["whale"]),
-}
-VARY = {
-    "secret coins varied": ["coins"],
-    "secret noise": ["noise"],
-    "secret noise varied": ["noise"],
-    "secret share": ["share"],
-    "secret trials varied": ["trials"],
-}
+from lightning_dp.audit.observer.pipelines import BUILTIN, builtin_pipeline
 
 
 def _leak(mutant: Any) -> str:
     """The mutant's leak, measured without the audit's verdict."""
-    make, units = PIPELINES[mutant.pipeline]
-    pipeline = make()
+    pipeline, units = builtin_pipeline(mutant.pipeline)
     with tempfile.TemporaryDirectory() as tmp, mutant.plant():
         if mutant.pipeline == "tune":  # the public report against the private one
             with SecretTape().held():
@@ -59,9 +40,9 @@ def _leak(mutant: Any) -> str:
             k = private["trials_drawn"]
             return f"best/search_report.json says trials_run = {public.get('trials_run')}: K = {k}"
         if mutant.check.startswith("secret"):
-            purpose = VARY[mutant.check][0]
+            purpose = mutant.vary[0]
             if purpose == "coins":  # the coins decide the sample at q < 1; augmentation off (its streams share them)
-                pipeline = FitPipeline("p3sgd", sample_rate=0.5, augment=False, **SMALL)
+                pipeline = FitPipeline("p3sgd", patients=6, steps=2, sample_rate=0.5, augment=False)
             tape = SecretTape()
             with tape.held():
                 a = pipeline.run(None, Path(tmp) / "a")
@@ -88,17 +69,18 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     rows: dict[str, Any] = {"correct": [], "mutants": []}
-    print("| pipeline | units | first release moved (·C) | verdict | notes (data holder only) | s |")
-    print("|---|---|---|---|---|---:|")
-    for name in ("fit-p3sgd", "fit-dpsgd", "tune", "federated", "federated-sites", "federated-secagg"):
-        make, units = PIPELINES[name]
+    print("| pipeline | units | first release moved (·C) | verdict | public by declaration | notes (data holder only) | s |")
+    print("|---|---|---|---|---|---|---:|")
+    for name in BUILTIN[:-1]:  # the last, federated-deadline, is a mutant's set-up
+        pipeline, units = builtin_pipeline(name)
         started = time.monotonic()
-        result = ObserverAudit(make(), units).run()
+        result = ObserverAudit(pipeline, units).run()
         seconds = time.monotonic() - started
         moved = ", ".join(f"{u} {m:.4f}" for u, m in result.moved.items())
         notes = sorted({n.channel.split(":")[0] for n in result.notes})
         verdict = "passed" if result.passed else "FAILED: " + "; ".join(map(str, result.findings[:3]))
-        print(f"| {name} | {', '.join(units)} | {moved} | {verdict} | {', '.join(notes)} | {seconds:.0f} |")
+        declared = "; ".join(f"{f.check}: {f.right[:60]}…" for f in result.declared) or "—"
+        print(f"| {name} | {', '.join(units)} | {moved} | {verdict} | {declared} | {', '.join(notes)} | {seconds:.0f} |")
         rows["correct"].append(
             {
                 "pipeline": name,
@@ -114,10 +96,9 @@ def main() -> None:
     print("|---|---|---|---|---|---:|")
     for mutant in OBSERVER_MUTANTS:
         leak = _leak(mutant)
-        make, units = PIPELINES[mutant.pipeline]
         started = time.monotonic()
         with mutant.plant():
-            result = ObserverAudit(make(), units, vary=VARY.get(mutant.check, [])).run()
+            result = mutant.audit().run()
         seconds = time.monotonic() - started
         caught = [f for f in result.findings if f.check.startswith(mutant.check)]
         first = str(caught[0] if caught else (result.findings or ["none"])[0]).replace("|", "\\|")[:140]

@@ -67,33 +67,20 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-#: `lightning-dp audit --observer`'s pipelines: (what runs, the units it can hold).
+#: `lightning-dp audit --observer`'s pipelines (`lightning_dp.audit.observer.pipelines.BUILTIN` but the deadline
+#: variant, a mutant's set-up).
 OBSERVER_PIPELINES = ("fit-p3sgd", "fit-dpsgd", "tune", "federated", "federated-sites", "federated-secagg")
-
-
-def _observer_pipeline(name: str) -> tuple[Any, list[str]]:
-    from lightning_dp.audit.observer import FederatedPipeline, FitPipeline, TunePipeline
-    from lightning_dp.audit.observer.units import FILE_UNITS, MEMORY_UNITS
-
-    pipelines: dict[str, tuple[Any, list[str]]] = {
-        "fit-p3sgd": (FitPipeline("p3sgd", patients=6, steps=2), list(FILE_UNITS)),
-        "fit-dpsgd": (FitPipeline("dpsgd", patients=6, steps=2), ["huge", "one_image"]),
-        "tune": (TunePipeline(), ["huge"]),
-        "federated": (FederatedPipeline(), list(MEMORY_UNITS)),
-        "federated-sites": (FederatedPipeline(noise_at="sites"), list(MEMORY_UNITS)),
-        "federated-secagg": (FederatedPipeline(noise_at="sites", secure=True), list(MEMORY_UNITS)),
-    }
-    return pipelines[name]
 
 
 def observer_main(args: argparse.Namespace) -> int:
     """``lightning-dp audit --observer PIPELINE``: 0 when every pipeline passes, 1 when one fails, 2 on bad input."""
     from lightning_dp.audit.observer import ObserverAudit
+    from lightning_dp.audit.observer.pipelines import builtin_pipeline
 
     names = list(OBSERVER_PIPELINES) if args.observer == "all" else [args.observer]
     results = []
     for name in names:
-        pipeline, units = _observer_pipeline(name)
+        pipeline, units = builtin_pipeline(name)
         if args.units:
             asked = [u.strip() for u in args.units.split(",") if u.strip()]
             unknown = sorted(set(asked) - set(units))

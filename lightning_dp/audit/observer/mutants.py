@@ -8,29 +8,25 @@ it (the first words of the finding's check).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from lightning_dp.audit.mutants import _replaced
+
 __all__ = ["OBSERVER_MUTANTS", "ObserverMutant"]
-
-
-@contextmanager
-def _replaced(owner: Any, name: str, make: Callable[[Any], Any]) -> Iterator[None]:
-    original = getattr(owner, name)
-    setattr(owner, name, make(original))
-    try:
-        yield
-    finally:
-        setattr(owner, name, original)
 
 
 @dataclass(frozen=True)
 class ObserverMutant:
-    """One planted bug: ``name``, ``where`` (file: function), ``what`` it does, the pipeline and the check."""
+    """One planted bug: ``name``, ``where`` (file: function), ``what`` it does, the pipeline and the check.
+
+    ``pipeline`` names a built-in pipeline (`lightning_dp.audit.observer.pipelines.builtin_pipeline`); the audit that
+    shows the bug varies the secret purpose in ``vary`` (none: the neighbouring worlds show it).
+    """
 
     name: str
     where: str
@@ -38,6 +34,20 @@ class ObserverMutant:
     pipeline: str
     check: str
     plant: Callable[[], AbstractContextManager[None]]
+
+    @property
+    def vary(self) -> list[str]:
+        """The secret purposes the audit varies to show this mutant (from its check: ``secret P …``)."""
+        return [self.check.split()[1]] if self.check.startswith("secret ") else []
+
+    def audit(self, master: int | None = None) -> Any:
+        """The `ObserverAudit` that must catch this mutant (run it inside ``plant()``)."""
+        from lightning_dp.audit.observer.pipelines import builtin_pipeline
+        from lightning_dp.audit.observer.verdict import ObserverAudit
+
+        pipeline, units = builtin_pipeline(self.pipeline)
+        units = [] if self.vary else units[:1]
+        return ObserverAudit(pipeline, units, vary=self.vary, master=master)
 
 
 def _normalizer_from_count() -> AbstractContextManager[None]:

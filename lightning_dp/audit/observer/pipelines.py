@@ -28,7 +28,7 @@ import torch
 from lightning_dp.audit.observer.channels import Observation, normalize, observe_console, observe_releases, scan_files
 from lightning_dp.audit.observer.units import Unit, unit_images
 
-__all__ = ["FederatedPipeline", "FitPipeline", "TunePipeline"]
+__all__ = ["BUILTIN", "FederatedPipeline", "FitPipeline", "TunePipeline", "builtin_pipeline"]
 
 
 @contextlib.contextmanager
@@ -465,3 +465,32 @@ class TunePipeline:
             normalize(p.relative_to(private).as_posix(), roots) for p in private.rglob("*")
         )
         return obs
+
+
+#: The built-in pipelines at small size (`lightning-dp audit --observer`, the tests, examples/observer_audit.py).
+BUILTIN = ("fit-p3sgd", "fit-dpsgd", "tune", "federated", "federated-sites", "federated-secagg", "federated-deadline")
+
+
+def builtin_pipeline(name: str) -> tuple[Any, list[str]]:
+    """The built-in pipeline ``name`` (one of `BUILTIN`) and the adversarial units it can hold.
+
+    ``federated-deadline`` is the federated one with a 0.5 s deadline and a whale of 40,000 images: an uncapped
+    whale's round takes seconds there, a capped round milliseconds.
+    """
+    from lightning_dp.audit.observer.units import FILE_UNITS, MEMORY_UNITS
+
+    if name == "fit-p3sgd":
+        return FitPipeline("p3sgd", patients=6, steps=2), list(FILE_UNITS)
+    if name == "fit-dpsgd":
+        return FitPipeline("dpsgd", patients=6, steps=2), ["huge", "one_image"]
+    if name == "tune":
+        return TunePipeline(), ["huge"]
+    if name == "federated":
+        return FederatedPipeline(), list(MEMORY_UNITS)
+    if name == "federated-sites":
+        return FederatedPipeline(noise_at="sites"), list(MEMORY_UNITS)
+    if name == "federated-secagg":
+        return FederatedPipeline(noise_at="sites", secure=True), list(MEMORY_UNITS)
+    if name == "federated-deadline":
+        return FederatedPipeline(rounds=1, deadline=0.5, whale_images=40_000), ["whale"]
+    raise ValueError(f"no built-in pipeline {name!r}; the pipelines are {', '.join(BUILTIN)}.")

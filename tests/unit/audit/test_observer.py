@@ -19,7 +19,7 @@ import torch
 import lightning_dp.secret as secret
 from lightning_dp.audit.observer import FederatedPipeline, FitPipeline, ObserverAudit, SecretTape, TunePipeline
 from lightning_dp.audit.observer.channels import normalize
-from lightning_dp.audit.observer.mutants import OBSERVER_MUTANTS
+from lightning_dp.audit.observer.mutants import OBSERVER_MUTANTS, ObserverMutant
 
 SMALL = {"patients": 6, "steps": 2}
 
@@ -69,32 +69,12 @@ def test_correct_federated_training_passes_for_every_adversarial_patient() -> No
     assert [n.channel for n in result.notes] == ["console.site_logs"], "a failing patient: in its site's log only"
 
 
-PIPELINES = {
-    "fit-p3sgd": (lambda: FitPipeline("p3sgd", **SMALL), ["one_image"]),
-    "fit-dpsgd": (lambda: FitPipeline("dpsgd", **SMALL), []),
-    "federated": (lambda: FederatedPipeline(), []),
-    "tune": (lambda: TunePipeline(), []),
-    "federated-sites": (lambda: FederatedPipeline(noise_at="sites"), []),
-    "federated-secagg": (lambda: FederatedPipeline(noise_at="sites", secure=True), []),
-    # The whale's uncapped round (40,000 images, 10,000 local steps) takes > 1 s; a capped round, milliseconds.
-    "federated-deadline": (lambda: FederatedPipeline(rounds=1, deadline=0.5, whale_images=40_000), ["whale"]),
-}
-VARY = {
-    "secret coins varied": ["coins"],
-    "secret noise": ["noise"],
-    "secret noise varied": ["noise"],
-    "secret share": ["share"],
-    "secret trials varied": ["trials"],
-}
-
-
 @pytest.mark.parametrize("mutant", OBSERVER_MUTANTS, ids=[m.name for m in OBSERVER_MUTANTS])
-def test_every_observer_mutant_is_caught_by_its_check(mutant: object) -> None:
-    make, units = PIPELINES[mutant.pipeline]  # type: ignore[attr-defined]
-    with mutant.plant():  # type: ignore[attr-defined]
-        # A fixed master secret: the K mutant shows only where the varied K differs (2 of 3 variations, each).
-        result = ObserverAudit(make(), units, vary=VARY.get(mutant.check, []), master=5).run()  # type: ignore[attr-defined]
-    assert [f for f in result.findings if f.check.startswith(mutant.check)], result.summary()  # type: ignore[attr-defined]
+def test_every_observer_mutant_is_caught_by_its_check(mutant: ObserverMutant) -> None:
+    # A fixed master secret: the K mutant shows only where the varied K differs (2 of 3 variations, each).
+    with mutant.plant():
+        result = mutant.audit(master=5).run()
+    assert [f for f in result.findings if f.check.startswith(mutant.check)], result.summary()
 
 
 def test_the_mutants_restore_the_library() -> None:
