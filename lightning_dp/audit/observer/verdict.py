@@ -14,8 +14,8 @@ folder of its own and with every secret draw answered by one `SecretTape`:
    round number, torch's global generator — leaves them as they were), and every other channel must stay equal (a
    channel that follows a secret but is not the release publishes that secret, as a search's trial count does).
    A pipeline's ``hidden`` purposes (a search's K) need not change the release, and the draws they lead to may
-   differ: only the published channels are compared, over ``HIDDEN_VARIATIONS`` independent variations (two
-   geometric K of mean 2 are equal with probability 1/3; three pairs all equal, 1/27).
+   differ: only the published channels are compared, over variations until ``HIDDEN_VARIATIONS`` of them changed
+   what ran (their secret draws differ from D's: another K), at most ``HIDDEN_TRIES``.
 
 The verdict names each channel that differs and shows both values, shortened. ``derived`` values (weights and
 optimizer state in checkpoints, validation metrics) are post-processing of the releases and are not compared.
@@ -44,8 +44,9 @@ __all__ = ["Finding", "ObserverAudit", "ObserverResult", "Pipeline", "diff"]
 
 #: fp round-off allowed over C for the first release (two equal noise vectors subtracted in fp32).
 TOLERANCE = 0.02
-#: How many independent variations of a hidden purpose are compared with D.
-HIDDEN_VARIATIONS = 3
+#: How many variations of a hidden purpose that change what runs (K differs: other secret draws) are compared with D,
+#: and in at most how many tries (two geometric K of mean 2 are equal with probability 1/3).
+HIDDEN_VARIATIONS, HIDDEN_TRIES = 2, 10
 #: A varied secret must move some release by more than this, relative to its norm (fp32 round-off is ~1e-7).
 CHANGED = 1e-5
 
@@ -255,9 +256,24 @@ class ObserverAudit:
             else:
                 reference_draws = draws
             if purpose in self.hidden:  # K: how many trials ran (and so the draws) may differ; nothing published may
-                for k in range(1, HIDDEN_VARIATIONS + 1):
-                    hidden, _ = self._world(tape.varied(purpose, k), None, root / f"D~{purpose}{k}", pipeline)
+                informative = 0
+                for k in range(1, HIDDEN_TRIES + 1):
+                    hidden, hidden_draws = self._world(
+                        tape.varied(purpose, k), None, root / f"D~{purpose}{k}", pipeline
+                    )
                     self._compare(result, f"secret {purpose} varied", reference, hidden, None)
+                    informative += hidden_draws != reference_draws  # the hidden value changed what ran (K differs)
+                    if informative == HIDDEN_VARIATIONS:
+                        break
+                else:
+                    result.findings.append(
+                        Finding(
+                            f"secret {purpose} varied",
+                            "secret draws",
+                            f"{HIDDEN_VARIATIONS} variations that change what runs",
+                            f"{informative} in {HIDDEN_TRIES} tries",
+                        )  # fmt: skip
+                    )
                 continue
             varied, varied_draws = self._world(tape.varied(purpose), None, root / f"D~{purpose}", pipeline)
             self._compare(result, f"secret {purpose} varied", reference, varied, (reference_draws, varied_draws))
