@@ -30,7 +30,7 @@ except ImportError:  # Python 3.10: Flower installs tomli
     import tomli as tomllib  # type: ignore[no-redef]
 
 from lightning_dp.sanitization import ModelState
-from tests.helpers.flower_processes import consortium
+from tests.helpers.flower_processes import consortium, stop_groups
 
 pytest.importorskip("flwr")
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
@@ -40,7 +40,10 @@ from flwr.app import Context, RecordDict  # noqa: E402
 ROOT = Path(__file__).parents[3]
 EXAMPLE = ROOT / "examples" / "federated_app"
 DOCS = ROOT / "docs" / "federated.md"
-LIMIT = 240  # seconds for `flwr run` (measured: the whole test about 60 s on a loaded 2-core machine)
+# Seconds for `flwr run`. Measured: the whole test 177-224 s on 2 cores shared with other work (load average 6-8): 27
+# ClientApp processes (3 sites × (1 start-up query + 2 rounds × 4 SecAgg+ stages)), each importing torch and the app,
+# and Flower 1.42's 3 s polls at the SuperNode and at the server's grid around each of the 9 exchanges.
+LIMIT = 420
 PATIENTS = {"a": 4, "b": 4, "c": 4}
 SETTINGS: dict[str, Any] = {  # the copy's [tool.flwr.app.config] (test-sized); every other key as the example has it
     "sites": 3,
@@ -121,13 +124,24 @@ def test_the_documented_secure_aggregation_run_trains_over_real_processes_and_ch
         f'data-dir="{tmp_path / "data" / name}" id-key-file="{key}"'
         for seed, (name, count) in enumerate(PATIENTS.items(), start=1)
     }
+    log = tmp_path / "flwr-run.log"
     with consortium(tmp_path, nodes, connection="consortium") as env:
-        done = subprocess.run(
-            ["bash", "-c", line], cwd=app, env=env, capture_output=True, text=True, timeout=LIMIT, check=False
-        )
-    out = done.stdout + done.stderr
-    logs = "".join(f"\n--- {p.name}\n{p.read_text()[-1500:]}" for p in sorted(tmp_path.glob("*.log")))
-    assert done.returncode == 0, out[-4000:] + logs
+        with log.open("wb") as out:
+            run = subprocess.Popen(
+                ["bash", "-c", line], cwd=app, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        try:
+            # Meanwhile (the Flower processes spend much of a round waiting on their 3 s polls): the same settings'
+            # ledger in this process.
+            reference = _in_process_reference(run_config, rounds=2)
+            code = run.wait(timeout=LIMIT)
+        except subprocess.TimeoutExpired:
+            code = None
+        finally:
+            stop_groups([run])
+    out = log.read_text()
+    logs = "".join(f"\n--- {p.name}\n{p.read_text()[-1500:]}" for p in sorted(tmp_path.glob("s*.log")))
+    assert code == 0, out[-4000:] + logs
 
     # Two rounds, each the SecAgg+ sum of the three hospitals: no site refused, none dropped.
     rounds = re.findall(r"^round (\d+): ε = [\d.]+ \(patient.*?, (\d+) sites replied(.*)$", out, re.M)
@@ -143,7 +157,6 @@ def test_the_documented_secure_aggregation_run_trains_over_real_processes_and_ch
     assert report["epsilon_without_secure_aggregation"] == 0.0
 
     # The ledger, and so ε, is what the in-process server charges for the same settings.
-    reference = _in_process_reference(run_config, rounds=2)
     saved = torch.load(outputs / "server.pt", weights_only=False)
     assert saved["ledger"] == reference.ledger.state_dict() and saved["seen_shares"] == []
     assert report["epsilon"] == reference.epsilon() and 0 < report["epsilon"] <= run_config["target-epsilon"]
@@ -156,4 +169,4 @@ def test_the_documented_secure_aggregation_run_trains_over_real_processes_and_ch
     model.load_state_dict(torch.load(outputs / "model.pt", weights_only=True))
     theta = ModelState(model).vector()
     assert torch.equal(theta, saved["theta"]) and torch.isfinite(theta).all() and not torch.equal(theta, initial)
-    print(f"secure aggregation over processes: {time.monotonic() - started:.1f} s")  # the page quotes it
+    print(f"secure aggregation over processes: {time.monotonic() - started:.1f} s")  # with -s: the time to compare
