@@ -473,8 +473,9 @@ def run_rounds(
     when a request goes out and after its replies are in. ``resume=True`` continues from it (an error if it is
     missing: a missing privacy state is never a fresh start); ``resume=False`` refuses to overwrite one that exists.
 
-    With ``secure`` (a `lightning_dp.federated.secure.SecureSum`; noise at the sites, sites built with
-    `secure_site_app`), each round's sum is formed by Flower's SecAgg+ and the server sees nothing else.
+    With ``secure`` (a `lightning_dp.federated.secure.SecureSum`; noise at the sites, each site's ``ClientApp`` from
+    `site_app` with a `Site` whose ``noise_std`` is its share), each round's sum is formed by Flower's SecAgg+ and the
+    server sees nothing else.
 
     Returns:
         One `RoundLog` per round released in this call.

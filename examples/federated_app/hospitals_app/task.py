@@ -11,23 +11,30 @@
   seed=2`` for synthetic patients in that site style (a drill before real data).
 * `read_id_key`: the consortium's patient-id key, from a file named in the site's own node config (``id-key-file``),
   never from the run config.
+
+The model and data code (``lightning_dp.models``, ``lightning_dp.data``: PyTorch Lightning, torchvision) is imported
+inside the functions that need it: Flower starts a fresh process for every message a site answers, and three of the
+four messages of a secure-aggregation round (SecAgg+'s key exchange and unmasking) never build the site, so each of
+them loads this module and skips seconds of imports. Keep your own heavy imports there too.
 """
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from flwr.app import Context
 
-from lightning_dp.data import PatientDataModule, generate_synthetic_pathology
-from lightning_dp.models import ImageClassifier
+if TYPE_CHECKING:
+    from lightning_dp.models import ImageClassifier
 
 
 def build_model(run_config: Any) -> ImageClassifier:
     """A small CNN with GroupNorm (no batch statistics to leak); every party builds the same one."""
+    from lightning_dp.models import ImageClassifier
+
     torch.manual_seed(0)
     channels = int(run_config.get("image-channels", 3))
     model = ImageClassifier(arch="small_cnn", num_classes=2, norm="group", in_channels=channels)
@@ -49,6 +56,8 @@ def dummy_batch(context: Context) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
 
 def build_datamodule(context: Context) -> Any:
     """The site's training patients (every one of them is a training patient: keep test patients elsewhere)."""
+    from lightning_dp.data import PatientDataModule
+
     node = context.node_config
     size = int(context.run_config.get("image-size", 32))  # type: ignore[arg-type]
     manifest = str(node["manifest"]) if "manifest" in node else str(_synthetic_manifest(node, size))
@@ -63,6 +72,8 @@ def _synthetic_manifest(node: Any, size: int) -> Path:
     two sites drawn from one seed share their ids and the start-up check refuses them, as it would refuse one
     hospital's records copied to another.
     """
+    from lightning_dp.data import generate_synthetic_pathology
+
     name = str(node["site"])
     root = Path(str(node.get("data-dir", f"federated/data/{name}")))
     seed = int(node.get("seed", 0))
