@@ -271,12 +271,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--out", default="runs/federated_hospitals")
     parser.add_argument("--json", default=None, help="where to write the results (default: <out>/plan_check.json)")
     args = parser.parse_args(argv)
-    torch.set_num_threads(1)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a shared machine: one thread per run
     quiet_lightning()
     started = time.time()
-    weights = pretrain(args, public_data(args))
-    layouts = [[args.per_hospital] * h for h in args.curve] if args.curve else [args.patients]
-    results = [consortium(args, counts, weights) for counts in layouts]
+    try:
+        weights = pretrain(args, public_data(args))
+        layouts = [[args.per_hospital] * h for h in args.curve] if args.curve else [args.patients]
+        results = [consortium(args, counts, weights) for counts in layouts]
+    finally:
+        torch.set_num_threads(threads)
     out = {"args": vars(args), "results": results, "seconds": time.time() - started}
     path = Path(args.json or Path(args.out) / "plan_check.json")
     path.parent.mkdir(parents=True, exist_ok=True)
