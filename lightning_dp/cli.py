@@ -259,7 +259,7 @@ def _noise_to_signal(args: argparse.Namespace, schedule: NoiseSchedule) -> dict[
     if args.params is None or args.units is None:
         return {"params": args.params, "noise_to_signal": None, "verdict": None}
     check = NoisePreflight(
-        "patient",
+        "unit",  # patients (P3SGD, --sites) or samples (DPSGD): the ratio is the same
         [float(z) for z in schedule.multipliers(args.steps)],
         args.clip_norm if args.clip_norm is not None else 1.0,  # the ratio does not depend on C
         args.sample_rate * args.units,
