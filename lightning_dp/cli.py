@@ -7,6 +7,7 @@ configuration spend, which noise reaches a target ε, how many steps fit a budge
 from __future__ import annotations
 
 import argparse
+import copy
 import difflib
 import json
 import sys
@@ -24,6 +25,8 @@ from lightning_dp._cli_help import (
     OneLineParser,
 )
 from lightning_dp.accounting import (
+    NOISE_TO_SIGNAL_CLEAR,
+    NOISE_TO_SIGNAL_LIMIT,
     NoisePreflight,
     calibrate_noise_multiplier,
     calibrate_steps,
@@ -73,7 +76,7 @@ def _plan_parser() -> argparse.ArgumentParser:
     p.add_argument("--epochs", type=float, help="passes over the data: steps = round(epochs / q).")
     p.add_argument("--sample-rate", type=float, help="Poisson sampling rate q (or --units with --batch-size).")
     p.add_argument("--noise-multiplier", type=float, help="noise multiplier z (the initial z with --decay).")
-    p.add_argument("--steps", type=int, help="number of steps (rounds), or --epochs.")
+    p.add_argument("--steps", "--rounds", dest="steps", type=int, help="number of steps (rounds), or --epochs.")
     p.add_argument(
         "--delta",
         type=float,
@@ -90,6 +93,18 @@ def _plan_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--decay-every", type=int, default=1, help="steps per decay period (default 1).")
     p.add_argument("--target-epsilon", type=float, help="solve for the missing --noise-multiplier or --steps.")
+    p.add_argument(
+        "--params",
+        type=int,
+        help="d, the number of trained (released) values: with --units or --sites, the run's noise-to-signal ratio "
+        "√(Σz²)·√d/(q·N·T) (the pre-flight's) and its verdict: learn (≤ 1), marginal (≤ 3) or drown (> 3).",
+    )
+    p.add_argument(
+        "--sites",
+        help="a consortium (federated P3SGD): each site's patient count, comma-separated, optionally named "
+        "(28,42,56,70 or b=28,c=42): N = their sum, and each site's plan if it trained alone on its own patients "
+        "at the same q, steps and ε (instead of --units).",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table.")
     return p
 
@@ -167,6 +182,8 @@ def _check_flags(args: argparse.Namespace) -> None:
     if args.decay is not None:
         check_in_interval(owner, "--decay", args.decay, 0.0, 1.0, low_closed=False, high_closed=True, hint="e.g. 0.99.")
     check_count(owner, "--decay-every", args.decay_every, "steps per decay period.", minimum=1)
+    if args.params is not None:
+        check_count(owner, "--params", args.params, "the number of trained values, e.g. 962.", minimum=1)
 
 
 def _plan(args: argparse.Namespace) -> dict[str, Any]:
@@ -218,6 +235,7 @@ def _plan(args: argparse.Namespace) -> dict[str, Any]:
         "units": args.units,
         "delta_source": args.delta_source,
         **_coordinate_noise(args.noise_multiplier, args.clip_norm, args.sample_rate, args.units),
+        **_noise_to_signal(args, _schedule(args.noise_multiplier, args.decay, args.decay_every)),
     }
     if args.decay is not None and args.decay < 1.0 and args.steps >= 1:
         tcdp = tcdp_plan_unchecked(args.sample_rate, args.noise_multiplier, args.decay, args.steps, args.delta)
@@ -227,6 +245,103 @@ def _plan(args: argparse.Namespace) -> dict[str, Any]:
             "failed_conditions": [f"{c.name} ({c.detail})" for c in tcdp.conditions if not c.holds],
         }
     return result
+
+
+#: The verdict's thresholds, as the table states them (`lightning_dp.accounting.NoisePreflight.verdict`).
+_THRESHOLDS = (
+    f"learn ≤ {NOISE_TO_SIGNAL_CLEAR:g} < marginal ≤ {NOISE_TO_SIGNAL_LIMIT:g} < drown: the pre-flight's limits, "
+    "from measured runs"
+)
+
+
+def _noise_to_signal(args: argparse.Namespace, schedule: NoiseSchedule) -> dict[str, Any]:
+    """The pre-flight's noise-to-signal ratio and verdict (`NoisePreflight`), when d (--params) and N are known."""
+    if args.params is None or args.units is None:
+        return {"params": args.params, "noise_to_signal": None, "verdict": None}
+    check = NoisePreflight(
+        "unit",  # patients (P3SGD, --sites) or samples (DPSGD): the ratio is the same
+        [float(z) for z in schedule.multipliers(args.steps)],
+        args.clip_norm if args.clip_norm is not None else 1.0,  # the ratio does not depend on C
+        args.sample_rate * args.units,
+        args.params,
+        None,
+        0.0,
+    )
+    verdict = check.verdict
+    return {
+        "params": args.params,
+        "noise_to_signal": None if verdict is None else check.noise_to_signal,
+        "verdict": verdict,
+    }
+
+
+_SITES_HINT = "HINT: each site's patient count, e.g. --sites 28,42,56,70 or --sites b=28,c=42."
+
+
+def _parse_sites(text: str) -> list[tuple[str, int]]:
+    """``--sites``: ``28,42`` or ``b=28,c=42`` → [(name, patients)], refused in one line when malformed."""
+    owner = "lightning-dp plan"
+    sites: list[tuple[str, int]] = []
+    for k, item in enumerate(text.split(",")):
+        name, _, count = item.strip().rpartition("=")
+        name = name.strip() or f"site {k + 1}"
+        try:
+            patients = int(count)
+        except ValueError:
+            raise PrivacyConfigError(
+                f"`{owner}(--sites={text})`: each site is a patient count (or name=count), found {item.strip()!r}. "
+                f"{_SITES_HINT}"
+            ) from None
+        if patients < 1:
+            raise PrivacyConfigError(
+                f"`{owner}(--sites={text})`: site {name!r} has {patients} patients; a site has at least 1. "
+                f"{_SITES_HINT}"
+            )
+        if name in (n for n, _ in sites):
+            raise PrivacyConfigError(f"`{owner}(--sites={text})`: two sites are named {name!r}. {_SITES_HINT}")
+        sites.append((name, patients))
+    return sites
+
+
+def _plan_sites(args: argparse.Namespace) -> dict[str, Any]:
+    """``plan --sites``: the consortium's plan over N = Σ N_s, and each site's if it trained alone on its own N_s.
+
+    Every plan is `_plan`'s, at the same q, steps (or ε) and accountant: a site alone with ``--target-epsilon``
+    gets its own calibrated z_s (the same as the consortium's unless δ differs: the default δ follows N), with
+    ``--noise-multiplier`` its own ε. Its noise per coordinate is z_s·C/(q·N_s) against the consortium's z·C/(q·N).
+    """
+    owner = "lightning-dp plan --sites"
+    for flag, value in (("--units", args.units), ("--batch-size", args.batch_size)):
+        if value is not None:
+            raise PrivacyConfigError(
+                f"`{owner}`: {flag} is not used with --sites (N is the sum of the sites' patients, and each site "
+                "samples its own patients at q). HINT: --sites 28,42,56,70 --sample-rate 0.2."
+            )
+    sites = _parse_sites(args.sites)
+    alone = []
+    for name, patients in sites:
+        own = copy.copy(args)
+        own.units = patients
+        plan = _plan(own)
+        alone.append({"site": name, "units": patients, **{k: plan[k] for k in _SITE_KEYS}})
+    args.units = sum(n for _, n in sites)
+    result = _plan(args)
+    result["units_source"] = f"the sum of {len(sites)} sites' patients"
+    result["sites"] = alone
+    return result
+
+
+#: What ``plan --sites`` reports of each site alone.
+_SITE_KEYS = (
+    "epsilon",
+    "delta",
+    "steps",
+    "noise_multiplier",
+    "expected_units",
+    "noise_per_coordinate",
+    "noise_to_signal",
+    "verdict",
+)
 
 
 def _coordinate_noise(z: float, clip_norm: float | None, rate: float, units: int | None) -> dict[str, Any]:
@@ -248,6 +363,13 @@ def _plan_with_config(args: argparse.Namespace) -> dict[str, Any]:
             raise PrivacyConfigError(
                 f"`{owner}`: {flag} is not used with --config, whose callback gives the noise. HINT: edit the "
                 "config's noise (or target_epsilon), or plan the flags alone without --config."
+            )
+    for flag, given in (("--sites", args.sites is not None), ("--params", args.params is not None)):
+        if given:
+            raise PrivacyConfigError(
+                f"`{owner}`: {flag} is not used with --config (fit prints the noise-to-signal ratio before step 1). "
+                "HINT: plan the flags alone: --sites 28,42 --sample-rate 0.2 --steps 40 --target-epsilon 4 "
+                "--params 962."
             )
     config = read_config(args.config)
     notes: list[str] = []
@@ -341,7 +463,9 @@ def _plan_with_config(args: argparse.Namespace) -> dict[str, Any]:
         "noise_scales": list(config.noise_scales) if config.mechanism == "P3SGD" else None,
         "selection_epsilon": None if config.selection is None else config.selection[0],
         **_coordinate_noise(z0, args.clip_norm, args.sample_rate, args.units),
+        "params": None,
         "noise_to_signal": None,
+        "verdict": None,
         "notes": notes,
     }
     return result
@@ -355,15 +479,24 @@ def _noise_rows(r: dict[str, Any]) -> list[tuple[str, str]]:
             f"{r['expected_units']:.4g} (std of a step's update)"
         )
     elif r["clip_norm"] is None:
-        value = "needs C and N: --clip-norm C --units N"
+        value = "needs C: --clip-norm C" if r["units"] is not None else "needs C and N: --clip-norm C --units N"
     else:
         value = "needs N, the training set's size: --units N"
     rows = [("noise per coordinate", value)]
-    if r.get("config") is not None or r["noise_per_coordinate"] is not None:
+    if r.get("noise_to_signal") is not None:
         rows.append(
             (
                 "noise-to-signal over the run",
-                "needs d, the trained values: plan builds no model (fit prints it before step 1)",
+                f"{r['noise_to_signal']:.3g} = √(Σz²)·√d/(q·N·T), d = {r['params']:,}: {r['verdict']} ({_THRESHOLDS})",
+            )
+        )
+    elif r.get("params") is not None:
+        rows.append(("noise-to-signal over the run", "needs N, the training set's size: --units N"))
+    elif r.get("config") is not None or r["noise_per_coordinate"] is not None:
+        rows.append(
+            (
+                "noise-to-signal over the run",
+                "needs d, the trained values: --params d (fit prints it before step 1)",
             )
         )
     return rows
@@ -411,16 +544,56 @@ def _print_table(r: dict[str, Any]) -> None:
     rows += _noise_rows(r)
     rows += [("note", note) for note in r.get("notes", [])]
     width = max(len(k) for k, _ in rows)
-    print("lightning-dp plan")
+    print(
+        "lightning-dp plan"
+        + (" (the consortium: federated P3SGD over all the sites' patients)" if "sites" in r else "")
+    )
     for key, value in rows:
         print(f"  {key:<{width}}  {value}")
+    if "sites" in r:
+        _print_sites(r)
+
+
+def _print_sites(r: dict[str, Any]) -> None:
+    """``plan --sites``: one line per site alone, and the consortium's, side by side."""
+    print("\neach site alone (P3SGD on its own patients, same q and steps) against the consortium:")
+    header = ("", "N", "z", "ε", "noise per coordinate", "noise-to-signal", "verdict")
+    lines = [header]
+    for row in [*r["sites"], {**r, "site": "consortium"}]:
+        noise = "needs --clip-norm" if row["noise_per_coordinate"] is None else f"{row['noise_per_coordinate']:.4g}"
+        ratio = "needs --params" if row["noise_to_signal"] is None else f"{row['noise_to_signal']:.3g}"
+        lines.append(
+            (
+                row["site"],
+                str(row["units"]),
+                f"{row['noise_multiplier']:.4g}",
+                f"{row['epsilon']:.3f}",
+                noise,
+                ratio,
+                row["verdict"] or "-",
+            )
+        )
+    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+    for line in lines:
+        print(
+            "  "
+            + "  ".join(f"{cell:<{w}}" if i == 0 else f"{cell:>{w}}" for i, (cell, w) in enumerate(zip(line, widths)))
+        )
+    print(
+        "  noise per coordinate: z·C/(q·N), the std on each value of a round's update; noise-to-signal: "
+        "√(Σz²)·√d/(q·N·T), the run's noise over the largest signal clipping lets through; verdict: "
+        f"{_THRESHOLDS}."
+    )
 
 
 def plan_main(argv: Sequence[str]) -> int:
     """Runs ``lightning-dp plan``; returns the exit status."""
     args = _plan_parser().parse_args(list(argv))
     try:
-        result = _plan_with_config(args) if args.config is not None else _plan(args)
+        if args.config is not None:
+            result = _plan_with_config(args)
+        else:
+            result = _plan_sites(args) if args.sites is not None else _plan(args)
     except PrivacyConfigError as err:
         print(f"lightning-dp plan: error: {err}", file=sys.stderr)
         return 2

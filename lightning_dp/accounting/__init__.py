@@ -20,7 +20,13 @@ from lightning_dp.accounting.calibration import (
 from lightning_dp.accounting.events import *  # noqa: F403
 from lightning_dp.accounting.events import __all__ as _events
 from lightning_dp.accounting.ledger import PrivacyLedger, PrivacyUnit
-from lightning_dp.accounting.preflight import NOISE_TO_SIGNAL_LIMIT, NoisePreflight, default_delta
+from lightning_dp.accounting.preflight import (
+    NOISE_TO_SIGNAL_CLEAR,
+    NOISE_TO_SIGNAL_LIMIT,
+    NoisePreflight,
+    Verdict,
+    default_delta,
+)
 from lightning_dp.accounting.tcdp import TCDPConditionError, TCDPPlan, plan_tcdp, tcdp_mismatch, tcdp_plan_unchecked
 
 __all__ = [
@@ -29,6 +35,7 @@ __all__ = [
     "AccountantName",
     "EventFactory",
     "MomentsAccountant",
+    "NOISE_TO_SIGNAL_CLEAR",
     "NOISE_TO_SIGNAL_LIMIT",
     "NoisePreflight",
     "PRVAccountant",
@@ -37,6 +44,7 @@ __all__ = [
     "RDPAccountant",
     "TCDPConditionError",
     "TCDPPlan",
+    "Verdict",
     "calibrate_factor",
     "calibrate_noise_multiplier",
     "calibrate_schedule",

@@ -10,7 +10,9 @@ per coordinate, and its signal (the clipped sum over q·N) has norm at most C. O
   signal clipping lets through. Measured: the demo's P3SGD of norm+head learned at R = 0.33 (ε = 4) and 0.96
   (ε = 1) — the signal concentrates in few directions and the released weights are averaged — while P3SGD of all
   layers at the paper's scale (R ≈ 5) and from scratch on 21 patients (R ≈ 185) stayed at chance. Above
-  `NOISE_TO_SIGNAL_LIMIT` = 3 the run is warned about;
+  `NOISE_TO_SIGNAL_LIMIT` = 3 the run is warned about. `NoisePreflight.verdict` names the three regions: "learn"
+  (R ≤ `NOISE_TO_SIGNAL_CLEAR` = 1, where both measured learning runs lie), "marginal" (1 < R ≤ 3, no run measured
+  there when the limits were set) and "drown" (R > 3, the warning);
 * **noise against the weights**: the noise alone moves each weight by lr·z·C/(q·N) a step, a random walk of
   lr·√(Σ_t z_t²)·C/(q·N) over the run, against the trained weights' root mean square at the start.
 
@@ -21,8 +23,8 @@ pre-trained model), more units per step (q·N), a larger ε (smaller z), a longe
 Example:
     >>> check = NoisePreflight("patient", multipliers=[1.0] * 100, clip_norm=1.0, expected_units=10.0,
     ...                        trained_values=10_000, step_size=1.0, weight_rms=0.05)
-    >>> round(check.noise_per_coordinate, 3), round(check.noise_to_signal, 2), check.hopeless
-    (0.1, 1.0, False)
+    >>> round(check.noise_per_coordinate, 3), round(check.noise_to_signal, 2), check.hopeless, check.verdict
+    (0.1, 1.0, False, 'learn')
     >>> NoisePreflight("patient", [1.0] * 100, 1.0, 10.0, 1_000_000, 1.0, 0.05).noise_to_signal  # all of a ResNet
     10.0
 """
@@ -32,9 +34,12 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
-__all__ = ["NOISE_TO_SIGNAL_LIMIT", "NoisePreflight", "default_delta"]
+#: What the noise-to-signal ratio implies for a run: see `NoisePreflight.verdict`.
+Verdict = Literal["learn", "marginal", "drown"]
+
+__all__ = ["NOISE_TO_SIGNAL_CLEAR", "NOISE_TO_SIGNAL_LIMIT", "NoisePreflight", "Verdict", "default_delta"]
 
 
 def default_delta(units: int) -> float:
@@ -50,6 +55,10 @@ def default_delta(units: int) -> float:
 #: Above this noise-to-signal ratio over the run the noise outweighs the largest signal clipping lets through by so
 #: much that runs stay at chance (measured: learning at 0.33 and 0.96, at chance at ≈ 5 and 185).
 NOISE_TO_SIGNAL_LIMIT = 3.0
+
+#: At or below this ratio the run's noise is no larger than the largest signal clipping lets through (both measured
+#: learning runs, 0.33 and 0.96, lie below it): `NoisePreflight.verdict` says "learn".
+NOISE_TO_SIGNAL_CLEAR = 1.0
 
 
 @dataclass(frozen=True)
@@ -107,6 +116,22 @@ class NoisePreflight:
         """The noise outweighs the largest signal clipping lets through by more than `NOISE_TO_SIGNAL_LIMIT`."""
         return self.noise_to_signal > NOISE_TO_SIGNAL_LIMIT
 
+    @property
+    def verdict(self) -> Verdict | None:
+        """What R implies: "learn" (≤ `NOISE_TO_SIGNAL_CLEAR`), "marginal" (≤ `NOISE_TO_SIGNAL_LIMIT`) or "drown".
+
+        None without steps.
+
+        A forecast from public numbers only, not a promise: "learn" says the noise does not outweigh the largest
+        signal clipping lets through, not that the data hold anything to learn (a public model that already fits
+        the sites leaves little to gain whatever the noise).
+        """
+        if not self.multipliers:
+            return None
+        if self.noise_to_signal <= NOISE_TO_SIGNAL_CLEAR:
+            return "learn"
+        return "marginal" if self.noise_to_signal <= NOISE_TO_SIGNAL_LIMIT else "drown"
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "noise_per_coordinate": self.noise_per_coordinate,
@@ -117,6 +142,7 @@ class NoisePreflight:
             "expected_units_per_step": self.expected_units,
             "planned_steps": self.steps,
             "hopeless": self.hopeless,
+            "verdict": self.verdict,
             "what": "noise_to_signal = √(Σ z_t²)·√d/(q·N·T): the run's noise over the largest signal clipping lets "
             f"through (above {NOISE_TO_SIGNAL_LIMIT:g}: hopeless); noise_walk: how far the noise alone moves each "
             "weight (std).",
