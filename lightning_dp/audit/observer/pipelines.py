@@ -1,9 +1,9 @@
 """The things a user runs, each as a pipeline that plays one world and returns what an observer sees.
 
-* `FitPipeline`: ``lightning-dp fit --config`` in this process, on a manifest of PNG images the pipeline writes
-  (P3SGD: the unit is a patient; DP-SGD: an image), in a folder of its own that it makes the working folder, so that
-  the two worlds' configs, paths and outputs are the same text.
-* `TunePipeline`: ``lightning-dp tune`` of `FitPipeline`'s config: the release is the best trial (its model,
+* `FitPipeline`: ``lightning-dp fit --config`` in this process (the command's LightningCLI run), on a manifest of
+  PNG images the pipeline writes (P3SGD: the unit is a patient; DP-SGD: an image), in a folder of its own that it
+  makes the working folder, so that the two worlds' configs, paths and outputs are the same text.
+* `TunePipeline`: ``lightning-dp tune``'s search (`lightning_dp.tuning.tune`) of `FitPipeline`'s config: the release is the best trial (its model,
   hyperparameters and scores); K, the other trials and the index stay in ``private/`` (the data holder's).
 * `FederatedPipeline`: federated P3SGD as deployed — each hospital a `Site` behind the ``ClientApp`` of `site_app`,
   the ``ServerApp`` of `server_app` over `LocalGrid` (Flower's messages, in one process), which drops a reply that
@@ -191,7 +191,7 @@ class FitPipeline:
         """One world (D, or D plus the adversarial ``unit``) in ``folder``; what an observer sees of it."""
         import yaml  # type: ignore[import-untyped]
 
-        from lightning_dp.cli import main
+        from lightning_dp._cli_lightning import run_lightning  # what `lightning-dp fit` runs
 
         folder.mkdir(parents=True, exist_ok=True)
         self._write_data(folder, None if unit is None else unit_images(unit, self.size))
@@ -202,7 +202,7 @@ class FitPipeline:
         code: Any = None
         with _inside(folder), observe_releases() as releases, observe_console(roots) as console:
             try:
-                code = main(["fit", "--config", "config.yaml"])
+                code = run_lightning(["fit", "--config", "config.yaml"], "fit")
             except BaseException as caught:  # noqa: BLE001 — a refusal, an error or an exit is a channel
                 if isinstance(caught, KeyboardInterrupt):
                     raise
@@ -409,7 +409,7 @@ class TunePipeline:
         """One world: the search of D (or D plus ``unit``) in ``folder``; what an observer sees of ``best/``."""
         import yaml
 
-        from lightning_dp.cli import main
+        from lightning_dp.tuning import tune  # what `lightning-dp tune` runs (the command adds its console lines)
 
         fit = FitPipeline("p3sgd", patients=self.patients, steps=self.steps, clip_norm=self.clip_norm)
         folder.mkdir(parents=True, exist_ok=True)
@@ -430,10 +430,10 @@ class TunePipeline:
         obs = Observation()
         err: BaseException | None = None
         code: Any = None
-        argv = ["tune", "--config", "config.yaml", "--search", "search.yaml", "--output", "search"]
         with _inside(folder), observe_console(roots) as console:
             try:
-                code = main(argv)
+                tune("config.yaml", "search.yaml", "search")
+                code = 0
             except Exception as caught:  # noqa: BLE001 — a refusal or an error is a channel
                 err = caught
         obs.channels["outcome"] = _outcome(err, roots) if err is not None else f"exit {code}"

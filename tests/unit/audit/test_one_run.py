@@ -112,7 +112,7 @@ def test_audit_refuses_scores_that_are_not_one_per_canary(monkeypatch):
 
 # ---------------------------------------------------------------------------------------------------- the audit
 def test_coins_are_secret_by_default(monkeypatch):
-    monkeypatch.setattr(one_run_module, "secure_seed", lambda: 123_456_789)
+    monkeypatch.setattr(one_run_module, "secure_seed", lambda purpose: 123_456_789)
     audit = OneRunAudit(canaries=100, noise_multiplier=1.0)
     assert audit.coin_seed == 123_456_789 and audit.seed == 123_456_789
     flips = [coin for _, coin in audit.coins()]
