@@ -3,8 +3,9 @@
 * `FitPipeline`: ``lightning-dp fit --config`` in this process (the command's LightningCLI run), on a manifest of
   PNG images the pipeline writes (P3SGD: the unit is a patient; DP-SGD: an image), in a folder of its own that it
   makes the working folder, so that the two worlds' configs, paths and outputs are the same text.
-* `TunePipeline`: ``lightning-dp tune``'s search (`lightning_dp.tuning.tune`) of `FitPipeline`'s config: the release is the best trial (its model,
-  hyperparameters and scores); K, the other trials and the index stay in ``private/`` (the data holder's).
+* `TunePipeline`: ``lightning-dp tune``'s search (`lightning_dp.tuning.tune`) of `FitPipeline`'s config: the
+  release is the best trial (its model, hyperparameters and scores); K, the other trials and the index stay in
+  ``private/`` (the data holder's).
 * `FederatedPipeline`: federated P3SGD as deployed — each hospital a `Site` behind the ``ClientApp`` of `site_app`,
   the ``ServerApp`` of `server_app` over `LocalGrid` (Flower's messages, in one process), which drops a reply that
   arrives after the deadline as the deployment's grid does.
