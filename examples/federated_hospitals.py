@@ -133,11 +133,15 @@ def p3sgd(
     epsilon: float,
     seed: int,
     built: dict[Any, Site],
+    make_site: Callable[[Context], Site] | None = None,
 ) -> dict[str, Any]:
-    """P3SGD over ``sites`` (one: a hospital alone) through Flower messages: accuracy on ``sites``' patients, ledger."""
+    """P3SGD over ``sites`` (one: a hospital alone) through Flower messages: accuracy on ``sites``' patients, ledger.
+
+    ``make_site`` builds a hospital's site (default: `_site_factory`'s, the four hospitals of this example).
+    """
     torch.manual_seed(seed)
     started = time.time()
-    app = site_app(_site_factory(args, weights, hospitals, seed, built))
+    app = site_app(make_site or _site_factory(args, weights, hospitals, seed, built))
     grid = LocalGrid(app, [{"hospital": s} for s in sites])
     patients = sum(len(hospitals[s].train_patients) for s in sites)
     server = FederatedServer(

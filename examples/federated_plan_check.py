@@ -35,12 +35,12 @@ import torch
 from _shared import quiet_lightning, synthetic_data
 from domain_shift import pretrain, public_data, say
 from federated_hospitals import HOSPITALS, _accuracies, _model, pooled
+from federated_hospitals import p3sgd as federated_p3sgd
 from flwr.app import Context
 
 from lightning_dp.cli import main as cli_main
 from lightning_dp.data import SyntheticPathologyDataModule
-from lightning_dp.federated import FederatedServer, Site
-from lightning_dp.federated.flower import LocalGrid, RoundLog, run_rounds, site_app
+from lightning_dp.federated import Site
 from lightning_dp.sanitization import ModelState
 from lightning_dp.training.patient_rounds import LocalSGD, PatientData, RoundParts
 
@@ -103,8 +103,6 @@ def p3sgd(
     built: dict[str, Site],
 ) -> dict[str, Any]:
     """P3SGD over ``sites`` (one: a hospital alone), as federated_hospitals.p3sgd: accuracy per hospital, ledger."""
-    torch.manual_seed(args.seed)
-    started = time.time()
     names = list(hospitals)
 
     def make_site(context: Context) -> Site:
@@ -113,36 +111,7 @@ def p3sgd(
             built[name] = _site(args, weights, hospitals[name], name, 10_000 * args.seed + names.index(name))
         return built[name]
 
-    grid = LocalGrid(site_app(make_site), [{"hospital": s} for s in sites])
-    patients = sum(len(hospitals[s].train_patients) for s in sites)
-    server = FederatedServer(
-        _model(args, weights),
-        num_patients=patients,
-        sample_rate=args.sample_rate,
-        clip_norm=args.clip_norm,
-        target_epsilon=epsilon,
-        rounds=args.rounds,
-        seed=1000 + args.seed,
-    )
-    average: list[torch.Tensor] = []
-
-    def on_round(log: RoundLog) -> None:  # EMA of the released θ: post-processing
-        theta = server.theta().clone()
-        if average:
-            average[0].lerp_(theta, 1.0 - args.ema)
-        else:
-            average.append(theta)
-
-    run_rounds(grid, server, args.rounds, sites=len(sites), on_round=on_round)
-    server.state.load(average[0])
-    report = server.report()
-    return {
-        "test": _accuracies(server.state.module, {s: hospitals[s] for s in sites}),
-        "epsilon": report["epsilon"],
-        "noise_multiplier": report["noise_multiplier"],
-        "noise_std_per_coordinate": report["noise_std"] / report["normalizer"],
-        "seconds": time.time() - started,
-    }
+    return federated_p3sgd(args, weights, hospitals, sites, epsilon, args.seed, {}, make_site=make_site)
 
 
 def outcome(accuracy: float, public: float, test_patients: int) -> tuple[str, float]:
