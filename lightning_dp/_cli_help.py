@@ -19,8 +19,14 @@ LIGHTNING_COMMANDS = {
     "test": "Run one evaluation epoch over the test set (LightningCLI).",
     "predict": "Run inference on your data (LightningCLI).",
 }
-PLAN_DESCRIPTION = "Privacy planning: ε for a configuration, or the noise / steps that fit a target ε."
-AUDIT_DESCRIPTION = "Empirical privacy audit: an ε lower bound from a canary, beside the accountant's ε."
+PLAN_DESCRIPTION = (
+    "Privacy planning: ε for a configuration, the noise / steps that fit a target ε, or a consortium's sites alone "
+    "and together."
+)
+AUDIT_DESCRIPTION = (
+    "Empirical privacy audit: an ε lower bound from a canary, beside the accountant's ε; or, with --observer, "
+    "neighbouring worlds replayed end to end."
+)
 TUNE_DESCRIPTION = (
     "Private hyperparameter search: K random trials of a config, the best kept, the whole search charged."
 )
