@@ -38,7 +38,7 @@ __all__ = ["Observation", "ReleaseRecord", "normalize", "observe_console", "obse
 #: Loggers whose records an observer sees (some do not propagate to the root).
 LOGGERS = ("", "pytorch_lightning", "lightning.pytorch", "lightning_fabric", "lightning_dp", "flwr")
 #: TensorBoard tags, metric names and checkpoint keys that are post-processing of the release on public data.
-DERIVED_PREFIXES = ("val/", "val_", "test/", "test_", "state_dict", "optimizer_states", "lr_schedulers", "epoch")
+DERIVED_PREFIXES = ("val/", "val_", "test/", "test_", "state_dict", "optimizer_states")
 _DURATION = re.compile(r"\b\d+(?:\.\d+)?(?:e[-+]?\d+)? ?(?:s|ms|sec|seconds|it/s|s/it)\b")
 _ADDRESS = re.compile(r"0x[0-9a-fA-F]{6,}")
 _EVENTS = re.compile(r"events\.out\.tfevents\.[^/\s]+")
