@@ -12,18 +12,16 @@ own session and is stopped by its PID (its process group: every process it start
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
-import signal
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
+
+from tests.helpers.flower_processes import BIN, free_ports, stop_groups
 
 pytest.importorskip("flwr")
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
@@ -31,38 +29,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 ROOT = Path(__file__).parents[3]
 SCRIPT = ROOT / "examples" / "federated_app" / "try_on_one_machine.sh"
 DOCS = ROOT / "docs" / "federated.md"
-BIN = Path(sys.executable).parent
 LIMIT = 480  # seconds for the whole drill on a loaded 2-core machine (measured: about 130 s)
-
-
-def _free_ports(count: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [int(s.getsockname()[1]) for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
-
-
-def _stop_group(process: subprocess.Popen[bytes]) -> None:
-    """Stops the script and every process it started (its process group, by the script's PID)."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, sig)
-        deadline = time.monotonic() + 15
-        while time.monotonic() < deadline:
-            try:
-                os.killpg(process.pid, 0)  # is anyone of the group left?
-            except ProcessLookupError:
-                break
-            time.sleep(0.2)
-        else:
-            continue
-        break
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        process.wait(timeout=10)
 
 
 def _block_after(heading: str, language: str, nth: int = 0) -> str:
@@ -76,7 +43,7 @@ def test_the_page_shows_the_script_verbatim() -> None:
 
 
 def test_the_one_machine_drill_runs_as_written(tmp_path: Path) -> None:
-    link, *nodes = _free_ports(4)
+    link, *nodes = free_ports(4)
     path = f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"  # the commands (flower-*, flwr, python) of this environment
     env = {
         **os.environ,
@@ -99,7 +66,7 @@ def test_the_one_machine_drill_runs_as_written(tmp_path: Path) -> None:
     except subprocess.TimeoutExpired:
         code = None
     finally:
-        _stop_group(process)
+        stop_groups([process], grace=15)
     drill = tmp_path / "consortium-drill"
     output = log.read_text()
     assert code == 0, output[-4000:] + "".join(p.read_text()[-2000:] for p in sorted(drill.glob("*.log")))
