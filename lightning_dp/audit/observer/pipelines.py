@@ -602,6 +602,7 @@ class PatePipeline:
             },
         }
         trainer = self._trainer(self.student_steps, "runs/student", 1, "runs/student/checkpoints")
+        trainer["log_every_n_steps"] = 1  # the student's training loss in TensorBoard, as a user would see it
         return {"seed_everything": 0, "trainer": trainer, "model": self._model(), "data": data}
 
     def _write_data(self, folder: Path, unit: Unit | None) -> None:
@@ -730,9 +731,10 @@ class PatePipeline:
         if trained.is_file():
             (folder / "published").mkdir()
             publishable_checkpoint(trained, folder / "published" / "model.ckpt")
-        skip = ("data/", "teacher.yaml", "student.yaml", "teachers/", "runs/pate_release.pt")
-        files, derived = scan_files(folder, skip, roots)
+        files, derived = scan_files(folder, ("data/", "teacher.yaml", "student.yaml", "teachers/"), roots)
         for key, value in files.items():
+            if key.split(":")[0] == "runs/pate_release.pt":
+                continue  # read above: its ledger, settings and reports compared, its labels the release
             if key.startswith("runs/student/checkpoints/"):
                 obs.holder[f"file {key}"] = value
             elif "tfevents" in key and ":train/" in key:
