@@ -1,11 +1,12 @@
 """The observer tier's table: what a user runs, replayed on neighbouring worlds, and the mutants it must catch.
 
 Runs `lightning_dp.audit.observer.ObserverAudit` on correct code for each pipeline (``lightning-dp fit`` with P3SGD
-and with DP-SGD on written PNG patients; the federated apps over Flower's messages with a deadline) and every
-adversarial unit it can hold, then under each mutant of `OBSERVER_MUTANTS`, and prints two Markdown tables. Each
-mutant's leak is measured first, without the audit: the first release's move in units of C for a bug that shows
-there, or, for a secret drawn from a public value, how far two runs with independent secrets differ (0: anyone who
-knows the public settings reproduces the draw).
+and with DP-SGD on written PNG patients; the federated apps over Flower's messages with a deadline; PATE's teachers,
+vote and student) and every adversarial unit it can hold, then under each mutant of `OBSERVER_MUTANTS`, and prints two
+Markdown tables. Each mutant's leak is measured first, without the audit: the first release's move in units of C for a
+bug that shows there, or, for a secret drawn from a public value, how far two runs with independent secrets differ (0:
+anyone who knows the public settings reproduces the draw); for PATE, how many teachers one patient changes, how many
+releases the ledger charges, and the sensitivity charged.
 
     python examples/observer_audit.py                       # ~1 minute on 2 idle CPU cores
     python examples/observer_audit.py --json docs/observer_audit_results.json
@@ -27,10 +28,31 @@ from lightning_dp.audit.observer.mutants import OBSERVER_MUTANTS
 from lightning_dp.audit.observer.pipelines import BUILTIN, builtin_pipeline
 
 
+def _pate_leak(mutant: Any, pipeline: Any, units: list[str], tmp: Path) -> str:
+    """A PATE mutant's leak: the teachers one patient changes, the releases the ledger charges, the S charged."""
+    tape = SecretTape()
+    with tape.held():
+        a = pipeline.run(None, tmp / "a")
+    if mutant.check.startswith("D vs D+"):
+        with tape.held():
+            b = pipeline.run(units[0], tmp / "b")
+        changed = [k for k in a.contributors if a.contributors[k] != b.contributors.get(k)]
+        moved = max(
+            float((y.vector - x.vector).norm()) * x.normalizer / x.clip_norm for x, y in zip(a.releases, b.releases)
+        )
+        teachers = f"{len(changed)} of {len(a.contributors)} teachers changed (S assumes 1)"
+        return f"+{units[0]}: {teachers}; votes moved {moved:.4f}·S"
+    made, charged = a.rules["every release charged by the ledger (multipliers, in order)"]
+    s = a.releases[0].clip_norm
+    return f"{made} releases made, the ledger charges {charged}; charged for S = {s:.3g} (√d = {pipeline.clip_norm:g})"
+
+
 def _leak(mutant: Any) -> str:
     """The mutant's leak, measured without the audit's verdict."""
     pipeline, units = builtin_pipeline(mutant.pipeline)
     with tempfile.TemporaryDirectory() as tmp, mutant.plant():
+        if mutant.pipeline == "pate":
+            return _pate_leak(mutant, pipeline, units, Path(tmp))
         if mutant.pipeline == "tune":  # the public report against the private one
             with SecretTape().held():
                 pipeline.run(None, Path(tmp) / "a")
@@ -69,7 +91,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     rows: dict[str, Any] = {"correct": [], "mutants": []}
-    head = ["pipeline", "units", "first release moved (·C)", "verdict", "public by declaration", "notes (holder only)"]
+    head = ["pipeline", "units", "release moved (first, ·C; PATE: every, ·S)", "verdict", "declared refusals", "notes"]
     print("| " + " | ".join(head) + " | s |")
     print("|---|---|---|---|---|---|---:|")
     for name in BUILTIN[:-1]:  # the last, federated-deadline, is a mutant's set-up

@@ -6,11 +6,11 @@ ALGORITHMS.md §9: a guarantee covers everything an observer sees. Rooms:
 * `channels`: what an observer sees (releases, console, log records, warnings, files, refusals), normalized;
 * `units`: the adversarial units a neighbour adds (huge, whale, one image, unreadable, non-finite, raising, empty);
 * `pipelines`: what a user runs — ``lightning-dp fit`` (`FitPipeline`), ``lightning-dp tune`` (`TunePipeline`), the
-  federated apps (`FederatedPipeline`);
+  federated apps (`FederatedPipeline`), PATE's teachers, vote and student (`PatePipeline`);
 * `verdict`: `ObserverAudit`, the comparisons and the findings.
 """
 
-from lightning_dp.audit.observer.pipelines import FederatedPipeline, FitPipeline, TunePipeline
+from lightning_dp.audit.observer.pipelines import FederatedPipeline, FitPipeline, PatePipeline, TunePipeline
 from lightning_dp.audit.observer.secrets import SecretTape
 from lightning_dp.audit.observer.verdict import Finding, ObserverAudit, ObserverResult, diff
 
@@ -20,6 +20,7 @@ __all__ = [
     "FitPipeline",
     "ObserverAudit",
     "ObserverResult",
+    "PatePipeline",
     "SecretTape",
     "TunePipeline",
     "diff",

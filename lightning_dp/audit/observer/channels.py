@@ -46,12 +46,17 @@ _EVENTS = re.compile(r"events\.out\.tfevents\.[^/\s]+")
 
 @dataclass(frozen=True)
 class ReleaseRecord:
-    """One sanitized release: its step, the noised vector, the public normalizer and the multiplier."""
+    """One sanitized release: its step, the noised vector, the public normalizer, the multiplier and the sensitivity.
+
+    ``clip_norm`` is the sensitivity the release was charged for (its noise is ``multiplier·clip_norm`` on the sum, and
+    the ledger charges ``multiplier``): C for the training engines, S for PATE's votes.
+    """
 
     step: int
     vector: Tensor
     normalizer: float
     multiplier: float
+    clip_norm: float = math.nan
 
 
 @dataclass
@@ -64,6 +69,12 @@ class Observation:
     #: What only the data holder sees (a site's or a single-machine run's console, the training checkpoint):
     #: compared and reported, not failed.
     holder: dict[str, Any] = field(default_factory=dict)
+    #: What each contributor to the release (a PATE teacher) contributes, as a digest: a neighbour may change at most
+    #: as many as the pipeline's sensitivity assumes (``max_changed_contributors``).
+    contributors: dict[str, str] = field(default_factory=dict)
+    #: Rules of one world, each ``(expected, found)``: broken when they differ (e.g. every release charged by the
+    #: ledger, a rerun releasing nothing).
+    rules: dict[str, tuple[Any, Any]] = field(default_factory=dict)
 
 
 def normalize(text: str, roots: tuple[str, ...] = ()) -> str:
@@ -106,7 +117,8 @@ def observe_releases() -> Iterator[list[ReleaseRecord]]:
                 depth[0] -= 1
             if depth[0] == 0:
                 vector = out.update.detach().double().cpu().clone()
-                records.append(ReleaseRecord(int(step), vector, float(normalizer), float(out.noise_multiplier)))
+                multiplier, clip = float(out.noise_multiplier), float(self.clip_norm)
+                records.append(ReleaseRecord(int(step), vector, float(normalizer), multiplier, clip))
             return out
 
         return release

@@ -8,7 +8,7 @@ it (the first words of the finding's check).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
@@ -34,6 +34,8 @@ class ObserverMutant:
     pipeline: str
     check: str
     plant: Callable[[], AbstractContextManager[None]]
+    #: The units the audit adds (default: the pipeline's first); ``()`` for a bug every world shows (a broken rule).
+    units: tuple[str, ...] | None = None
 
     @property
     def vary(self) -> list[str]:
@@ -46,7 +48,7 @@ class ObserverMutant:
         from lightning_dp.audit.observer.verdict import ObserverAudit
 
         pipeline, units = builtin_pipeline(self.pipeline)
-        units = [] if self.vary else units[:1]
+        units = list(self.units) if self.units is not None else [] if self.vary else units[:1]
         return ObserverAudit(pipeline, units, vary=self.vary, master=master)
 
 
@@ -124,6 +126,57 @@ def _report_publishes_k() -> AbstractContextManager[None]:
     return _replaced(search, "report", make)
 
 
+def _partition_from_the_count() -> AbstractContextManager[None]:
+    import contextlib
+
+    import numpy as np
+
+    import lightning_dp.pate as pate
+    from lightning_dp.pate import aggregator
+
+    def partition(patient_ids: Any, num_teachers: int, seed: int = 0) -> list[list[str]]:
+        # A seeded shuffle of all the ids, dealt in turn: a patient's teacher follows how many patients there are and
+        # where its id sorts among them, so one patient added moves others to other teachers.
+        distinct = sorted(set(patient_ids))
+        order = np.random.default_rng(seed).permutation(len(distinct))
+        parts = [sorted(distinct[int(i)] for i in order[k::num_teachers]) for k in range(num_teachers)]
+        return aggregator.check_partitions(parts)
+
+    @contextlib.contextmanager
+    def planted() -> Iterator[None]:
+        # the function, and the package face the datamodule imports it from
+        with (
+            _replaced(aggregator, "partition_patients", lambda f: partition),
+            _replaced(pate, "partition_patients", lambda f: partition),
+        ):
+            yield
+
+    return planted()
+
+
+def _release_not_read_back() -> AbstractContextManager[None]:
+    from lightning_dp.accounting import PrivacyLedger
+    from lightning_dp.pate import student
+
+    def make(f: Any) -> Any:
+        def read(path: str, private_data: Any, delta: float) -> dict[str, Any]:
+            # The release file is not read back: every run aggregates afresh on a fresh ledger and overwrites it.
+            return {"ledger": PrivacyLedger("patient", delta), "releases": [], "migrated": False}
+
+        return read
+
+    return _replaced(student, "_read_release", make)
+
+
+def _pca_sensitivity_of_the_code() -> AbstractContextManager[None]:
+    import math
+
+    from lightning_dp.pate.compression import PCACompressor
+
+    # √l (one unit per component of the code) instead of √d (a map in [0, 1]^d moves its projection by up to √d).
+    return _replaced(PCACompressor, "sensitivity", lambda f: property(lambda self: math.sqrt(self.code_dim)))
+
+
 #: The observer tier's mutants: each must be caught (docs/results/audit.md, "The observer's view").
 OBSERVER_MUTANTS: tuple[ObserverMutant, ...] = (
     ObserverMutant(
@@ -189,5 +242,34 @@ OBSERVER_MUTANTS: tuple[ObserverMutant, ...] = (
         "federated-sites",
         "secret share",
         _shares_cancel,
+    ),
+    ObserverMutant(
+        "teacher partition from the count",
+        "pate/aggregator.py: partition_patients",
+        "a seeded shuffle of all training patients dealt to the K teachers: one patient added moves others to other "
+        "teachers, so more than one teacher's vote changes (the charge assumes one)",
+        "pate",
+        "D vs D+",
+        _partition_from_the_count,
+    ),
+    ObserverMutant(
+        "a rerun that redraws the labels uncharged",
+        "pate/student.py: _read_release",
+        "the release file is not read back: rerunning the student draws fresh labels on a fresh ledger and overwrites "
+        "the file, which then charges one of the two releases made",
+        "pate",
+        "rule in D",
+        _release_not_read_back,
+        units=(),
+    ),
+    ObserverMutant(
+        "PCA sensitivity of the code",
+        "pate/compression.py: PCACompressor.sensitivity",
+        "S = √l, the code's length, instead of √d: the votes are noised and charged for a sensitivity √(d/l) times "
+        "smaller than one teacher's map can move its code",
+        "pate",
+        "rule in D",
+        _pca_sensitivity_of_the_code,
+        units=(),
     ),
 )

@@ -17,7 +17,10 @@ deadline) and which secret purposes its guarantee rests on (``purposes``).
 from __future__ import annotations
 
 import contextlib
+import io
+import math
 import os
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,7 +32,7 @@ import torch
 from lightning_dp.audit.observer.channels import Observation, normalize, observe_console, observe_releases, scan_files
 from lightning_dp.audit.observer.units import Unit, unit_images
 
-__all__ = ["BUILTIN", "FederatedPipeline", "FitPipeline", "TunePipeline", "builtin_pipeline"]
+__all__ = ["BUILTIN", "FederatedPipeline", "FitPipeline", "PatePipeline", "TunePipeline", "builtin_pipeline"]
 
 
 @contextlib.contextmanager
@@ -468,8 +471,292 @@ class TunePipeline:
         return obs
 
 
+def _runs(values: list[float]) -> str:
+    """``values`` run-length encoded, exactly: ``"4 × 5.19790291391601"``; ``"none"`` when empty."""
+    out: list[list[Any]] = []
+    for v in values:
+        if out and out[-1][1] == v:
+            out[-1][0] += 1
+        else:
+            out.append([1, v])
+    return ", ".join(f"{n} × {v!r}" for n, v in out) or "none"
+
+
+@dataclass
+class PatePipeline:
+    """PATE's release as a user runs it: K teachers by ``lightning-dp fit``, then the student, then the student again.
+
+    D is a segmentation manifest of PNG images and masks with a ``split`` column (the data holder's split, declared
+    before the data are counted): ``patients`` private training patients, one validation patient and ``public`` public
+    patients, ``images`` images of ``size × size`` each. Teacher k of K = ``teachers`` is ``lightning-dp fit`` of the
+    teacher config (``configs/segmentation_pate_teacher.yaml`` at tiny size) with ``--data.init_args.teacher=k``: an
+    ordinary run on its partition of the training patients (a keyed hash of each patient's id). Then ``lightning-dp
+    fit`` of the student config (``configs/segmentation_pate_student.yaml``): `PATEStudentDataModule` predicts the
+    public queries with the K teachers, fits PCA on the atlas masks, releases the noisy mean codes through
+    `PATEAggregator` (one `GaussianRelease` per query, σ = z·S/K, z calibrated to ``target_epsilon``), keeps them with
+    their ledger in the release file, and the student trains on them. Then the same command again, in the same folder:
+    the release is made once, so the rerun must reuse the labels and their ledger (two rules of each world: every
+    release charged by the ledger, and no release by the rerun).
+
+    The release of query n is its noisy mean code, with sensitivity S = √d: one patient is in one teacher's partition,
+    and PCA keeps one teacher's map in [0, 1]^d within √d of any other (ALGORITHMS.md §5); the release must be charged
+    for that S (``clip_norm``). Every query is answered by the same teachers, so every release, not only the first,
+    may move by at most S (``every_release``), and at most one teacher's weights may change (``contributors``). The
+    teachers, their files and the release file's requests (digests of the teachers' checkpoints) are the data holder's;
+    so is the student's training checkpoint (the published model is `publishable_checkpoint`'s copy). The student's
+    training metrics are post-processing (public images, released labels).
+    """
+
+    teachers: int = 2
+    patients: int = 6
+    public: int = 4
+    images: int = 2
+    size: int = 16
+    code_dim: int = 2
+    target_epsilon: float = 2.0
+    teacher_steps: int = 2
+    student_steps: int = 2
+    whale_images: int = 64
+    purposes: tuple[str, ...] = ("noise",)
+    name: str = "pate"
+    #: Every query's release reads the same public queries and the same teachers: each is held to S, not the first.
+    every_release: bool = True
+    #: One patient is in one teacher's partition: at most one teacher may change between D and D′.
+    max_changed_contributors: int = 1
+    #: Refusals by the data holder's own check of its data, before anything is released (one teacher's ``fit`` reads
+    #: every image of the manifest and refuses one it cannot decode or whose values are not finite, naming the file).
+    declared_refusals: tuple[str, ...] = ("the image must be a readable file", "must have finite values")
+
+    @property
+    def inapplicable(self) -> dict[str, str]:
+        """The adversarial units a segmentation manifest cannot hold, and why."""
+        return {
+            "empty": "a manifest lists images: a patient with none is not in it",
+            "raising": "a manifest's image that fails to read is the unit `unreadable`",
+        }
+
+    @property
+    def clip_norm(self) -> float:
+        """S = √d, the sensitivity of Σ_k codes under PCA (d = the mask's pixels; ALGORITHMS.md §5)."""
+        return float(self.size)
+
+    def _model(self) -> dict[str, Any]:
+        return {
+            "class_path": "lightning_dp.models.SegmentationModule",
+            "init_args": {
+                "arch": "monai_unet",
+                "in_channels": 1,
+                "monai_channels": [4, 8],
+                "monai_res_units": 0,
+                "loss": "bce_dice",
+                "lr": 0.003,
+            },
+        }
+
+    def _data(self, teacher: int | None) -> dict[str, Any]:
+        args: dict[str, Any] = {"manifest": "data/manifest.csv", "batch_size": 4}
+        if teacher is not None:
+            args.update({"num_teachers": self.teachers, "teacher": teacher})
+        return {"class_path": "lightning_dp.data.SegmentationDataModule", "init_args": args}
+
+    def _trainer(self, steps: int, root: str, val: int, dirpath: str | None) -> dict[str, Any]:
+        return {
+            "accelerator": "cpu",
+            "devices": 1,
+            "max_steps": steps,
+            "max_epochs": 1,
+            "default_root_dir": root,
+            "enable_progress_bar": False,
+            "enable_model_summary": False,
+            "limit_val_batches": val,
+            "num_sanity_val_steps": 0,
+            "callbacks": [
+                {
+                    "class_path": "pytorch_lightning.callbacks.ModelCheckpoint",
+                    "init_args": {"dirpath": dirpath, "filename": "last", "enable_version_counter": False},
+                }
+            ],
+        }
+
+    def _teacher_config(self) -> dict[str, Any]:
+        trainer = self._trainer(self.teacher_steps, "teachers/teacher_0", 0, None)
+        trainer["logger"] = False
+        return {"seed_everything": 0, "trainer": trainer, "model": self._model(), "data": self._data(0)}
+
+    def _student_config(self) -> dict[str, Any]:
+        checkpoints = [f"teachers/teacher_{k}/checkpoints/last.ckpt" for k in range(self.teachers)]
+        data = {
+            "class_path": "lightning_dp.pate.PATEStudentDataModule",
+            "init_args": {
+                "data": self._data(None),
+                "teacher_checkpoints": checkpoints,
+                "compressor": {
+                    "class_path": "lightning_dp.pate.PCACompressor",
+                    "init_args": {"code_dim": self.code_dim},
+                },
+                "target_epsilon": self.target_epsilon,
+                "delta": 1e-7,
+                "batch_size": 4,
+                "report_path": "runs/pate_privacy_report.txt",
+                "release_path": "runs/pate_release.pt",
+            },
+        }
+        trainer = self._trainer(self.student_steps, "runs/student", 1, "runs/student/checkpoints")
+        trainer["log_every_n_steps"] = 1  # the student's training loss in TensorBoard, as a user would see it
+        return {"seed_everything": 0, "trainer": trainer, "model": self._model(), "data": data}
+
+    def _write_data(self, folder: Path, unit: Unit | None) -> None:
+        data = folder / "data"
+        data.mkdir(parents=True)
+        rows = ["image,mask,patient_id,split"]
+        g = np.random.default_rng(0)  # public and fixed: D is the same in every world
+        size = self.size
+
+        def patient(pid: str, split: str, images: list[np.ndarray], masks: list[np.ndarray], tag: str = "") -> None:
+            for k, (image, mask) in enumerate(zip(images, masks)):
+                stem = f"{pid}{tag}_{k}"
+                if np.isfinite(image).all():
+                    _png(data / f"{stem}.png", image)
+                    name = f"{stem}.png"
+                else:  # a float array: what a manifest of .npy images can hold
+                    np.save(data / f"{stem}.npy", image.astype(np.float32))
+                    name = f"{stem}.npy"
+                _png(data / f"{stem}_mask.png", mask.astype(np.float32))
+                rows.append(f"{name},{stem}_mask.png,{pid},{split}")
+
+        splits = ["train"] * self.patients + ["val"] + ["public"] * self.public
+        for i, split in enumerate(splits):
+            images, masks = [], []
+            for _ in range(self.images):
+                mask = np.zeros((size, size), np.float32)
+                top, left = (int(v) for v in g.integers(0, size // 2, 2))
+                mask[top : top + size // 3, left : left + size // 3] = 1.0
+                images.append(np.clip(0.3 * g.random((size, size), dtype=np.float32) + 0.6 * mask, 0, 1))
+                masks.append(mask)
+            patient(f"{split[0]}{i:02d}", split, images, masks)
+        if unit is not None:  # appended last: the other patients keep their rows
+            pid = "t00" if unit.name == "colliding" else "zz_unit"  # t00: a training patient of D
+            if unit.images is None:
+                (data / "zz_unit_0.png").write_bytes(b"\x89PNG\r\n\x1a\n not an image")
+                _png(data / "zz_unit_0_mask.png", np.zeros((size, size), np.float32))
+                rows.append(f"zz_unit_0.png,zz_unit_0_mask.png,{pid},train")
+            else:
+                masks = [(np.nan_to_num(image) > 0.5).astype(np.float32) for image in unit.images]
+                patient(pid, "train", list(unit.images), masks, tag="u")
+        (data / "manifest.csv").write_text("\n".join(rows) + "\n")
+
+    @staticmethod
+    def _fit(argv: list[str], roots: tuple[str, ...]) -> str:
+        """``lightning-dp fit ARGV``'s outcome: its exit status, with its one-line error when it refused."""
+        from lightning_dp._cli_lightning import run_lightning  # what `lightning-dp fit` runs
+
+        err = io.StringIO()
+        try:
+            with contextlib.redirect_stderr(err):
+                code = run_lightning(argv, "fit")
+        except BaseException as caught:  # noqa: BLE001 — a refusal, an error or an exit is a channel
+            if isinstance(caught, KeyboardInterrupt):
+                raise
+            return _outcome(caught, roots)
+        finally:
+            sys.stderr.write(err.getvalue())  # the console still sees it
+        said = [line for line in err.getvalue().splitlines() if "error:" in line]
+        return f"exit {code}" + (f" ({normalize(said[-1], roots)})" if code and said else "")
+
+    def run(self, unit: str | None, folder: Path) -> Observation:
+        """One world (D, or D plus the adversarial ``unit``) in ``folder``; what an observer sees of it."""
+        import yaml
+
+        from lightning_dp.checkpoints import publishable_checkpoint
+        from lightning_dp.training.privacy import state_digest
+
+        folder.mkdir(parents=True, exist_ok=True)
+        added = None if unit is None else unit_images(unit, self.size, whale_images=self.whale_images)
+        self._write_data(folder, added)
+        (folder / "teacher.yaml").write_text(yaml.safe_dump(self._teacher_config()))
+        (folder / "student.yaml").write_text(yaml.safe_dump(self._student_config()))
+        roots = (str(folder.resolve()), str(folder))
+        obs = Observation()
+        outcomes: list[str] = []
+        first = 0
+        with _inside(folder), observe_releases() as releases, observe_console(roots) as console:
+            for k in range(self.teachers):
+                argv = ["fit", "--config", "teacher.yaml", f"--data.init_args.teacher={k}"]
+                argv.append(f"--trainer.default_root_dir=teachers/teacher_{k}")
+                outcomes.append(f"teacher {k}: " + self._fit(argv, roots))
+                if not outcomes[-1].endswith("exit 0"):
+                    break
+            else:
+                outcomes.append("student: " + self._fit(["fit", "--config", "student.yaml"], roots))
+                first = len(releases)
+                outcomes.append("student again: " + self._fit(["fit", "--config", "student.yaml"], roots))
+        obs.releases = releases
+        obs.channels["outcome"] = "; ".join(outcomes)
+        obs.holder.update({f"console.{k}": v for k, v in console.items()})
+        for k in range(self.teachers):  # what each teacher contributes: its weights (the teachers are never released)
+            path = folder / "teachers" / f"teacher_{k}" / "checkpoints" / "last.ckpt"
+            if path.is_file():
+                weights = torch.load(path, map_location="cpu", weights_only=False)["state_dict"]
+                obs.contributors[f"teacher {k}"] = state_digest(dict(weights))
+        obs.holder["files teachers/"] = sorted(
+            normalize(p.relative_to(folder).as_posix(), roots) for p in (folder / "teachers").rglob("*")
+        )
+        charged: list[float] = []
+        release_file = folder / "runs" / "pate_release.pt"
+        if release_file.is_file():
+            stored = torch.load(release_file, map_location="cpu", weights_only=True)
+            ledger = stored["ledger"]
+            for event, count in zip(ledger["events"], ledger["counts"]):
+                charged += [float(event.get("noise_multiplier", math.nan))] * int(count)
+            obs.channels["file runs/pate_release.pt:ledger"] = normalize(repr(ledger), roots)
+            obs.channels["file runs/pate_release.pt:private_data"] = normalize(repr(stored["private_data"]), roots)
+            obs.channels["file runs/pate_release.pt:format_version"] = stored["format_version"]
+            for i, entry in enumerate(stored["releases"]):
+                obs.channels[f"file runs/pate_release.pt:releases[{i}].report"] = normalize(
+                    repr(entry["report"]), roots
+                )
+                obs.derived[f"runs/pate_release.pt:releases[{i}].codes"] = entry["codes"].double()
+                obs.derived[f"runs/pate_release.pt:releases[{i}].maps"] = entry["maps"].double()
+                # the teachers' checkpoint digests: a function of the private data beyond the release
+                obs.holder[f"file runs/pate_release.pt:releases[{i}].request"] = normalize(
+                    repr(entry["request"]), roots
+                )
+            obs.holder["file runs/pate_release.pt:checksum"] = stored["checksum"]
+        obs.rules["every release charged by the ledger (multipliers, in order)"] = (
+            _runs([r.multiplier for r in releases]),
+            _runs(charged),
+        )
+        obs.rules["the rerun releases nothing (the labels are made once)"] = (0, len(releases) - first)
+        trained = folder / "runs" / "student" / "checkpoints" / "last.ckpt"
+        if trained.is_file():
+            (folder / "published").mkdir()
+            publishable_checkpoint(trained, folder / "published" / "model.ckpt")
+        files, derived = scan_files(folder, ("data/", "teacher.yaml", "student.yaml", "teachers/"), roots)
+        for key, value in files.items():
+            if key.split(":")[0] == "runs/pate_release.pt":
+                continue  # read above: its ledger, settings and reports compared, its labels the release
+            if key.startswith("runs/student/checkpoints/"):
+                obs.holder[f"file {key}"] = value
+            elif "tfevents" in key and ":train/" in key:
+                # the student's training metrics: on public images and the released labels (post-processing)
+                obs.derived[key] = value
+            else:
+                obs.channels[f"file {key}"] = value
+        obs.derived.update(derived)
+        return obs
+
+
 #: The built-in pipelines at small size (`lightning-dp audit --observer`, the tests, examples/observer_audit.py).
-BUILTIN = ("fit-p3sgd", "fit-dpsgd", "tune", "federated", "federated-sites", "federated-secagg", "federated-deadline")
+BUILTIN = (
+    "fit-p3sgd",
+    "fit-dpsgd",
+    "tune",
+    "federated",
+    "federated-sites",
+    "federated-secagg",
+    "pate",
+    "federated-deadline",
+)
 
 
 def builtin_pipeline(name: str) -> tuple[Any, list[str]]:
@@ -492,6 +779,17 @@ def builtin_pipeline(name: str) -> tuple[Any, list[str]]:
         return FederatedPipeline(noise_at="sites"), list(MEMORY_UNITS)
     if name == "federated-secagg":
         return FederatedPipeline(noise_at="sites", secure=True), list(MEMORY_UNITS)
+    if name == "pate":
+        return PatePipeline(), [
+            "huge",
+            "whale",
+            "one_image",
+            "colliding",
+            "nonfinite",
+            "unreadable",
+            "empty",
+            "raising",
+        ]
     if name == "federated-deadline":
         return FederatedPipeline(rounds=1, deadline=0.5, whale_images=40_000), ["whale"]
     raise ValueError(f"no built-in pipeline {name!r}; the pipelines are {', '.join(BUILTIN)}.")

@@ -17,18 +17,35 @@ folder of its own and with every secret draw answered by one `SecretTape`:
    differ: only the published channels are compared, over variations until ``HIDDEN_VARIATIONS`` of them changed
    what ran (their secret draws differ from D's: another K), at most ``HIDDEN_TRIES``.
 
+Beside the channels, three rules of the release itself:
+
+* **Sensitivity as charged.** Every release must be charged for the sensitivity the pipeline declares
+  (``clip_norm``: C, or PATE's S = √d), the one the move is held to. A pipeline whose releases all read the same
+  public state (``every_release``: PATE's queries, all answered by the same teachers) holds every release, not only
+  the first, to it.
+* **Contributors.** A pipeline whose sensitivity rests on how many contributors one unit can change (PATE: a patient
+  is in one teacher's partition) declares ``max_changed_contributors`` and reports a digest per contributor: D twice
+  and a varied secret must change none, D′ at most that many.
+* **Each world's rules** (``Observation.rules``, e.g. every release charged by the ledger, a rerun that releases
+  nothing): broken in any world, they are findings.
+
+Units a pipeline cannot hold (``inapplicable``: unit → why) are reported with the reason, not run.
+
 The verdict names each channel that differs and shows both values, shortened. ``derived`` values (weights and
 optimizer state in checkpoints, validation metrics) are post-processing of the releases and are not compared.
-A pipeline's ``declared_refusals`` (text of a refusal it declares public, e.g. a consortium's shared-id check at
-start) are reported as declared when a unit triggers them, and that world is not compared further: it released
-nothing but the refusal. What it does not see: leaks at steps after the first through the release itself (the
-release's own sensitivity at every step is `SensitivityAudit`'s), timing as such (durations are stripped; a deadline
-that a unit trips shows as the sites summed), and parties in other processes (secrets are held in this process).
+A pipeline's ``declared_refusals`` (text of a refusal it declares, made before anything is released: a consortium's
+shared-id check at start, public by agreement; PATE's teachers refusing an image the data holder must fix) are
+reported as declared when a unit triggers them, and that world is not compared further: it released nothing but the
+refusal. What it does not see: leaks at steps after the first through the release itself (the release's own
+sensitivity at every step is `SensitivityAudit`'s; PATE's queries are all held to S), timing as such (durations are
+stripped; a deadline that a unit trips shows as the sites summed), and parties in other processes (secrets are held in
+this process).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -112,10 +129,18 @@ class ObserverResult:
     findings: list[Finding] = field(default_factory=list)
     #: Differences in what only the data holder sees (its console, the training checkpoint): reported, not failed.
     notes: list[Finding] = field(default_factory=list)
-    #: Refusals the pipeline declares public (a consortium's shared-id check): reported, not failed.
+    #: Refusals the pipeline declares, before any release (a consortium's shared-id check, public by agreement; the
+    #: data holder's own check of an image): reported, not failed.
     declared: list[Finding] = field(default_factory=list)
     moved: dict[str, float] = field(default_factory=dict)
+    #: Which releases ``moved`` covers and in what unit: the first one in C, or (PATE) every one in S.
+    scope: str = "first release"
+    bound: str = "C"
     purposes_drawn: list[str] = field(default_factory=list)
+    #: The contributors (PATE's teachers) each unit changed.
+    changed: dict[str, list[str]] = field(default_factory=dict)
+    #: Units asked for that the pipeline cannot hold, with the reason.
+    inapplicable: dict[str, str] = field(default_factory=dict)
 
     @property
     def passed(self) -> bool:
@@ -129,18 +154,26 @@ class ObserverResult:
             "passed": self.passed,
             "moved": self.moved,
             "purposes_drawn": self.purposes_drawn,
+            "changed": self.changed,
+            "inapplicable": self.inapplicable,
             "findings": [dataclasses.asdict(f) for f in self.findings],
             "notes": [dataclasses.asdict(f) for f in self.notes],
             "declared": [dataclasses.asdict(f) for f in self.declared],
         }
 
     def summary(self) -> str:
-        moved = ", ".join(f"{u}: {m:.4f}·C" for u, m in self.moved.items())
+        moved = ", ".join(f"{u}: {m:.4f}·{self.bound}" for u, m in self.moved.items())
         head = f"observer audit of {self.pipeline}: {'PASSED' if self.passed else 'FAILED'}"
-        lines = [f"{head} (units {', '.join(self.units)}; first release moved {moved or 'n/a'})"]
+        lines = [f"{head} (units {', '.join(self.units)}; {self.scope} moved {moved or 'n/a'})"]
+        if self.changed:
+            changed = "; ".join(f"{u}: {', '.join(c) or 'none'}" for u, c in self.changed.items())
+            lines.append(f"  contributors changed: {changed}")
         lines += [f"  {finding}" for finding in self.findings]
+        if self.inapplicable:
+            lines.append(f"  units not applicable ({len(self.inapplicable)}; not run):")
+            lines += [f"    {unit}: {why}" for unit, why in self.inapplicable.items()]
         if self.declared:
-            lines.append(f"  public by declaration ({len(self.declared)}; not failed):")
+            lines.append(f"  refusals the pipeline declares ({len(self.declared)}; before any release; not failed):")
             lines += [f"    {finding}" for finding in self.declared]
         if self.notes:
             lines.append(f"  seen by the data holder only ({len(self.notes)}; not failed):")
@@ -181,6 +214,7 @@ class ObserverAudit:
         self.folder = None if folder is None else Path(folder)
         self.coins_rate = float(coins_rate)
         self.master = master
+        self._found: list[Finding] = []
 
     def run(self) -> ObserverResult:
         if self.folder is not None:
@@ -193,7 +227,31 @@ class ObserverAudit:
     ) -> tuple[Observation, list[str]]:
         with tape.held():
             obs = (pipeline or self.pipeline).run(unit, folder)
+        self._rules(folder.name, obs)
         return obs, list(tape.draws)
+
+    def _rules(self, world: str, obs: Observation) -> None:
+        """Each world's own rules: its broken ``rules``, and releases charged for another sensitivity than declared."""
+        for rule, (expected, found) in obs.rules.items():
+            if expected != found:
+                self._found.append(Finding(f"rule in {world}", rule, _short(expected), _short(found)))
+        declared = float(self.pipeline.clip_norm)
+        for r in obs.releases:
+            if not math.isclose(r.clip_norm, declared, rel_tol=1e-9):
+                channel = f"release at step {r.step}: sensitivity charged"
+                self._found.append(Finding(f"rule in {world}", channel, f"{declared:.6g}", f"{r.clip_norm:.6g}"))
+                break
+
+    def _contributors(self, check: str, a: Observation, b: Observation, allowed: int) -> list[str]:
+        """The contributors that differ between ``a`` and ``b``; more than ``allowed`` is a finding."""
+        changed = sorted(
+            k for k in set(a.contributors) | set(b.contributors) if a.contributors.get(k) != b.contributors.get(k)
+        )
+        if len(changed) > allowed:
+            self._found.append(
+                Finding(check, "contributors changed", f"at most {allowed}", f"{len(changed)}: {', '.join(changed)}")
+            )
+        return changed
 
     def _for(self, purpose: str) -> Pipeline:
         """The pipeline that shows ``purpose`` deciding the release: the coins (a site's secret) at q < 1."""
@@ -220,13 +278,23 @@ class ObserverAudit:
 
     def _run(self, root: Path) -> ObserverResult:
         result = ObserverResult(self.pipeline.name, self.units)
+        self._found = result.findings
+        inapplicable = dict(getattr(self.pipeline, "inapplicable", {}))
         tape = SecretTape() if self.master is None else SecretTape(self.master)
         base, draws = self._world(tape, None, root / "D")
         result.purposes_drawn = sorted(set(draws))
         again, draws_again = self._world(tape, None, root / "D-again")
         self._compare(result, "D twice", base, again, (draws, draws_again))
         result.findings += self._releases_equal("D twice", base, again, getattr(self.pipeline, "replay_tolerance", 0.0))
+        self._contributors("D twice", base, again, 0)
+        allowed = getattr(self.pipeline, "max_changed_contributors", None)
+        every = bool(getattr(self.pipeline, "every_release", False))
+        if every:
+            result.scope, result.bound = "every release", "S"
         for unit in self.units:
+            if unit in inapplicable:  # reported with its reason, not run
+                result.inapplicable[unit] = inapplicable[unit]
+                continue
             other, other_draws = self._world(tape, unit, root / f"D+{unit}")
             outcome = str(other.channels.get("outcome", ""))
             declared = [d for d in getattr(self.pipeline, "declared_refusals", ()) if d in outcome]
@@ -234,15 +302,26 @@ class ObserverAudit:
                 result.declared.append(Finding(f"D vs D+{unit}", "outcome", str(base.channels.get("outcome")), outcome))
                 continue
             self._compare(result, f"D vs D+{unit}", base, other, (draws, other_draws))
-            if base.releases and other.releases:
-                first, second = base.releases[0], other.releases[0]
-                if first.vector.shape == second.vector.shape:
-                    moved = float((second.vector - first.vector).norm()) * first.normalizer / self.pipeline.clip_norm
-                    result.moved[unit] = moved
-                    if not moved <= 1 + self.tolerance:
-                        result.findings.append(
-                            Finding(f"D vs D+{unit}", "first release", "moved ≤ 1.00·C", f"moved {moved:.4f}·C")
+            if allowed is not None:
+                result.changed[unit] = self._contributors(f"D vs D+{unit}", base, other, int(allowed))
+            pairs = list(zip(base.releases, other.releases))[: None if every else 1]
+            moves = [
+                float((y.vector - x.vector).norm()) * x.normalizer / min(x.clip_norm, y.clip_norm)  # as charged
+                for x, y in pairs
+                if x.vector.shape == y.vector.shape
+            ]
+            if moves:
+                moved = max(moves)
+                result.moved[unit] = moved
+                if not moved <= 1 + self.tolerance:
+                    result.findings.append(
+                        Finding(
+                            f"D vs D+{unit}",
+                            result.scope,
+                            f"moved ≤ 1.00·{result.bound}",
+                            f"moved {moved:.4f}·{result.bound}",
                         )
+                    )
         for purpose in self.vary:
             if purpose not in draws:
                 result.findings.append(
@@ -277,6 +356,7 @@ class ObserverAudit:
                 continue
             varied, varied_draws = self._world(tape.varied(purpose), None, root / f"D~{purpose}", pipeline)
             self._compare(result, f"secret {purpose} varied", reference, varied, (reference_draws, varied_draws))
+            self._contributors(f"secret {purpose} varied", reference, varied, 0)
             if not self._changed(reference, varied):
                 result.findings.append(
                     Finding(

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from lightning_dp.checkpoints import publishable_checkpoint
 from lightning_dp.cli import main
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -83,6 +84,11 @@ def test_teachers_then_student_release_patient_level_labels(tmp_path: Path, caps
     released = (tmp_path / "release.pt").read_bytes()
     (student_checkpoint,) = sorted((tmp_path / "student").rglob("*.ckpt"))
     assert torch.load(student_checkpoint, weights_only=True)["PATEStudentDataModule"]["release"]
+    # The published student carries nothing of the teachers: the datamodule's resume key (a digest over the teachers'
+    # checkpoint files and the release: not post-processing of the release) stays in the training checkpoint.
+    removed = publishable_checkpoint(student_checkpoint, tmp_path / "published.ckpt")
+    assert "PATEStudentDataModule" in removed
+    assert "PATEStudentDataModule" not in torch.load(tmp_path / "published.ckpt", weights_only=True)
     assert _student(tmp_path, checkpoints, (f"--ckpt_path={student_checkpoint}", "--trainer.max_steps=4")) == 0
     assert (tmp_path / "report.txt").read_text() == report
     assert (tmp_path / "release.pt").read_bytes() == released
