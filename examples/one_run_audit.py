@@ -98,10 +98,11 @@ def row(name: str, runs: list[OneRunAuditResult], audits: list[Audit]) -> dict[s
         "passed": [r.passed for r in runs],
         "seconds": stats([r.seconds for r in runs]),
         "mu_lower": stats([r.mu_lower for r in runs]),
-        "population_accuracy": stats([r.population_accuracy for r in runs]),
         "seeds": [{"coin_seed": a.coin_seed, "seed": a.seed} for a in audits],
         "runs": [r.to_dict() for r in runs],
     }
+    if first.population:
+        out["population_accuracy"] = stats([r.population_accuracy for r in runs])
     for bound in BOUNDS:
         out[f"{bound}_epsilon"] = stats([getattr(r, f"{bound}_epsilon") for r in runs])
         out[f"{bound}_ratio"] = stats([r.ratio(bound) for r in runs])  # type: ignore[arg-type]
