@@ -180,7 +180,7 @@ def settings_for(args: argparse.Namespace) -> list[tuple[str, type[Audit], dict[
                 nullcontext,
             ),
             (
-                BUG + "noise z/4 (population)",
+                BUG + f"noise z/4 ({args.population} population patients)",
                 LossOneRunAudit,
                 {**design, "canaries": 1000, "target_epsilon": 4.0},
                 noise_quartered,
@@ -205,7 +205,7 @@ def main() -> None:
     parser.add_argument("--sites", type=int, default=3, help="federated: the hospitals")
     parser.add_argument("--noise-at", nargs="+", choices=["server", "sites"], default=["server", "sites"])
     parser.add_argument("--secure-aggregation", action="store_true", help="federated: a SecAgg+ row (noise at sites)")
-    parser.add_argument("--input-dim", type=int, default=1024, help="black box: pixels of an image")
+    parser.add_argument("--input-dim", type=int, default=4096, help="black box: pixels of an image")
     parser.add_argument("--hidden", type=int, default=64, help="black box: the MLP's hidden units")
     parser.add_argument("--population", type=int, default=1000, help="black box: ordinary patients beside the canaries")
     parser.add_argument("--server-lr", type=float, default=10.0, help="black box: P3SGD's server_lr")

@@ -44,6 +44,12 @@ identifier (fails closed) instead of aligning two arrays by position.
   so on correct code ε_lower ≤ ε_GDP(√T/z, δ) ≤ ε_printed; a mechanism that is (ε_printed, δ)-DP without being
   Gaussian-like could in principle exceed it without a bug. The rigorous reading is μ_lower against the configured μ.
 
+**Siblings.** `lightning_dp.audit.one_run_federated.FederatedOneRunAudit` runs the same gradient canaries through
+federated P3SGD (the canaries spread over the sites, Flower's messages, the noise at the server or in shares at the
+sites); `lightning_dp.audit.one_run_loss.LossOneRunAudit` is the black-box audit (input-space canaries beside a
+population, scored by the released model's loss). The coins, the calibration of z, the join and the bounds are this
+module's `_OneRunDesign`, once.
+
 A passing audit is a lower bound from one attack on one canary design, not a proof of privacy.
 """
 

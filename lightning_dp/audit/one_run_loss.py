@@ -24,9 +24,9 @@ than the released θ does, and the gap is what black-box access costs on this de
 move every canary's loss by amounts that have nothing to do with its coin, and so do the other canaries' (their
 patterns are not orthogonal), while the canary's own update reaches its loss only through the last iterate.
 docs/results/audit.md ("One run, at patient level") measures it. The same cost limits what the scores can catch: a
-planted bug that adds a quarter of the noise the ledger charges is caught at m = 1,000 with the canaries alone
-(``population=0``), and passes with the 1,000 population patients of the default design
-(tests/unit/audit/test_one_run_loss.py).
+planted bug that adds a quarter of the noise the ledger charges is caught at m = 1,000 on the default design
+(4,096-pixel canaries beside 1,000 population patients; tests/unit/audit/test_one_run_loss.py), and passes beside the
+same population with 1,024-pixel canaries, whose losses the population's updates move more.
 """
 
 from __future__ import annotations
@@ -102,7 +102,7 @@ class LossOneRunAudit(_OneRunDesign):
         significance: each bound holds with probability ≥ 1 − significance.
         coin_seed: seeds the coins; None (default) draws the seed from the OS CSPRNG (`secure_seed`).
         seed: seeds the callback's sampler and noise; None draws them from the OS CSPRNG.
-        input_dim: d, the pixels of an image (1,024: a 32×32 grey image).
+        input_dim: d, the pixels of an image (4,096: a 64×64 grey image).
         classes: the labels of the task.
         hidden: the MLP's hidden ReLU units; 0: a linear model starting at 0.
         population: the ordinary patients trained beside the canaries (declared N = population + m).
@@ -135,7 +135,7 @@ class LossOneRunAudit(_OneRunDesign):
         significance: float = 0.05,
         coin_seed: int | None = None,
         seed: int | None = None,
-        input_dim: int = 1024,
+        input_dim: int = 4096,
         classes: int = 10,
         hidden: int = 64,
         population: int = 1000,
