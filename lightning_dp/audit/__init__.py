@@ -16,6 +16,9 @@
 * `MembershipAudit`: black-box membership inference on final models trained through the private step.
 * `OneRunAudit` (`one_run`): one P3SGD run with m ≥ 1,000 canary patients, each in by a secret coin; lower bounds by
   Steinke–Nasr–Jagielski and by the f-DP tail bound of Mahloujifar et al. (2025), scores joined to coins by patient id.
+  `FederatedOneRunAudit` (`one_run_federated`): the same for federated P3SGD through Flower's messages, the canary
+  patients spread over the sites (noise at the server, or shares at the sites); `LossOneRunAudit` (`one_run_loss`):
+  the black-box one-run audit, input-space canary patients scored by the released model's loss alone.
 """
 
 from lightning_dp.audit.blackbox import MembershipAudit, MembershipAuditResult
@@ -24,6 +27,8 @@ from lightning_dp.audit.bounds import __all__ as _bounds
 from lightning_dp.audit.callback_audit import CallbackAudit, CallbackAuditResult
 from lightning_dp.audit.federated import FederatedAudit, FederatedAuditResult
 from lightning_dp.audit.one_run import OneRunAudit, OneRunAuditResult, join_by_id, one_run_fdp
+from lightning_dp.audit.one_run_federated import FederatedOneRunAudit
+from lightning_dp.audit.one_run_loss import LossOneRunAudit
 from lightning_dp.audit.sensitivity import SensitivityAudit, SensitivityAuditResult
 from lightning_dp.audit.whitebox import StepAudit, StepAuditResult
 
@@ -33,6 +38,8 @@ __all__ = [
     "CallbackAuditResult",
     "FederatedAudit",
     "FederatedAuditResult",
+    "FederatedOneRunAudit",
+    "LossOneRunAudit",
     "MembershipAudit",
     "MembershipAuditResult",
     "OneRunAudit",

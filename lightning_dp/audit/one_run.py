@@ -44,6 +44,12 @@ identifier (fails closed) instead of aligning two arrays by position.
   so on correct code ε_lower ≤ ε_GDP(√T/z, δ) ≤ ε_printed; a mechanism that is (ε_printed, δ)-DP without being
   Gaussian-like could in principle exceed it without a bug. The rigorous reading is μ_lower against the configured μ.
 
+**Siblings.** `lightning_dp.audit.one_run_federated.FederatedOneRunAudit` runs the same gradient canaries through
+federated P3SGD (the canaries spread over the sites, Flower's messages, the noise at the server or in shares at the
+sites); `lightning_dp.audit.one_run_loss.LossOneRunAudit` is the black-box audit (input-space canaries beside a
+population, scored by the released model's loss). The coins, the calibration of z, the join and the bounds are this
+module's `_OneRunDesign`, once.
+
 A passing audit is a lower bound from one attack on one canary design, not a proof of privacy.
 """
 
@@ -352,10 +358,18 @@ class _CanaryPatients(Dataset[tuple[Tensor, Tensor, Tensor]]):
 class OneRunAuditResult:
     """What a one-run audit measured. ``passed``: no lower bound exceeds the printed ε.
 
-    ``epsilon_printed`` is the ε the callback's accountant reports for the run's ledger; ``snj``, ``fdp`` and ``gdp``
+    ``epsilon_printed`` is the ε the run's accountant reports for the run's ledger; ``snj``, ``fdp`` and ``gdp``
     the three lower bounds (module docstring), ``mu_lower`` the rejected GDP μ and ``mu_configured`` √(Σ_t 1/z_t²),
     the μ of the configured mechanism at q = 1 (NaN for q < 1, where the curve is not Gaussian). ``mean_in`` and
-    ``mean_out`` are the scores' means (T·q and 0 on correct code), ``sd_out`` their spread (√T·z at q = 1).
+    ``mean_out`` are the scores' means, ``sd_out`` their spread: for gradient canaries in units of C (T·q and 0 on
+    correct code, sd √T·z at q = 1), for loss scores in nats.
+
+    ``mechanism`` names what was audited (the `P3SGD` callback, or federated P3SGD through Flower and where its noise
+    is added), ``scoring`` how the canaries were scored: ``"gradient"`` (white-box gradient canaries, read from the
+    released θ) or ``"loss"`` (black-box: input-space canaries, each scored by the released model's loss on it).
+    ``sites`` is the number of hospitals (federated; 0 otherwise), ``population`` the ordinary patients trained
+    beside the canaries and ``population_accuracy`` the released model's accuracy on fresh draws of their task (loss
+    scoring; NaN otherwise).
     """
 
     canaries: int
@@ -381,6 +395,11 @@ class OneRunAuditResult:
     sd_out: float
     seconds: float
     round_path: str
+    mechanism: str = "P3SGD callback"
+    scoring: Literal["gradient", "loss"] = "gradient"
+    sites: int = 0
+    population: int = 0
+    population_accuracy: float = math.nan
 
     @property
     def epsilon_lower(self) -> float:
@@ -396,6 +415,16 @@ class OneRunAuditResult:
         value = {"snj": self.snj_epsilon, "fdp": self.fdp_epsilon, "gdp": self.gdp_epsilon}[bound]
         return value / self.epsilon_printed if self.epsilon_printed > 0 else math.inf
 
+    @property
+    def kind(self) -> str:
+        """What kind of audit this was, in words."""
+        if self.scoring == "loss":
+            return (
+                "one-run black-box audit, input-space canary patients scored by the released model's loss, "
+                + self.mechanism
+            )
+        return f"one-run white-box audit, gradient-canary patients, {self.mechanism}"
+
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
         out.update(
@@ -404,67 +433,50 @@ class OneRunAuditResult:
             ratio_snj=self.ratio("snj"),
             ratio_fdp=self.ratio("fdp"),
             ratio_gdp=self.ratio("gdp"),
-            kind="one-run white-box audit, gradient-canary patients, real P3SGD step",
+            kind=self.kind,
         )
         return out
 
     def summary(self) -> str:
         verdict = "passed" if self.passed else "FAILED: a lower bound exceeds the printed ε"
+        scores = "gradient canaries" if self.scoring == "gradient" else "loss scores"
         return (
-            f"P3SGD one run, {self.canaries} canary patients ({self.included} in), T={self.steps}, "
-            f"q={self.sample_rate}, z={self.noise_multiplier:.3f}: ε_printed {self.epsilon_printed:.2f} "
-            f"[{self.accountant}] at δ={self.delta:g}; ε_lower SNJ {self.snj_epsilon:.2f}, "
+            f"{self.mechanism}, one run, {self.canaries} canary patients ({self.included} in; {scores}), "
+            f"T={self.steps}, q={self.sample_rate}, z={self.noise_multiplier:.3f}: ε_printed "
+            f"{self.epsilon_printed:.2f} [{self.accountant}] at δ={self.delta:g}; ε_lower SNJ {self.snj_epsilon:.2f}, "
             f"f-DP (ε,δ) {self.fdp_epsilon:.2f}, GDP {self.gdp_epsilon:.2f} "
             f"(μ_lower {self.mu_lower:.3f} vs configured {self.mu_configured:.3f}): {verdict}."
         )
 
 
-class OneRunAudit:
-    """One P3SGD run with m canary patients, each in by a secret fair coin; three ε lower bounds (module docstring).
+class _OneRunDesign:
+    """What every one-run audit shares: the m canary patients, their secret coins, the run's noise, the three bounds.
 
-    Args:
-        canaries: m, the number of canary patients (1,000 or more for a useful bound).
-        images_per_patient: images of each canary patient (all of them in one local mini-batch).
-        steps: T, the rounds of the run.
-        noise_multiplier: z; or None with ``target_epsilon``.
-        target_epsilon: calibrate z so that the run's printed ε is this (the callback's accountant, at δ).
-        sample_rate: q of the callback (1.0, the default, is the tightest audit).
-        clip_norm: C.
-        delta: δ of the ledger and of every bound.
-        accountant: the callback's accountant (``"rdp"`` or ``"prv"``): it prints ε_printed.
-        significance: each bound holds with probability ≥ 1 − significance.
-        coin_seed: seeds the coins; None (default) draws the seed from the OS CSPRNG (`secure_seed`), so that nothing
-            in the configuration predicts which canaries are in.
-        seed: seeds the callback's sampler and noise; None draws them from the OS CSPRNG.
-        canary_weight: the canaries' loss weight (their local updates must be far above C).
-        local_lr: the local SGD's rate.
-
-    Example:
-        >>> audit = OneRunAudit(canaries=1000, steps=2, target_epsilon=8.0, coin_seed=0, seed=0)
-        >>> result = audit.run()  # doctest: +SKIP
-        >>> result.passed, result.gdp_epsilon > 0.3 * result.epsilon_printed  # doctest: +SKIP
-        (True, True)
+    The subclasses differ in what they train (the `P3SGD` callback, or federated P3SGD through Flower) and in how they
+    score a canary (its gradient direction in the released θ, or the released model's loss on it); the coins, the
+    calibration of z, the join by id and the bounds are these, once. Arguments as `OneRunAudit` documents them.
     """
+
+    owner = "OneRunAudit"
 
     def __init__(
         self,
         *,
-        canaries: int = 1000,
-        images_per_patient: int = 4,
-        steps: int = 4,
-        noise_multiplier: float | None = None,
-        target_epsilon: float | None = None,
-        sample_rate: float = 1.0,
-        clip_norm: float = 1.0,
-        delta: float = 1e-5,
-        accountant: Literal["rdp", "prv"] = "rdp",
-        significance: float = 0.05,
-        coin_seed: int | None = None,
-        seed: int | None = None,
-        canary_weight: float = 100.0,
-        local_lr: float = 0.1,
+        canaries: int,
+        images_per_patient: int,
+        steps: int,
+        noise_multiplier: float | None,
+        target_epsilon: float | None,
+        sample_rate: float,
+        clip_norm: float,
+        delta: float,
+        accountant: Literal["rdp", "prv"],
+        significance: float,
+        coin_seed: int | None,
+        seed: int | None,
+        local_lr: float,
     ) -> None:
-        owner = "OneRunAudit"
+        owner = self.owner
         self.canaries = check_count(owner, "canaries", canaries, "e.g. 1000 canary patients.", minimum=10)
         self.images_per_patient = check_count(owner, "images_per_patient", images_per_patient, "e.g. 4.", minimum=1)
         self.steps = check_count(owner, "steps", steps, "e.g. 4.", minimum=1)
@@ -491,12 +503,11 @@ class OneRunAudit:
         self.noise_multiplier = check_finite_positive(owner, "noise_multiplier", noise_multiplier, "e.g. 1.0.")
         self.coin_seed = secure_seed("audit") if coin_seed is None else int(coin_seed)
         self.seed = secure_seed("audit") if seed is None else int(seed)
-        self.canary_weight = check_finite_positive(owner, "canary_weight", canary_weight, "e.g. 100.")
         self.local_lr = check_finite_positive(owner, "local_lr", local_lr, "e.g. 0.1.")
 
     # ------------------------------------------------------------------ the canaries
     def canary_ids(self) -> list[str]:
-        """The canaries' patient ids; canary i's direction is column i of the weight."""
+        """The canaries' patient ids; canary i's direction (or image) is the i-th."""
         width = len(str(self.canaries - 1))
         return [f"canary-{i:0{width}d}" for i in range(self.canaries)]
 
@@ -506,11 +517,159 @@ class OneRunAudit:
         draws = torch.rand(self.canaries, generator=generator, dtype=torch.float64) < 0.5
         return list(zip(self.canary_ids(), draws.tolist()))
 
+    def _included(self, membership: Sequence[tuple[str, bool]]) -> list[str]:
+        included = [pid for pid, coin in membership if coin]
+        if not included:
+            raise PrivacyStateError(f"`{self.owner}`: no canary came up 'in'. HINT: use more canaries.")
+        return included
+
+    # ------------------------------------------------------------------ the bounds
+    def _result(
+        self,
+        membership: Sequence[tuple[Hashable, bool]],
+        scores: Sequence[tuple[Hashable, float]],
+        *,
+        epsilon_printed: float,
+        accountant: str,
+        started: float,
+        round_path: str,
+        mechanism: str,
+        scoring: Literal["gradient", "loss"],
+        sites: int = 0,
+        population: int = 0,
+        population_accuracy: float = math.nan,
+    ) -> OneRunAuditResult:
+        """Joins the scores to the coins by id (failing closed), computes the three bounds, builds the result."""
+        in_scores, out_scores = join_by_id(membership, scores)
+        snj, snj_guesses = epsilon_one_run(in_scores, out_scores, delta=self.delta, significance=self.significance)
+        fdp = one_run_fdp(in_scores, out_scores, family="approx", delta=self.delta, significance=self.significance)
+        gdp = one_run_fdp(in_scores, out_scores, family="gdp", delta=self.delta, significance=self.significance)
+        mu_configured = math.sqrt(self.steps) / self.noise_multiplier if self.sample_rate == 1.0 else math.nan
+        return OneRunAuditResult(
+            canaries=self.canaries,
+            included=int(in_scores.size),
+            images_per_patient=self.images_per_patient,
+            steps=self.steps,
+            sample_rate=self.sample_rate,
+            noise_multiplier=self.noise_multiplier,
+            delta=self.delta,
+            significance=self.significance,
+            accountant=accountant,
+            epsilon_printed=float(epsilon_printed),
+            snj_epsilon=float(snj),
+            snj_guesses=int(snj_guesses),
+            fdp_epsilon=fdp.epsilon,
+            fdp_guesses=fdp.guesses,
+            gdp_epsilon=gdp.epsilon,
+            mu_lower=gdp.parameter,
+            mu_configured=mu_configured,
+            gdp_guesses=gdp.guesses,
+            mean_in=float(in_scores.mean()),
+            mean_out=float(out_scores.mean()) if out_scores.size else math.nan,
+            sd_out=float(out_scores.std(ddof=1)) if out_scores.size > 1 else math.nan,
+            seconds=time.perf_counter() - started,
+            round_path=round_path,
+            mechanism=mechanism,
+            scoring=scoring,
+            sites=sites,
+            population=population,
+            population_accuracy=population_accuracy,
+        )
+
+
+class _GradientCanaries(_OneRunDesign):
+    """The white-box gradient canaries (module docstring): the model, the canary patients' data, the score.
+
+    Shared by `OneRunAudit` (the `P3SGD` callback) and `lightning_dp.audit.one_run_federated.FederatedOneRunAudit`
+    (federated P3SGD through Flower): both release θ_{t+1} = θ_t + server_lr·(Σ clipped + noise)/(q·m).
+    """
+
+    canary_weight: float
+
     def model(self) -> nn.Module:
         """The audited model: Linear(m → 2, no bias), starting at 0 (public)."""
         linear = nn.Linear(self.canaries, 2, bias=False)
         nn.init.zeros_(linear.weight)
         return linear
+
+    def canary_data(self, ids: Sequence[str]) -> _CanaryPatients:
+        """The canary patients ``ids`` (their images are the basis vectors of their columns), as P3SGD reads them."""
+        columns = {pid: i for i, pid in enumerate(self.canary_ids())}
+        return _CanaryPatients(
+            ids, [columns[pid] for pid in ids], self.images_per_patient, self.canaries, self.canary_weight
+        )
+
+    def scores(self, theta_0: Tensor, theta_T: Tensor) -> list[tuple[str, float]]:  # noqa: N803 - θ_T
+        """(patient id, s_i) for every canary: the released sum along u_i, in units of C (module docstring)."""
+        m = self.canaries
+        released = (theta_T.double() - theta_0.double()).view(2, m) * (self.sample_rate * m)  # server_lr = 1
+        along = (released[0] - released[1]) / (math.sqrt(2.0) * self.clip_norm)
+        return list(zip(self.canary_ids(), along.tolist()))
+
+
+class OneRunAudit(_GradientCanaries):
+    """One P3SGD run with m canary patients, each in by a secret fair coin; three ε lower bounds (module docstring).
+
+    Args:
+        canaries: m, the number of canary patients (1,000 or more for a useful bound).
+        images_per_patient: images of each canary patient (all of them in one local mini-batch).
+        steps: T, the rounds of the run.
+        noise_multiplier: z; or None with ``target_epsilon``.
+        target_epsilon: calibrate z so that the run's printed ε is this (the callback's accountant, at δ).
+        sample_rate: q of the callback (1.0, the default, is the tightest audit).
+        clip_norm: C.
+        delta: δ of the ledger and of every bound.
+        accountant: the callback's accountant (``"rdp"`` or ``"prv"``): it prints ε_printed.
+        significance: each bound holds with probability ≥ 1 − significance.
+        coin_seed: seeds the coins; None (default) draws the seed from the OS CSPRNG (`secure_seed`), so that nothing
+            in the configuration predicts which canaries are in.
+        seed: seeds the callback's sampler and noise; None draws them from the OS CSPRNG.
+        canary_weight: the canaries' loss weight (their local updates must be far above C).
+        local_lr: the local SGD's rate.
+
+    Example:
+        >>> audit = OneRunAudit(canaries=1000, steps=2, target_epsilon=8.0, coin_seed=0, seed=0)
+        >>> result = audit.run()  # doctest: +SKIP
+        >>> result.passed, result.gdp_epsilon > 0.3 * result.epsilon_printed  # doctest: +SKIP
+        (True, True)
+    """
+
+    owner = "OneRunAudit"
+
+    def __init__(
+        self,
+        *,
+        canaries: int = 1000,
+        images_per_patient: int = 4,
+        steps: int = 4,
+        noise_multiplier: float | None = None,
+        target_epsilon: float | None = None,
+        sample_rate: float = 1.0,
+        clip_norm: float = 1.0,
+        delta: float = 1e-5,
+        accountant: Literal["rdp", "prv"] = "rdp",
+        significance: float = 0.05,
+        coin_seed: int | None = None,
+        seed: int | None = None,
+        canary_weight: float = 100.0,
+        local_lr: float = 0.1,
+    ) -> None:
+        super().__init__(
+            canaries=canaries,
+            images_per_patient=images_per_patient,
+            steps=steps,
+            noise_multiplier=noise_multiplier,
+            target_epsilon=target_epsilon,
+            sample_rate=sample_rate,
+            clip_norm=clip_norm,
+            delta=delta,
+            accountant=accountant,
+            significance=significance,
+            coin_seed=coin_seed,
+            seed=seed,
+            local_lr=local_lr,
+        )
+        self.canary_weight = check_finite_positive(self.owner, "canary_weight", canary_weight, "e.g. 100.")
 
     def callback(self) -> Any:
         """The P3SGD callback as configured (the public m declared as N)."""
@@ -530,25 +689,12 @@ class OneRunAudit:
             num_patients=self.canaries,
         )
 
-    def scores(self, theta_0: Tensor, theta_T: Tensor) -> list[tuple[str, float]]:  # noqa: N803 - θ_T
-        """(patient id, s_i) for every canary: the released sum along u_i, in units of C (module docstring)."""
-        m = self.canaries
-        released = (theta_T.double() - theta_0.double()).view(2, m) * (self.sample_rate * m)  # server_lr = 1
-        along = (released[0] - released[1]) / (math.sqrt(2.0) * self.clip_norm)
-        return list(zip(self.canary_ids(), along.tolist()))
-
     # ------------------------------------------------------------------ the run
     def run(self) -> OneRunAuditResult:
         """Draws the coins, trains once, scores every canary by id, joins, bounds."""
         start = time.perf_counter()
         membership = self.coins()
-        columns = {pid: i for i, pid in enumerate(self.canary_ids())}
-        included = [pid for pid, coin in membership if coin]
-        if not included:
-            raise PrivacyStateError("`OneRunAudit`: no canary came up 'in'. HINT: use more canaries.")
-        data = _CanaryPatients(
-            included, [columns[pid] for pid in included], self.images_per_patient, self.canaries, self.canary_weight
-        )
+        data = self.canary_data(self._included(membership))
         callback = self.callback()
         with warnings.catch_warnings():
             # the declared N (m) differs from the patients the coins let in, by design: the note is for data holders
@@ -556,33 +702,13 @@ class OneRunAudit:
             observer = fit_world(self.model(), callback, data, self.local_lr, self.steps, {}, self.canaries)
         if len(observer.thetas) != self.steps + 1:
             raise PrivacyStateError(f"`OneRunAudit`: the run made {len(observer.thetas) - 1} of {self.steps} rounds.")
-        in_scores, out_scores = join_by_id(membership, self.scores(observer.thetas[0], observer.thetas[-1]))
-        snj, snj_guesses = epsilon_one_run(in_scores, out_scores, delta=self.delta, significance=self.significance)
-        fdp = one_run_fdp(in_scores, out_scores, family="approx", delta=self.delta, significance=self.significance)
-        gdp = one_run_fdp(in_scores, out_scores, family="gdp", delta=self.delta, significance=self.significance)
-        mu_configured = math.sqrt(self.steps) / self.noise_multiplier if self.sample_rate == 1.0 else math.nan
-        return OneRunAuditResult(
-            canaries=self.canaries,
-            included=len(included),
-            images_per_patient=self.images_per_patient,
-            steps=self.steps,
-            sample_rate=self.sample_rate,
-            noise_multiplier=self.noise_multiplier,
-            delta=self.delta,
-            significance=self.significance,
-            accountant=self.accountant,
+        return self._result(
+            membership,
+            self.scores(observer.thetas[0], observer.thetas[-1]),
             epsilon_printed=float(callback.accountant.epsilon(callback.ledger)),
-            snj_epsilon=float(snj),
-            snj_guesses=int(snj_guesses),
-            fdp_epsilon=fdp.epsilon,
-            fdp_guesses=fdp.guesses,
-            gdp_epsilon=gdp.epsilon,
-            mu_lower=gdp.parameter,
-            mu_configured=mu_configured,
-            gdp_guesses=gdp.guesses,
-            mean_in=float(in_scores.mean()),
-            mean_out=float(out_scores.mean()) if out_scores.size else math.nan,
-            sd_out=float(out_scores.std(ddof=1)) if out_scores.size > 1 else math.nan,
-            seconds=time.perf_counter() - start,
+            accountant=self.accountant,
+            started=start,
             round_path=str(callback.round_path),
+            mechanism="P3SGD callback",
+            scoring="gradient",
         )
