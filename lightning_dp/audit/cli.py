@@ -69,7 +69,16 @@ def _parser() -> argparse.ArgumentParser:
 
 #: `lightning-dp audit --observer`'s pipelines (`lightning_dp.audit.observer.pipelines.BUILTIN` but the deadline
 #: variant, a mutant's set-up).
-OBSERVER_PIPELINES = ("fit-p3sgd", "fit-dpsgd", "tune", "federated", "federated-sites", "federated-secagg", "pate")
+OBSERVER_PIPELINES = (
+    "fit-p3sgd",
+    "fit-dpsgd",
+    "fit-p3sgd-split",
+    "tune",
+    "federated",
+    "federated-sites",
+    "federated-secagg",
+    "pate",
+)
 
 
 def observer_main(args: argparse.Namespace) -> int:

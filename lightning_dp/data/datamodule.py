@@ -6,8 +6,8 @@ is hidden. Here every patient lands in exactly one split.
 
 `PatientDataModule` is the classification layer over `lightning_dp.data.patients`: the patient
 split (`split_patients`, re-exported here), the manifest's split column, the split lookup and the
-loaders come from there; this module adds the label-stratified split, the image transforms and
-the training-set loader without augmentation.
+loaders come from there; this module adds the patients' majority labels (for the stratified split),
+the image transforms and the training-set loader without augmentation.
 """
 
 from __future__ import annotations
@@ -25,9 +25,11 @@ from lightning_dp.data.errors import DataError
 from lightning_dp.data.manifest import ManifestRow, read_manifest
 from lightning_dp.data.patients import (
     PatientSplitsDataModule,
+    SplitMethod,
     assign_manifest_splits,
     check_loader_arguments,
     check_split_arguments,
+    check_split_method,
     split_patients,
 )
 from lightning_dp.errors import check_count
@@ -63,21 +65,28 @@ class PatientDataModule(PatientSplitsDataModule[PatientImageDataset]):
     """Images from a manifest, split by patient into train / val / test.
 
     If the manifest has a ``split`` column it is used as is (a patient found in two splits is an
-    error); otherwise patients are split with `split_patients` (stratified by each patient's majority
-    label, deterministic in ``split_seed``). Every batch is ``(images, labels, patients)``; the patient
-    indices refer to the ``patient_ids`` of the split's dataset, which is what patient-level samplers
-    need.
+    error); otherwise patients are split with `split_patients` by ``split_method``: by default each
+    patient's split follows a hash of its own id and ``split_seed`` (adding or removing a patient moves
+    no other patient, which the patient-level ε needs; the sizes are about the fractions, not exact).
+    Every batch is ``(images, labels, patients)``; the patient indices refer to the ``patient_ids`` of
+    the split's dataset, which is what patient-level samplers need.
 
     Args:
         manifest: CSV with ``path,label,patient_id[,split]`` (see `read_manifest`).
         batch_size: images per batch (> 0).
         val_fraction: fraction of patients for validation, in [0, 1) (ignored with a ``split`` column).
         test_fraction: fraction of patients for testing, in [0, 1) (ignored with a ``split`` column).
-        split_seed: seed of the patient split.
+        split_seed: seed of the patient split (public: chosen before the data are seen).
         num_workers: DataLoader worker processes.
         augment: random flips, 90° rotations and a light colour jitter on the training split only.
         image_size: resize every image to ``image_size × image_size`` (all splits); ``None`` keeps the
             stored size (then all images must have the same size).
+        split_method: ``"per_patient"`` (default): a patient's split follows its own id alone (a keyed hash),
+            so the split sizes are binomial and an empty validation or test split is warned about, not refused.
+            ``"stratified"``: exact sizes, stratified by each patient's majority label; the split then depends
+            on every patient (one added patient moves others between the splits), so the printed ε covers the
+            training patients as given, not adding one patient to the manifest: for public or synthetic data.
+            Ignored with a ``split`` column.
 
     Raises:
         PrivacyConfigError: an argument is out of range (raised by the constructor, before any I/O).
@@ -88,9 +97,9 @@ class PatientDataModule(PatientSplitsDataModule[PatientImageDataset]):
         >>> manifest = generate_synthetic_pathology(tempfile.mkdtemp(), num_patients=10, patches_per_patient=2,
         ...                                         image_size=16)
         >>> dm = PatientDataModule(str(manifest), batch_size=4, val_fraction=0.2, test_fraction=0.2)
-        >>> dm.setup()
+        >>> dm.setup()  # each patient's split follows its own id: the sizes are about the fractions
         >>> len(dm.train_patients), dm.val_dataset.num_patients, dm.test_dataset.num_patients, dm.num_classes
-        (6, 2, 2, 2)
+        (5, 3, 2, 2)
         >>> images, labels, patients = next(iter(dm.train_dataloader()))
         >>> tuple(images.shape), labels.dtype, patients.dtype
         ((4, 3, 16, 16), torch.int64, torch.int64)
@@ -106,9 +115,11 @@ class PatientDataModule(PatientSplitsDataModule[PatientImageDataset]):
         num_workers: int = 0,
         augment: bool = True,
         image_size: int | None = None,
+        split_method: SplitMethod = "per_patient",
     ) -> None:
         super().__init__()
         owner = type(self).__name__
+        check_split_method(owner, split_method)
         check_split_arguments(
             owner, batch_size, "use e.g. 32.", (("val_fraction", val_fraction), ("test_fraction", test_fraction))
         )
@@ -123,6 +134,7 @@ class PatientDataModule(PatientSplitsDataModule[PatientImageDataset]):
         self.num_workers = num_workers
         self.augment = augment
         self.image_size = image_size
+        self.split_method = split_method
         self._splits: dict[str, PatientImageDataset | None] | None = None
         self._train_eval: PatientImageDataset | None = None
         self._num_classes = 0
@@ -139,13 +151,14 @@ class PatientDataModule(PatientSplitsDataModule[PatientImageDataset]):
         if any(row.split is not None for row in rows):
             assignment = self._manifest_split(rows)
         else:
-            majority = []
-            labels = full.labels
-            for patient in range(full.num_patients):
-                counts = Counter(labels[full.patient_to_indices[patient]].tolist())
-                majority.append(max(sorted(counts), key=lambda y: counts[y]))
             assignment = split_patients(
-                full.patient_ids, majority, self.val_fraction, self.test_fraction, self.split_seed
+                full.patient_ids,
+                self._majority_labels(full) if self.split_method == "stratified" else None,
+                self.val_fraction,
+                self.test_fraction,
+                self.split_seed,
+                split_method=self.split_method,
+                owner=type(self).__name__,
             )
         eval_transform = self._eval_transform()
         splits: dict[str, PatientImageDataset | None] = {}
@@ -167,6 +180,16 @@ class PatientDataModule(PatientSplitsDataModule[PatientImageDataset]):
         train.transform = self._train_transform(channels=int(train[0][0].shape[0]))
         self._num_classes = int(full.labels.max()) + 1
         self._splits = splits
+
+    @staticmethod
+    def _majority_labels(full: PatientImageDataset) -> list[int]:
+        """Each patient's most frequent label (the smallest on a tie): what the stratified split balances."""
+        majority = []
+        labels = full.labels
+        for patient in range(full.num_patients):
+            counts = Counter(labels[full.patient_to_indices[patient]].tolist())
+            majority.append(max(sorted(counts), key=lambda y: counts[y]))
+        return majority
 
     def _manifest_split(self, rows: list[ManifestRow]) -> dict[str, list[str]]:
         return assign_manifest_splits(

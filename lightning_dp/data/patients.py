@@ -8,7 +8,10 @@ module; `PatientImageDataset` / `PatientDataModule` (images and labels) and
 * `PatientGroups`: the patient interface of a dataset that the DP callbacks use: ``patient_ids``
   (sorted unique ids), ``num_patients``, ``patient_to_indices``, ``patient_index``, and the checks
   of ``subset_by_patients``.
-* `split_patients`: the stratified, seeded split of patients into train / val / test.
+* `split_patients`: the split of patients into train / val / test (/ public) when the manifest has no ``split``
+  column: by default each patient's split follows a keyed hash of its own id (`split_position`), so adding or
+  removing one patient moves no other; ``split_method="stratified"`` is the old label-stratified split of exact sizes,
+  which depends on every patient (for public or synthetic data only).
 * `assign_manifest_splits`: the split a manifest's ``split`` column assigns, a patient in two splits
   being an error.
 * `PatientSplitsDataModule`: what a datamodule does with its splits once ``setup()`` has built them:
@@ -18,17 +21,18 @@ The manifest CSV itself (header, rows, paths, patient ids, split values, and the
 `lightning_dp.data.manifest.manifest_lines` and its helpers, for both kinds of manifest.
 
 Example:
-    >>> split = split_patients(["a", "b", "c", "d"], [0, 0, 1, 1], 0.25, 0.25, seed=0)
-    >>> sorted(len(v) for v in split.values())
-    [1, 1, 2]
+    >>> split = split_patients([f"p{i}" for i in range(12)], None, 0.25, 0.25, seed=0)
+    >>> sorted(sum(split.values(), [])) == sorted(f"p{i}" for i in range(12)), split["public"]
+    (True, [])
 """
 
 from __future__ import annotations
 
 import hashlib
+import warnings
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, Generic, Literal, Protocol, TypeVar
 
 import numpy as np
 import pytorch_lightning as pl
@@ -38,18 +42,22 @@ from torch import Tensor
 from torch.utils.data import DataLoader
 
 from lightning_dp.data.errors import DataError, DataNotReadyError
-from lightning_dp.errors import PrivacyConfigError, check_count, check_in_interval
+from lightning_dp.errors import PrivacyConfigError, PrivacyWarning, check_count, check_in_interval
 
 __all__ = [
+    "SPLIT_METHODS",
     "PatientGroups",
     "PatientSplitsDataModule",
+    "SplitMethod",
     "assign_manifest_splits",
     "check_loader_arguments",
     "check_split_arguments",
+    "check_split_method",
     "require_rows",
     "source_identity",
     "split_counts",
     "split_patients",
+    "split_position",
 ]
 
 
@@ -162,16 +170,57 @@ class PatientGroups:
         return [i for i, patient in enumerate(self._patients) if patient in wanted]
 
 
+#: How a datamodule without a ``split`` column splits its patients (see `split_patients`).
+SplitMethod = Literal["per_patient", "stratified"]
+SPLIT_METHODS: tuple[str, ...] = ("per_patient", "stratified")
+#: The held-out splits in the order a patient's position is compared with their fractions (train is the rest).
+_HELD_OUT = ("test", "val", "public")
+#: Domain of the per-patient split's hash (no other hash of the library shares it).
+_SPLIT_DOMAIN = b"lightning-dp/patient-split/v1"
+
+
+def split_position(patient_id: str, seed: int) -> float:
+    """A patient's position in [0, 1) for the per-patient split: a hash of the split seed and its own id.
+
+    ``u = ⌊SHA-256(domain, seed, id) / 2²⁰³⌋ / 2⁵³``, the hash's first 53 bits as a fraction (exact in a float, and
+    below 1). It depends on the patient's id and the public ``seed`` only, never on which other patients exist.
+
+    Example:
+        >>> u = split_position("P0007", seed=0)
+        >>> 0.0 <= u < 1.0, u == split_position("P0007", seed=0), u == split_position("P0007", seed=1)
+        (True, True, False)
+    """
+    message = _SPLIT_DOMAIN + b"\0" + str(int(seed)).encode() + b"\0" + str(patient_id).encode("utf-8")
+    return (int.from_bytes(hashlib.sha256(message).digest()[:8], "big") >> 11) / 2**53
+
+
+def check_split_method(owner: str, split_method: str) -> str:
+    """``split_method`` if it is one of `SPLIT_METHODS`, else a `PrivacyConfigError` that names both.
+
+    Example:
+        >>> check_split_method("PatientDataModule", "per_patient")
+        'per_patient'
+    """
+    if split_method not in SPLIT_METHODS:
+        raise PrivacyConfigError(
+            f"`{owner}(split_method={split_method!r})`: split_method must be one of {', '.join(SPLIT_METHODS)}, "
+            f"found {split_method!r}. HINT: 'per_patient' (the default) for private data; 'stratified' only for public "
+            "or synthetic data (the split then depends on every patient)."
+        )
+    return split_method
+
+
 def _held_out(total: int, fraction: float) -> int:
     """Patients of a held-out split of ``fraction`` of ``total`` (at least one when the fraction is > 0)."""
     return max(1, round(fraction * total)) if fraction > 0 else 0
 
 
 def split_counts(total: int, val_fraction: float, test_fraction: float) -> dict[str, int]:
-    """The number of patients `split_patients` puts in each split: a function of the counts alone, not of the data.
+    """The number of patients the *stratified* split (`split_patients`) puts in each split: a function of the counts.
 
-    A datamodule whose ``total`` is fixed by its configuration (the synthetic ones) declares its training split's
-    size from this before any data are read (``declared_num_patients``).
+    The per-patient split (the default) has no such counts: each patient's split follows its own id, so a split's
+    size is binomial (``split_patients``). Of a stratified split of a synthetic data set (``total`` fixed by the
+    configuration) the training split's size is known before any data are read (``declared_num_patients``).
 
     Example:
         >>> split_counts(200, 0.1, 0.2)
@@ -181,39 +230,23 @@ def split_counts(total: int, val_fraction: float, test_fraction: float) -> dict[
     return {"train": total - n_test - n_val, "val": n_val, "test": n_test}
 
 
-def split_patients(
-    patient_ids: list[str],
-    majority_labels: list[int],
-    val_fraction: float,
-    test_fraction: float,
-    seed: int,
+def _per_patient_split(patient_ids: Sequence[str], fractions: dict[str, float], seed: int) -> dict[str, list[str]]:
+    """Each patient in the first held-out split whose cumulative fraction exceeds its position, else train."""
+    bounds, cumulative = [], 0.0
+    for name in _HELD_OUT:
+        cumulative += fractions[name]
+        bounds.append((name, cumulative if fractions[name] > 0 else -1.0))
+    assignment: dict[str, list[str]] = {"train": [], "val": [], "test": [], "public": []}
+    for patient in sorted(patient_ids):
+        u = split_position(patient, seed)
+        assignment[next((name for name, bound in bounds if u < bound), "train")].append(patient)
+    return assignment
+
+
+def _stratified_split(
+    patient_ids: Sequence[str], majority_labels: Sequence[int], fractions: dict[str, float], seed: int
 ) -> dict[str, list[str]]:
-    """Splits patients into train/val/test, stratified by each patient's majority label.
-
-    Patients are shuffled with ``numpy.random.default_rng(seed)`` within each label, then interleaved
-    so that every prefix of the order has about the label mix of the whole; the first
-    ``round(test_fraction · P)`` are the test patients, the next ``round(val_fraction · P)`` the
-    validation patients (at least one each when the fraction is > 0), the rest train.
-
-    Args:
-        patient_ids: the patients (unique).
-        majority_labels: each patient's most frequent label.
-        val_fraction: fraction of patients for validation, in [0, 1).
-        test_fraction: fraction of patients for testing, in [0, 1).
-        seed: the split seed.
-
-    Returns:
-        ``{"train": [...], "val": [...], "test": [...]}``, each sorted.
-
-    Raises:
-        PrivacyConfigError: there are too few patients to give every requested split one patient and
-            keep at least one for training.
-
-    Example:
-        >>> split = split_patients(["a", "b", "c", "d", "e"], [0, 0, 1, 1, 1], 0.2, 0.2, seed=0)
-        >>> sorted(len(v) for v in split.values()), sorted(sum(split.values(), []))
-        ([1, 1, 3], ['a', 'b', 'c', 'd', 'e'])
-    """
+    """The label-stratified split of exact counts (the library's only split before the per-patient one)."""
     rng = np.random.default_rng(seed)
     keys: list[tuple[float, str]] = []
     for label in sorted(set(majority_labels)):
@@ -223,18 +256,146 @@ def split_patients(
         keys.extend(((rank + offset) / len(group), group[i]) for rank, i in enumerate(order))
     ordered = [patient for _, patient in sorted(keys)]
     total = len(ordered)
-    n_test, n_val = _held_out(total, test_fraction), _held_out(total, val_fraction)
-    if n_test + n_val >= total:
-        raise PrivacyConfigError(
-            f"`PatientDataModule(val_fraction={val_fraction!r}, test_fraction={test_fraction!r})`: the splits must "
-            f"leave at least one training patient, found {total} patient(s) for {n_val} validation and {n_test} test "
-            "patient(s). HINT: use more patients or smaller fractions (0.0 disables a split)."
-        )
+    n_test, n_val = _held_out(total, fractions["test"]), _held_out(total, fractions["val"])
+    train = sorted(ordered[n_test + n_val :])
+    public: set[str] = set()
+    n_public = _held_out(total, fractions["public"])
+    if 0 < n_public < len(train):  # public_fraction of all patients, drawn from the training split
+        public = {train[i] for i in np.random.default_rng([seed, 1]).permutation(len(train))[:n_public]}
+    elif n_public:
+        train = []  # too few patients: refused by the caller
     return {
-        "test": sorted(ordered[:n_test]),
+        "train": [p for p in train if p not in public],
         "val": sorted(ordered[n_test : n_test + n_val]),
-        "train": sorted(ordered[n_test + n_val :]),
+        "test": sorted(ordered[:n_test]),
+        "public": sorted(public),
     }
+
+
+def split_patients(
+    patient_ids: Sequence[str],
+    majority_labels: Sequence[int] | None,
+    val_fraction: float,
+    test_fraction: float,
+    seed: int,
+    *,
+    split_method: SplitMethod = "per_patient",
+    public_fraction: float = 0.0,
+    owner: str = "split_patients",
+) -> dict[str, list[str]]:
+    """Splits patients into train / val / test / public, by each patient's own id (default) or stratified by label.
+
+    ``split_method="per_patient"`` (the default): a patient's split is decided by its own id alone. Its position
+    ``u = split_position(id, seed)`` in [0, 1) (a keyed SHA-256 hash) puts it in test if ``u < test_fraction``, in
+    validation if ``u < test_fraction + val_fraction``, in public if ``u < test_fraction + val_fraction +
+    public_fraction``, else in train. Adding or removing one patient changes no other patient's split, so the
+    training set of D plus one patient is D's training set plus at most that patient: the neighbouring relation the
+    patient-level ε is stated for holds for adding a patient *to the manifest*. The sizes are binomial (each split
+    holds about its fraction of the patients, ± about √(fraction·P)); the label mix is not balanced (that would
+    depend on the other patients' labels).
+
+    ``split_method="stratified"``: patients are shuffled with ``numpy.random.default_rng(seed)`` within each majority
+    label, then interleaved so that every prefix of the order has about the label mix of the whole; the first
+    ``round(test_fraction · P)`` are the test patients, the next ``round(val_fraction · P)`` the validation patients
+    (at least one each when the fraction is > 0), the rest train, and ``round(public_fraction · P)`` of those are
+    drawn (seeded) into the public split. Exact sizes and balanced labels, but **the split depends on every
+    patient**: adding one patient re-shuffles the order and moves many others between the splits. The printed ε then
+    covers the training patients as given, not adding one patient to the manifest: for public or synthetic data.
+
+    Args:
+        patient_ids: the patients (unique).
+        majority_labels: each patient's most frequent label (read by the stratified split only; may be None for
+            the per-patient split).
+        val_fraction: fraction of patients for validation, in [0, 1).
+        test_fraction: fraction of patients for testing, in [0, 1).
+        seed: the split seed (public, chosen before the data are seen).
+        split_method: ``"per_patient"`` or ``"stratified"`` (see above).
+        public_fraction: fraction of patients for the public split (segmentation's PATE), in [0, 1).
+        owner: the call named in errors and warnings.
+
+    Returns:
+        ``{"train": [...], "val": [...], "test": [...], "public": [...]}``, each sorted.
+
+    Raises:
+        PrivacyConfigError: no patient is left for training, an unknown ``split_method``, or the stratified split
+            without labels.
+
+    Warns:
+        PrivacyWarning: a requested per-patient split (fraction > 0) holds no patient; the run goes on without it (a
+            refusal would be a bit that depends on the other patients). For the data holder only.
+
+    Example:
+        >>> ids = [f"P{i:04d}" for i in range(40)]
+        >>> split = split_patients(ids, None, 0.1, 0.2, seed=0)
+        >>> sorted(sum(split.values(), [])) == ids
+        True
+        >>> smaller = split_patients(ids[1:], None, 0.1, 0.2, seed=0)  # one patient fewer: no other one moves
+        >>> all(set(smaller[k]) == set(split[k]) - {"P0000"} for k in split)
+        True
+        >>> exact = split_patients(ids, [i % 2 for i in range(40)], 0.1, 0.2, seed=0, split_method="stratified")
+        >>> {k: len(v) for k, v in exact.items()}
+        {'train': 28, 'val': 4, 'test': 8, 'public': 0}
+    """
+    method = check_split_method(owner, split_method)
+    fractions = {"val": float(val_fraction), "test": float(test_fraction), "public": float(public_fraction)}
+    if method == "per_patient":
+        assignment = _per_patient_split(patient_ids, fractions, seed)
+    else:
+        labels = _labels_for(owner, patient_ids, majority_labels)
+        assignment = _stratified_split(patient_ids, labels, fractions, seed)
+    _check_training_left(owner, method, fractions, assignment)
+    if method == "per_patient":
+        _warn_empty_splits(owner, fractions, assignment)
+    return assignment
+
+
+def _labels_for(owner: str, patient_ids: Sequence[str], majority_labels: Sequence[int] | None) -> Sequence[int]:
+    """The majority labels the stratified split needs, one per patient (else a `PrivacyConfigError`)."""
+    if majority_labels is None or len(majority_labels) != len(patient_ids):
+        found = "none" if majority_labels is None else f"{len(majority_labels)} for {len(patient_ids)} patients"
+        raise PrivacyConfigError(
+            f"`{owner}(split_method='stratified')`: the stratified split needs each patient's majority label, found "
+            f"{found}. HINT: pass majority_labels, or use split_method='per_patient'."
+        )
+    return majority_labels
+
+
+def _check_training_left(
+    owner: str, method: str, fractions: dict[str, float], assignment: dict[str, list[str]]
+) -> None:
+    """Refuses a split that leaves no training patient (nothing could be trained), with the numbers and a hint."""
+    if assignment["train"]:
+        return
+    total = sum(len(patients) for patients in assignment.values())
+    given = ", ".join(f"{name}_fraction={value!r}" for name, value in fractions.items() if value > 0)
+    held = ", ".join(f"{len(assignment[name])} {name}" for name in ("val", "test", "public") if fractions[name] > 0)
+    how = (
+        "each patient's split follows a hash of its own id, so the training split's size varies: binomial, expected "
+        f"{total * (1 - sum(fractions.values())):.3g}"
+        if method == "per_patient"
+        else "every requested split holds at least one patient"
+    )
+    raise PrivacyConfigError(
+        f"`{owner}(split_method={method!r}, {given})`: the splits must leave at least one training patient, found "
+        f"{total} patient(s) and none for training ({held}; {how}). HINT: use more patients or smaller fractions "
+        "(0.0 disables a split), or mark each patient's split in the manifest's `split` column."
+    )
+
+
+def _warn_empty_splits(owner: str, fractions: dict[str, float], assignment: dict[str, list[str]]) -> None:
+    """Warns the data holder of a requested per-patient split that holds no patient (the run goes on without it)."""
+    total = sum(len(patients) for patients in assignment.values())
+    for name in ("val", "test", "public"):
+        if fractions[name] > 0 and not assignment[name]:
+            warnings.warn(
+                f"`{owner}(split_method='per_patient', {name}_fraction={fractions[name]!r})`: the {name} split holds "
+                f"no patient (expected {fractions[name] * total:.3g} of {total}: each patient's split follows a hash "
+                "of its own id, so a split's size varies). The run goes on without it. This note is for the data "
+                f"holder only: do not publish it. HINT: a larger {name}_fraction, or mark the {name} patients in the "
+                "manifest's `split` column.",
+                PrivacyWarning,
+                stacklevel=3,
+            )
 
 
 def assign_manifest_splits(

@@ -10,16 +10,17 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-import numpy as np
 from torch import Tensor
 from torch.utils.data import DataLoader
 
 from lightning_dp.data.errors import DataError
 from lightning_dp.data.patients import (
     PatientSplitsDataModule,
+    SplitMethod,
     assign_manifest_splits,
     check_loader_arguments,
     check_split_arguments,
+    check_split_method,
     split_patients,
 )
 from lightning_dp.data.segmentation import (
@@ -44,9 +45,10 @@ class SegmentationDataModule(PatientSplitsDataModule[PatientSegmentationDataset]
 
     If the manifest has a ``split`` column it is used as is (values train, val, test, public; a patient
     found in two splits is an error; the fractions are then ignored). Otherwise the patients are split
-    with `split_patients` (stratified by whether most of a patient's images show foreground,
-    deterministic in ``split_seed``), and ``public_fraction`` of all patients are then moved from the
-    training split to the public split (so val and test do not depend on ``public_fraction``). A
+    with `split_patients` by ``split_method``: by default each patient's split follows a hash of its own
+    id and ``split_seed`` alone (test, validation and public take about their fraction of all patients,
+    and the public patients are taken from those that would otherwise train, so val and test do not
+    depend on ``public_fraction``); adding or removing a patient moves no other patient. A
     separate ``public_manifest`` may hold the public images instead (masks optional; its patients
     must not occur in ``manifest``). Batches are ``(images, masks, patients)``; the patient indices
     refer to the ``patient_ids`` of the split's dataset.
@@ -58,7 +60,7 @@ class SegmentationDataModule(PatientSplitsDataModule[PatientSegmentationDataset]
         test_fraction: fraction of patients for testing, in [0, 1).
         public_fraction: fraction of patients made public, in [0, 1) (0 = no public split).
         public_manifest: a manifest of public images (exclusive with ``public_fraction``).
-        split_seed: seed of the patient split.
+        split_seed: seed of the patient split (public: chosen before the data are seen).
         num_workers: DataLoader worker processes.
         augment: random flips and 90° rotations of image and mask together (`RandomFlipRot90`),
             training split only.
@@ -74,6 +76,13 @@ class SegmentationDataModule(PatientSplitsDataModule[PatientSegmentationDataset]
             ``teacher_seed``, so adding or removing one patient changes one teacher; val/test unchanged).
         num_teachers: K, the number of PATE teachers the training patients are split among.
         teacher_seed: the public key of that split (the same for all K teachers).
+        split_method: ``"per_patient"`` (default): a patient's split (public included) follows its own id alone,
+            so the split sizes are binomial and an empty validation, test or public split is warned about, not
+            refused. ``"stratified"``: exact sizes, stratified by whether most of a patient's images show
+            foreground, ``round(public_fraction · P)`` public patients drawn from the training ones; the split
+            then depends on every patient (one added patient moves others between the splits), so the printed ε
+            covers the training patients as given, not adding one patient to the manifest: for public or
+            synthetic data. Ignored with a ``split`` column.
 
     Raises:
         PrivacyConfigError: an argument is out of range (raised by the constructor, before any I/O).
@@ -81,13 +90,13 @@ class SegmentationDataModule(PatientSplitsDataModule[PatientSegmentationDataset]
     Example:
         >>> import tempfile
         >>> from lightning_dp.data.synthetic import generate_synthetic_silhouettes
-        >>> manifest = generate_synthetic_silhouettes(tempfile.mkdtemp(), num_patients=10, images_per_patient=2,
+        >>> manifest = generate_synthetic_silhouettes(tempfile.mkdtemp(), num_patients=20, images_per_patient=2,
         ...                                           image_size=16)
         >>> dm = SegmentationDataModule(str(manifest), batch_size=4, val_fraction=0.2, test_fraction=0.2,
         ...                             public_fraction=0.2)
-        >>> dm.setup()
+        >>> dm.setup()  # each patient's split follows its own id: the sizes are about the fractions
         >>> len(dm.train_patients), dm.val_dataset.num_patients, dm.public_dataset.num_patients
-        (4, 2, 2)
+        (5, 5, 6)
         >>> images, masks, patients = next(iter(dm.train_dataloader()))
         >>> tuple(images.shape), tuple(masks.shape), patients.dtype
         ((4, 3, 16, 16), (4, 1, 16, 16), torch.int64)
@@ -113,9 +122,11 @@ class SegmentationDataModule(PatientSplitsDataModule[PatientSegmentationDataset]
         teacher: int | None = None,
         num_teachers: int | None = None,
         teacher_seed: int = 0,
+        split_method: SplitMethod = "per_patient",
     ) -> None:
         super().__init__()
         owner = type(self).__name__
+        check_split_method(owner, split_method)
         if (teacher is None) != (num_teachers is None):
             raise PrivacyConfigError(
                 f"`{owner}(teacher={teacher!r}, num_teachers={num_teachers!r})`: give both or neither. HINT: "
@@ -150,6 +161,7 @@ class SegmentationDataModule(PatientSplitsDataModule[PatientSegmentationDataset]
         self.public_fraction = float(public_fraction)
         self.public_manifest = None if public_manifest is None else str(public_manifest)
         self.split_seed = split_seed
+        self.split_method = split_method
         self.num_workers = num_workers
         self.augment = augment
         self.dataset_options: dict[str, Any] = {
@@ -203,24 +215,21 @@ class SegmentationDataModule(PatientSplitsDataModule[PatientSegmentationDataset]
         self._public_images = public_images
 
     def _random_split(self, full: PatientSegmentationDataset) -> dict[str, list[str]]:
-        positive = full.positive
-        majority = [int(positive[full.patient_to_indices[p]].float().mean() >= 0.5) for p in range(full.num_patients)]
-        assignment = split_patients(full.patient_ids, majority, self.val_fraction, self.test_fraction, self.split_seed)
-        assignment["public"] = []
-        if self.public_fraction > 0:
-            count = max(1, round(self.public_fraction * full.num_patients))
-            train = assignment["train"]
-            if count >= len(train):
-                raise PrivacyConfigError(
-                    f"`{type(self).__name__}(public_fraction={self.public_fraction!r})`: the public split must leave "
-                    f"at least one training patient, found {len(train)} training patient(s) for {count} public "
-                    "one(s). HINT: use more patients or a smaller public_fraction."
-                )
-            order = np.random.default_rng([self.split_seed, 1]).permutation(len(train))
-            public = {train[i] for i in order[:count]}
-            assignment["public"] = sorted(public)
-            assignment["train"] = [p for p in train if p not in public]
-        return assignment
+        majority = None
+        if self.split_method == "stratified":
+            positive = full.positive
+            patients = range(full.num_patients)
+            majority = [int(positive[full.patient_to_indices[p]].float().mean() >= 0.5) for p in patients]
+        return split_patients(
+            full.patient_ids,
+            majority,
+            self.val_fraction,
+            self.test_fraction,
+            self.split_seed,
+            split_method=self.split_method,
+            public_fraction=self.public_fraction,
+            owner=type(self).__name__,
+        )
 
     def _manifest_split(self, rows: list[SegmentationRow]) -> dict[str, list[str]]:
         assignment = assign_manifest_splits(

@@ -76,12 +76,15 @@ _SAME = (
     "image_size",
     "seed",
     "split_seed",
+    "split_method",
     "val_fraction",
     "test_fraction",
     "public_fraction",
     "num_teachers",
     "teacher_seed",
 )
+#: What a teacher checkpoint or release file written before ``split_method`` existed was split with.
+_BEFORE_SPLIT_METHOD = {"split_method": "stratified"}
 #: Of those, the ones that define the private patients themselves (one ledger per set of private patients).
 _PRIVATE_DATA = tuple(key for key in _SAME if key not in ("num_teachers", "teacher_seed"))
 #: Format of the release file. 2: requests no longer hold the noise seed (1 held it in clear; read, then rewritten).
@@ -221,7 +224,7 @@ class PATEStudentDataModule(pl.LightningDataModule):
                     "partition 0..K-1."
                 )
             seen[hp["teacher"]] = path
-            same = {key: hp.get(key) for key in _SAME}
+            same = {key: hp.get(key, _BEFORE_SPLIT_METHOD.get(key)) for key in _SAME}
             if reference is not None and same != reference:
                 differ = [f"{key}: {same[key]!r} vs {reference[key]!r}" for key in _SAME if same[key] != reference[key]]
                 raise PrivacyConfigError(
@@ -589,11 +592,10 @@ def _read_release(path: str, private_data: dict[str, Any], delta: float) -> dict
             f"`PATEStudentDataModule`: the release file {path!r} has format_version {body.get('format_version')!r}, "
             f"expected {_RELEASE_FORMAT}. HINT: use the lightning-dp version that wrote it."
         )
-    if body.get("private_data") != private_data:
+    stored = {**_BEFORE_SPLIT_METHOD, **body["private_data"]} if isinstance(body.get("private_data"), dict) else None
+    if stored != private_data:
         differ = [
-            f"{k}: {v!r} vs {body.get('private_data', {}).get(k)!r}"
-            for k, v in private_data.items()
-            if body.get("private_data", {}).get(k) != v
+            f"{k}: {v!r} vs {(stored or {}).get(k)!r}" for k, v in private_data.items() if (stored or {}).get(k) != v
         ]
         raise PrivacyStateError(
             f"`PATEStudentDataModule`: the release file {path!r} holds releases over other private data "

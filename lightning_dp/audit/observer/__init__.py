@@ -3,7 +3,8 @@
 ALGORITHMS.md §9: a guarantee covers everything an observer sees. Rooms:
 
 * `secrets`: `SecretTape`, every secret draw of a run replayed in its neighbour, one purpose varied at will;
-* `channels`: what an observer sees (releases, console, log records, warnings, files, refusals), normalized;
+* `channels`: what an observer sees (releases, console, log records, warnings, files, refusals, the patients of
+  each split), normalized;
 * `units`: the adversarial units a neighbour adds (huge, whale, one image, unreadable, non-finite, raising, empty);
 * `pipelines`: what a user runs — ``lightning-dp fit`` (`FitPipeline`), ``lightning-dp tune`` (`TunePipeline`), the
   federated apps (`FederatedPipeline`), PATE's teachers, vote and student (`PatePipeline`);

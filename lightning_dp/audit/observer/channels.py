@@ -7,7 +7,8 @@ An `Observation` holds one world's channels in three kinds:
 * ``channels``: everything else an observer sees — console lines and log records, warnings, the outcome (a refusal
   or an exception: type and text), the files the run wrote (names; text files' content; TensorBoard scalars;
   checkpoints' structure, counters and privacy state), the number, shapes, normalizers and multipliers of the
-  releases, the secret draws made, which sites were summed: all must be equal across neighbouring worlds;
+  releases, the secret draws made, which sites were summed, which patients each split holds (less the added
+  unit: `observe_splits`): all must be equal across neighbouring worlds;
 * ``derived``: post-processing of the releases with public data (the weights and optimizer state in a checkpoint,
   metrics on the validation split): listed, free to differ.
 
@@ -33,7 +34,16 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["Observation", "ReleaseRecord", "normalize", "observe_console", "observe_releases", "scan_files"]
+__all__ = [
+    "Observation",
+    "ReleaseRecord",
+    "normalize",
+    "observe_console",
+    "observe_releases",
+    "observe_splits",
+    "scan_files",
+    "splits_channel",
+]
 
 #: Loggers whose records an observer sees (some do not propagate to the root).
 LOGGERS = ("", "pytorch_lightning", "lightning.pytorch", "lightning_fabric", "lightning_dp", "flwr")
@@ -130,6 +140,68 @@ def observe_releases() -> Iterator[list[ReleaseRecord]]:
     finally:
         for cls, original in originals.items():
             setattr(cls, "release", original)  # noqa: B010
+
+
+@contextlib.contextmanager
+def observe_splits() -> Iterator[list[tuple[str, dict[str, list[str]]]]]:
+    """Records the patients of every split that a patient datamodule's ``setup()`` builds in this block.
+
+    Which units a release sums is a channel (ALGORITHMS.md §9): the training split of D plus one unit must be D's
+    plus at most that unit, whatever the unit is. A split that follows the other patients (the stratified split of
+    a manifest without a ``split`` column re-deals every patient when one is added) moves patients between the
+    splits; the release may hide it (same-label patients' clipped updates nearly cancel), this record does not.
+    Each record is the datamodule's class name and its splits (name -> patient ids), once per datamodule.
+    """
+    from lightning_dp.data.patients import PatientSplitsDataModule
+
+    records: list[tuple[str, dict[str, list[str]]]] = []
+    seen: set[int] = set()
+    classes: list[type] = []
+    pending: list[type] = [PatientSplitsDataModule]
+    while pending:
+        cls = pending.pop()
+        classes.append(cls)
+        pending.extend(cls.__subclasses__())
+    originals = {cls: cls.__dict__["setup"] for cls in classes if "setup" in cls.__dict__}
+    depth = [0]  # a subclass's setup calling its base's: one datamodule
+
+    def wrap(original: Any) -> Any:
+        def setup(self: Any, *args: Any, **kwargs: Any) -> Any:
+            depth[0] += 1
+            try:
+                out = original(self, *args, **kwargs)
+            finally:
+                depth[0] -= 1
+            splits = getattr(self, "_splits", None)
+            if depth[0] == 0 and splits is not None and id(self) not in seen:
+                seen.add(id(self))
+                ids = {name: [] if data is None else list(data.patient_ids) for name, data in splits.items()}
+                records.append((type(self).__name__, ids))
+            return out
+
+        return setup
+
+    for cls, original in originals.items():
+        setattr(cls, "setup", wrap(original))  # noqa: B010
+    try:
+        yield records
+    finally:
+        for cls, original in originals.items():
+            setattr(cls, "setup", original)  # noqa: B010
+
+
+def splits_channel(records: list[tuple[str, dict[str, list[str]]]], unit_ids: tuple[str, ...]) -> list[str]:
+    """`observe_splits`' records as a channel: one line per datamodule and split, the added unit's ids left out.
+
+    Example:
+        >>> splits_channel([("DM", {"train": ["a", "zz"], "val": ["b"]})], ("zz",))
+        ['DM train: a', 'DM val: b']
+    """
+    return [
+        f"{owner} {name}: {' '.join(p for p in ids if p not in unit_ids)}"
+        for owner, splits in records
+        for name, ids in splits.items()
+    ]
 
 
 class _Records(logging.Handler):

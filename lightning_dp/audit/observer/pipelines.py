@@ -2,7 +2,9 @@
 
 * `FitPipeline`: ``lightning-dp fit --config`` in this process (the command's LightningCLI run), on a manifest of
   PNG images the pipeline writes (P3SGD: the unit is a patient; DP-SGD: an image), in a folder of its own that it
-  makes the working folder, so that the two worlds' configs, paths and outputs are the same text.
+  makes the working folder, so that the two worlds' configs, paths and outputs are the same text. The manifest
+  declares each patient's split in a ``split`` column, or (``split="per_patient"``, ``"stratified"``) has none and
+  the config's fractions split the patients: the default path of a user's data.
 * `TunePipeline`: ``lightning-dp tune``'s search (`lightning_dp.tuning.tune`) of `FitPipeline`'s config: the
   release is the best trial (its model, hyperparameters and scores); K, the other trials and the index stay in
   ``private/`` (the data holder's).
@@ -29,7 +31,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from lightning_dp.audit.observer.channels import Observation, normalize, observe_console, observe_releases, scan_files
+from lightning_dp.audit.observer.channels import (
+    Observation,
+    normalize,
+    observe_console,
+    observe_releases,
+    observe_splits,
+    scan_files,
+    splits_channel,
+)
 from lightning_dp.audit.observer.units import Unit, unit_images
 
 __all__ = ["BUILTIN", "FederatedPipeline", "FitPipeline", "PatePipeline", "TunePipeline", "builtin_pipeline"]
@@ -64,6 +74,14 @@ class FitPipeline:
     D holds ``patients`` training patients of ``images`` images each (a bright square marks label 1) and 4
     validation patients; N is declared as ``patients + 1`` (the protocol's number, fixed before the data are
     counted: D′'s count). ``overrides`` replace keys of the config's callback (e.g. a mutant's setting).
+
+    ``split`` says how D's patients are split. ``"column"`` (default): the manifest's ``split`` column, the data
+    holder's split declared before the data are counted. ``"per_patient"`` or ``"stratified"``: no column (what a
+    user's manifest usually is); the config's ``val_fraction`` (test 0) and ``split_method`` split all ``patients + 4``
+    patients, and the added unit is one more patient of the manifest. With ``split_seed`` 0 and ``val_fraction`` 0.3
+    the per-patient split trains 6 of the 10 patients of ``patients=6`` and puts the unit (``zz_unit``) in training.
+    The stratified split re-deals every patient when one is added, which the audit sees as a release moved by more
+    than C (the split channel).
     """
 
     engine: str = "p3sgd"
@@ -77,10 +95,12 @@ class FitPipeline:
     purposes: tuple[str, ...] = ("noise", "coins")
     overrides: dict[str, Any] = field(default_factory=dict)
     augment: bool = True
+    split: str = "column"
+    val_fraction: float = 0.3
 
     @property
     def name(self) -> str:
-        return f"fit-{self.engine}"
+        return f"fit-{self.engine}" + {"column": "", "per_patient": "-split"}.get(self.split, f"-{self.split}-split")
 
     @property
     def units_declared(self) -> int:
@@ -156,21 +176,31 @@ class FitPipeline:
                     "image_size": self.size,
                     "batch_size": 8,
                     "augment": self.augment,
+                    **self._split_args(),
                 },
             },
         }
 
+    def _split_args(self) -> dict[str, Any]:
+        """The config's split of a manifest without a ``split`` column (nothing with one: the column decides)."""
+        if self.split == "column":
+            return {}
+        if self.split not in ("per_patient", "stratified"):
+            raise ValueError(f"FitPipeline(split={self.split!r}): 'column', 'per_patient' or 'stratified'.")
+        return {"val_fraction": self.val_fraction, "test_fraction": 0.0, "split_seed": 0, "split_method": self.split}
+
     def _write_data(self, folder: Path, unit: Unit | None) -> None:
         data = folder / "data"
         data.mkdir(parents=True)
-        rows = ["path,label,patient_id,split"]
+        column = self.split == "column"
+        rows = ["path,label,patient_id" + (",split" if column else "")]
         g = np.random.default_rng(0)  # public and fixed: D is the same in every world
 
         def patient(pid: str, label: int, split: str, images: list[np.ndarray]) -> None:
             for k, image in enumerate(images):
                 name = f"{pid}_{k}.png"
                 _png(data / name, image)
-                rows.append(f"{name},{label},{pid},{split}")
+                rows.append(f"{name},{label},{pid}" + (f",{split}" if column else ""))
 
         for i in range(self.patients + 4):
             label, split = i % 2, ("train" if i < self.patients else "val")
@@ -186,7 +216,7 @@ class FitPipeline:
                 unit = Unit(unit.name, unit.images[:1], unit.label, unit.kind)  # one image: DP-SGD's unit
             if unit.images is None:
                 (data / "zz_unit_0.png").write_bytes(b"\x89PNG\r\n\x1a\n not an image")
-                rows.append(f"zz_unit_0.png,{unit.label},zz_unit,train")
+                rows.append(f"zz_unit_0.png,{unit.label},zz_unit" + (",train" if column else ""))
             else:
                 patient("zz_unit", unit.label, "train", unit.images)
         (data / "manifest.csv").write_text("\n".join(rows) + "\n")
@@ -204,7 +234,12 @@ class FitPipeline:
         obs = Observation()
         err: BaseException | None = None
         code: Any = None
-        with _inside(folder), observe_releases() as releases, observe_console(roots) as console:
+        with (
+            _inside(folder),
+            observe_releases() as releases,
+            observe_splits() as splits,
+            observe_console(roots) as console,
+        ):
             try:
                 code = run_lightning(["fit", "--config", "config.yaml"], "fit")
             except BaseException as caught:  # noqa: BLE001 — a refusal, an error or an exit is a channel
@@ -213,6 +248,7 @@ class FitPipeline:
                 err = caught
         obs.releases = releases
         obs.channels["outcome"] = _outcome(err, roots) if err is not None else f"exit {code}"
+        obs.channels["splits (patients of each split, less the added unit)"] = splits_channel(splits, ("zz_unit",))
         # The console and the training checkpoint are the data holder's (the config says the checkpoint is as
         # private as the data); what is published is the model without the privacy state, the logs and reports.
         obs.holder.update({f"console.{k}": v for k, v in console.items()})
@@ -505,6 +541,13 @@ class PatePipeline:
     teachers, their files and the release file's requests (digests of the teachers' checkpoints) are the data holder's;
     so is the student's training checkpoint (the published model is `publishable_checkpoint`'s copy). The student's
     training metrics are post-processing (public images, released labels).
+
+    ``split``: ``"column"`` (default) is the manifest's ``split`` column above; ``"per_patient"`` or ``"stratified"``
+    writes no column, and the configs' ``val_fraction`` (0.1), ``public_fraction`` (0.4) and ``split_method`` split
+    the same patients (their ids keep their letters, which then mean nothing): the default path of a user's
+    manifest. With ``split_seed`` 1 the per-patient split trains 8 of the 11 patients, makes 2 public and 1 a
+    validation patient, and trains the added unit (``zz_unit``). Which patients each split of every datamodule holds
+    (the teachers' partitions included), less the added unit, is a channel.
     """
 
     teachers: int = 2
@@ -526,6 +569,8 @@ class PatePipeline:
     #: Refusals by the data holder's own check of its data, before anything is released (one teacher's ``fit`` reads
     #: every image of the manifest and refuses one it cannot decode or whose values are not finite, naming the file).
     declared_refusals: tuple[str, ...] = ("the image must be a readable file", "must have finite values")
+    split: str = "column"
+    split_seed: int = 1
 
     @property
     def inapplicable(self) -> dict[str, str]:
@@ -555,6 +600,18 @@ class PatePipeline:
 
     def _data(self, teacher: int | None) -> dict[str, Any]:
         args: dict[str, Any] = {"manifest": "data/manifest.csv", "batch_size": 4}
+        if self.split != "column":  # no split column: the config's fractions split the manifest's patients
+            if self.split not in ("per_patient", "stratified"):
+                raise ValueError(f"PatePipeline(split={self.split!r}): 'column', 'per_patient' or 'stratified'.")
+            args.update(
+                {
+                    "val_fraction": 0.1,
+                    "test_fraction": 0.0,
+                    "public_fraction": 0.4,
+                    "split_seed": self.split_seed,
+                    "split_method": self.split,
+                }
+            )
         if teacher is not None:
             args.update({"num_teachers": self.teachers, "teacher": teacher})
         return {"class_path": "lightning_dp.data.SegmentationDataModule", "init_args": args}
@@ -608,7 +665,8 @@ class PatePipeline:
     def _write_data(self, folder: Path, unit: Unit | None) -> None:
         data = folder / "data"
         data.mkdir(parents=True)
-        rows = ["image,mask,patient_id,split"]
+        column = self.split == "column"
+        rows = ["image,mask,patient_id" + (",split" if column else "")]
         g = np.random.default_rng(0)  # public and fixed: D is the same in every world
         size = self.size
 
@@ -622,7 +680,7 @@ class PatePipeline:
                     np.save(data / f"{stem}.npy", image.astype(np.float32))
                     name = f"{stem}.npy"
                 _png(data / f"{stem}_mask.png", mask.astype(np.float32))
-                rows.append(f"{name},{stem}_mask.png,{pid},{split}")
+                rows.append(f"{name},{stem}_mask.png,{pid}" + (f",{split}" if column else ""))
 
         splits = ["train"] * self.patients + ["val"] + ["public"] * self.public
         for i, split in enumerate(splits):
@@ -639,7 +697,7 @@ class PatePipeline:
             if unit.images is None:
                 (data / "zz_unit_0.png").write_bytes(b"\x89PNG\r\n\x1a\n not an image")
                 _png(data / "zz_unit_0_mask.png", np.zeros((size, size), np.float32))
-                rows.append(f"zz_unit_0.png,zz_unit_0_mask.png,{pid},train")
+                rows.append(f"zz_unit_0.png,zz_unit_0_mask.png,{pid}" + (",train" if column else ""))
             else:
                 masks = [(np.nan_to_num(image) > 0.5).astype(np.float32) for image in unit.images]
                 patient(pid, "train", list(unit.images), masks, tag="u")
@@ -679,7 +737,12 @@ class PatePipeline:
         obs = Observation()
         outcomes: list[str] = []
         first = 0
-        with _inside(folder), observe_releases() as releases, observe_console(roots) as console:
+        with (
+            _inside(folder),
+            observe_releases() as releases,
+            observe_splits() as splits,
+            observe_console(roots) as console,
+        ):
             for k in range(self.teachers):
                 argv = ["fit", "--config", "teacher.yaml", f"--data.init_args.teacher={k}"]
                 argv.append(f"--trainer.default_root_dir=teachers/teacher_{k}")
@@ -692,6 +755,8 @@ class PatePipeline:
                 outcomes.append("student again: " + self._fit(["fit", "--config", "student.yaml"], roots))
         obs.releases = releases
         obs.channels["outcome"] = "; ".join(outcomes)
+        # The colliding unit's rows are t00's (a patient of D): its split must not change either.
+        obs.channels["splits (patients of each split, less the added unit)"] = splits_channel(splits, ("zz_unit",))
         obs.holder.update({f"console.{k}": v for k, v in console.items()})
         for k in range(self.teachers):  # what each teacher contributes: its weights (the teachers are never released)
             path = folder / "teachers" / f"teacher_{k}" / "checkpoints" / "last.ckpt"
@@ -750,6 +815,7 @@ class PatePipeline:
 BUILTIN = (
     "fit-p3sgd",
     "fit-dpsgd",
+    "fit-p3sgd-split",
     "tune",
     "federated",
     "federated-sites",
@@ -762,8 +828,9 @@ BUILTIN = (
 def builtin_pipeline(name: str) -> tuple[Any, list[str]]:
     """The built-in pipeline ``name`` (one of `BUILTIN`) and the adversarial units it can hold.
 
-    ``federated-deadline`` is the federated one with a 0.5 s deadline and a whale of 40,000 images: an uncapped
-    whale's round takes seconds there, a capped round milliseconds.
+    ``fit-p3sgd-split`` is ``fit-p3sgd`` on a manifest without a ``split`` column, split by the config's fractions
+    (the default per-patient split). ``federated-deadline`` is the federated one with a 0.5 s deadline and a whale of
+    40,000 images: an uncapped whale's round takes seconds there, a capped round milliseconds.
     """
     from lightning_dp.audit.observer.units import FILE_UNITS, MEMORY_UNITS
 
@@ -771,6 +838,8 @@ def builtin_pipeline(name: str) -> tuple[Any, list[str]]:
         return FitPipeline("p3sgd", patients=6, steps=2), list(FILE_UNITS)
     if name == "fit-dpsgd":
         return FitPipeline("dpsgd", patients=6, steps=2), ["huge", "one_image"]
+    if name == "fit-p3sgd-split":
+        return FitPipeline("p3sgd", patients=6, steps=2, split="per_patient"), list(FILE_UNITS)
     if name == "tune":
         return TunePipeline(), ["huge"]
     if name == "federated":

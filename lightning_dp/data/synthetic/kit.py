@@ -19,6 +19,7 @@ import inspect
 import json
 import os
 import shutil
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -30,7 +31,7 @@ import numpy as np
 from numpy.typing import NDArray
 from PIL import Image
 
-from lightning_dp.data.patients import PatientSplitsDataModule, split_counts
+from lightning_dp.data.patients import PatientSplitsDataModule, SplitMethod, split_patients
 from lightning_dp.errors import PrivacyConfigError, check_in_interval
 
 __all__ = [
@@ -349,6 +350,8 @@ class GeneratedDataModule(PatientSplitsDataModule):
     #: Set by the datamodule base this mixes into (its split arguments).
     val_fraction: float
     test_fraction: float
+    split_seed: int
+    split_method: SplitMethod
 
     @staticmethod
     def manifest_in(root: Union[str, os.PathLike[str]]) -> str:
@@ -379,23 +382,35 @@ class GeneratedDataModule(PatientSplitsDataModule):
 
     #: The images every generated patient has (None where it varies): with the training patients, N of DPSGD.
     _images_per_patient: int | None = None
+    #: The ids the generator gives patients 0, 1, … (``"P0007"``): public, a function of ``num_patients`` alone.
+    _patient_id_format: str = "P{:04d}"
 
     @property
     def declared_num_patients(self) -> int | None:
         """N of the training split in patients, fixed by the configuration before any data are generated or read.
 
-        The generator writes ``num_patients`` patients and the split takes counts that depend on the counts alone
-        (`split_counts`, less the public split of a segmentation datamodule): so this is public, the same number
-        whatever the images hold. `P3SGD` divides by q·N with it. None for a PATE teacher's partition.
+        The generator writes ``num_patients`` patients whose ids follow from their number alone (``P0000`` …), and
+        the split is a function of the ids, the fractions and ``split_seed`` (`split_patients`; the stratified
+        split's sizes follow from the counts): so this is public, the same number whatever the images hold, and it
+        is the training split's real size. `P3SGD` divides by q·N with it. None for a PATE teacher's partition.
         """
         if getattr(self, "num_teachers", None) is not None:
             return None
-        counts = split_counts(int(self.generator_kwargs["num_patients"]), self.val_fraction, self.test_fraction)
-        train = counts["train"]
-        public = float(getattr(self, "public_fraction", 0.0))
-        if public > 0:
-            train -= max(1, round(public * int(self.generator_kwargs["num_patients"])))
-        return train
+        total = int(self.generator_kwargs["num_patients"])
+        ids = [self._patient_id_format.format(i) for i in range(total)]
+        with warnings.catch_warnings():  # an empty held-out split is the data holder's note at setup(), not here
+            warnings.simplefilter("ignore")
+            split = split_patients(
+                ids,
+                [0] * total,  # the stratified split's sizes do not depend on the labels
+                self.val_fraction,
+                self.test_fraction,
+                self.split_seed,
+                split_method=self.split_method,
+                public_fraction=float(getattr(self, "public_fraction", 0.0)),
+                owner=type(self).__name__,
+            )
+        return len(split["train"])
 
     @property
     def declared_num_samples(self) -> int | None:

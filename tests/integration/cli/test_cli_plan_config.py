@@ -244,7 +244,8 @@ def test_plan_config_is_what_the_run_reports(
     report = _fit_report(config, tmp_path)
     capsys.readouterr()
     planned = _plan(capsys, "--config", str(config))
-    expected_units = 9 if engine == "P3SGD" else 27  # 12 patients, 3 for testing; 3 images each
+    # 12 patients; the per-patient split of their ids tests 4 (test_fraction 0.25: binomial); 3 images each.
+    expected_units = 8 if engine == "P3SGD" else 24
     if planned["units"] is None:  # neither q nor δ needs N here: plan reads no data, and asks for N
         assert planned["noise_per_coordinate"] is None
         planned = _plan(capsys, "--config", str(config), "--units", str(expected_units))

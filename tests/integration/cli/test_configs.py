@@ -45,7 +45,7 @@ def _data_overrides(config: Path, root: Path, image_size: int = 32) -> list[str]
         return [
             f"--data.init_args.root={root}",
             "--data.init_args.num_patients=12",
-            "--data.init_args.images_per_patient=16",  # 9 training patients: 144 images, 2 DPSGD steps per epoch
+            "--data.init_args.images_per_patient=16",  # 8 training patients: 128 images, 2 DPSGD steps per epoch
             f"--data.init_args.image_size={image_size}",
         ]
     return [

@@ -5,6 +5,7 @@ See docs/concepts.md, 'Choosing δ'.
 
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
 from typing import Any
 
@@ -19,16 +20,12 @@ ENGINES = {"lightning_dp.callbacks.DPSGD": "sample", "lightning_dp.callbacks.P3S
 
 
 def _training_units(data: dict[str, Any], unit: str) -> int:
-    """The number of training units the config's datamodule gives (its patient split, as split_patients makes it)."""
-    args = data["init_args"]
-    total = int(args["num_patients"])
-    held_out = sum(
-        max(1, round(float(args.get(key, 0.0)) * total)) if float(args.get(key, 0.0)) > 0 else 0
-        for key in ("val_fraction", "test_fraction", "public_fraction")
-    )
-    patients = total - held_out
-    per_patient = int(args.get("patches_per_patient", args.get("images_per_patient", 1)))
-    return patients if unit == "patient" else patients * per_patient
+    """The number of training units the config's (synthetic) datamodule declares: its split, before any data exist."""
+    module, _, name = str(data["class_path"]).rpartition(".")
+    datamodule = getattr(importlib.import_module(module), name)(**data["init_args"])
+    declared = datamodule.declared_num_patients if unit == "patient" else datamodule.declared_num_samples
+    assert isinstance(declared, int), f"{data['class_path']} declares no N"
+    return declared
 
 
 def _private_configs() -> list[Path]:

@@ -18,7 +18,7 @@ from lightning_dp.data import (
     generate_synthetic_pathology,
     split_patients,
 )
-from lightning_dp.errors import PrivacyConfigError
+from lightning_dp.errors import PrivacyConfigError, PrivacyWarning
 
 
 @pytest.fixture(scope="module")
@@ -47,13 +47,21 @@ def _patients_of(dm: PatientDataModule) -> dict[str, set[str]]:
     }
 
 
-def test_split_is_by_patient_disjoint_and_complete(synthetic_manifest: Path) -> None:
-    dm = PatientDataModule(str(synthetic_manifest), val_fraction=0.2, test_fraction=0.3, augment=False)
+@pytest.mark.parametrize("method", ["per_patient", "stratified"])
+def test_split_is_by_patient_disjoint_and_complete(synthetic_manifest: Path, method: str) -> None:
+    dm = PatientDataModule(
+        str(synthetic_manifest), val_fraction=0.2, test_fraction=0.3, augment=False, split_method=method
+    )
     dm.setup()
     parts = _patients_of(dm)
+    ids = [f"P{i:04d}" for i in range(20)]
     assert not parts["train"] & parts["val"] and not parts["train"] & parts["test"] and not parts["val"] & parts["test"]
-    assert parts["train"] | parts["val"] | parts["test"] == {f"P{i:04d}" for i in range(20)}
-    assert (len(parts["train"]), len(parts["val"]), len(parts["test"])) == (10, 4, 6)
+    assert parts["train"] | parts["val"] | parts["test"] == set(ids)
+    if method == "stratified":  # exact sizes: round(0.3·20) test, round(0.2·20) validation
+        assert (len(parts["train"]), len(parts["val"]), len(parts["test"])) == (10, 4, 6)
+    else:  # each patient by its own id: the sizes are binomial, the split is split_patients' of the ids alone
+        expected = split_patients(ids, None, 0.2, 0.3, seed=0)
+        assert {k: sorted(v) for k, v in parts.items()} == {k: expected[k] for k in ("train", "val", "test")}
     assert dm.train_patients == sorted(parts["train"])
     assert len(dm.train_dataset) + len(dm.val_dataset) + len(dm.test_dataset) == 80
     # Every image of a patient is in that patient's split.
@@ -71,11 +79,11 @@ def test_split_is_deterministic_in_split_seed(synthetic_manifest: Path) -> None:
     assert split(0)["test"] != split(1)["test"]
 
 
-def test_split_patients_is_stratified_by_majority_label() -> None:
+def test_split_patients_stratified_is_stratified_by_majority_label() -> None:
     ids = [f"p{i:02d}" for i in range(40)]
     labels = [0] * 30 + [1] * 10
     for seed in range(5):
-        split = split_patients(ids, labels, val_fraction=0.0, test_fraction=0.2, seed=seed)
+        split = split_patients(ids, labels, val_fraction=0.0, test_fraction=0.2, seed=seed, split_method="stratified")
         positives = sum(int(p) >= 30 for p in (s[1:] for s in split["test"]))
         assert len(split["test"]) == 8 and positives in (1, 2, 3)  # about a quarter, like the whole
         assert split["val"] == []
@@ -83,7 +91,27 @@ def test_split_patients_is_stratified_by_majority_label() -> None:
 
 def test_too_few_patients_for_the_splits() -> None:
     with pytest.raises(PrivacyConfigError, match=r"must leave at least one training patient, found 2 patient\(s\)"):
-        split_patients(["a", "b"], [0, 1], val_fraction=0.1, test_fraction=0.1, seed=0)
+        split_patients(["a", "b"], [0, 1], val_fraction=0.1, test_fraction=0.1, seed=0, split_method="stratified")
+    # Per patient: refused only when no patient at all lands in train, with the numbers and a hint.
+    with pytest.raises(
+        PrivacyConfigError,
+        match=r"found 3 patient\(s\) and none for training \(1 val, 2 test; .*binomial, expected 0\.03\)\. HINT: use",
+    ):
+        split_patients(["a", "b", "c"], None, val_fraction=0.5, test_fraction=0.49, seed=0)
+    with pytest.raises(PrivacyConfigError, match=r"needs each patient's majority label, found none"):
+        split_patients(["a", "b"], None, val_fraction=0.1, test_fraction=0.1, seed=0, split_method="stratified")
+    with pytest.raises(
+        PrivacyConfigError, match=r"split_method must be one of per_patient, stratified, found 'random'"
+    ):
+        PatientDataModule("m.csv", split_method="random")  # type: ignore[arg-type]
+
+
+def test_an_empty_requested_split_is_warned_about_not_refused() -> None:
+    # Whether a 10 % split of 5 patients holds anyone depends on the other patients: a refusal would publish it.
+    ids = [f"P{i:04d}" for i in range(5)]
+    with pytest.warns(PrivacyWarning, match=r"the val split holds no patient \(expected 0\.5 of 5.*data holder only"):
+        split = split_patients(ids, None, val_fraction=0.1, test_fraction=0.2, seed=0)
+    assert split["val"] == [] and split["train"] and sorted(sum(split.values(), [])) == ids
 
 
 def test_manifest_split_column_is_used(tmp_path: Path) -> None:
@@ -214,7 +242,14 @@ def test_missing_manifest_fails_in_setup(tmp_path: Path) -> None:
 def test_synthetic_datamodule_generates_lazily_and_loads_through_the_manifest(tmp_path: Path) -> None:
     root = tmp_path / "synth"
     dm = SyntheticPathologyDataModule(
-        root=str(root), num_patients=10, patches_per_patient=3, image_size=16, seed=2, batch_size=5, augment=False
+        root=str(root),
+        num_patients=10,
+        patches_per_patient=3,
+        image_size=16,
+        seed=2,
+        batch_size=5,
+        augment=False,
+        val_fraction=0.2,
     )
     dm.setup()  # no prepare_data(): generated here
     assert (root / "manifest.csv").is_file() and (root / "synthetic.json").is_file()

@@ -16,6 +16,7 @@ from lightning_dp.data import (
     SegmentationDataModule,
     SyntheticSilhouettesDataModule,
     generate_synthetic_silhouettes,
+    split_patients,
 )
 from lightning_dp.errors import PrivacyConfigError
 
@@ -37,21 +38,29 @@ def _patients(dm: SegmentationDataModule) -> dict[str, set[str]]:
     }
 
 
-def test_splits_are_disjoint_complete_and_by_patient(manifest: Path) -> None:
-    dm = SegmentationDataModule(str(manifest), val_fraction=0.2, test_fraction=0.2, public_fraction=0.25, augment=False)
+@pytest.mark.parametrize("method", ["per_patient", "stratified"])
+def test_splits_are_disjoint_complete_and_by_patient(manifest: Path, method: str) -> None:
+    dm = SegmentationDataModule(
+        str(manifest), val_fraction=0.2, test_fraction=0.2, public_fraction=0.25, augment=False, split_method=method
+    )
     dm.setup()
     parts = _patients(dm)
     names = list(parts)
     for i, a in enumerate(names):
         for b in names[i + 1 :]:
             assert not parts[a] & parts[b], (a, b)
-    assert set().union(*parts.values()) == {f"P{i:04d}" for i in range(20)}
-    assert {k: len(v) for k, v in parts.items()} == {"train": 7, "val": 4, "test": 4, "public": 5}
+    ids = [f"P{i:04d}" for i in range(20)]
+    assert set().union(*parts.values()) == set(ids)
+    if method == "stratified":  # exact sizes; public: round(0.25·20) of the training patients
+        assert {k: len(v) for k, v in parts.items()} == {"train": 7, "val": 4, "test": 4, "public": 5}
+    else:  # each patient by its own id, public included: split_patients' split of the ids alone
+        expected = split_patients(ids, None, 0.2, 0.2, seed=0, public_fraction=0.25)
+        assert {k: sorted(v) for k, v in parts.items()} == expected
     for name in ("train", "val", "test", "public"):
         dataset = getattr(dm, f"{name}_dataset")
         # every image of a patient lands in that patient's split
         assert all(len(indices) == 3 for indices in dataset.patient_to_indices.values())
-    assert len(dm.public_images) == 15 and tuple(dm.public_images[0].shape) == (3, 16, 16)
+    assert len(dm.public_images) == 3 * len(parts["public"]) and tuple(dm.public_images[0].shape) == (3, 16, 16)
 
 
 def test_val_and_test_do_not_depend_on_the_public_fraction(manifest: Path) -> None:
@@ -76,7 +85,10 @@ def test_the_split_seed_changes_the_split_deterministically(manifest: Path) -> N
 
 
 def test_teacher_partitions_are_disjoint_and_cover_the_training_patients(manifest: Path) -> None:
-    dm = SegmentationDataModule(str(manifest), val_fraction=0.1, test_fraction=0.2, public_fraction=0.1)
+    # The stratified split (exact sizes): the keys below were chosen for its 12 training patients.
+    dm = SegmentationDataModule(
+        str(manifest), val_fraction=0.1, test_fraction=0.2, public_fraction=0.1, split_method="stratified"
+    )
     dm.setup()
     assert len(dm.train_patients) == 12  # 20 - 4 test - 2 val - 2 public
     # Key 1: with silhouettes v2 the stratified split keeps other training patients, and key 0 leaves a teacher

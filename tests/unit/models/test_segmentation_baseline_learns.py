@@ -23,7 +23,8 @@ from lightning_dp.models import SegmentationModule
 
 # 16², 60 patients × 8 images (42 training patients = 336 images, 12 test patients = 96 images), U-Net (8, 16, 32)
 # with one residual unit, Adam 3e-3 with a cosine decay, 25 epochs: about 7 s on one core.
-DATA = {"num_patients": 60, "images_per_patient": 8, "image_size": 16, "batch_size": 32}
+# The stratified split (synthetic public data): the Dice values below were measured with it.
+DATA = {"num_patients": 60, "images_per_patient": 8, "image_size": 16, "batch_size": 32, "split_method": "stratified"}
 EPOCHS = 25
 # Measured test Dice: 0.334 (seed 0, the one tested), 0.302 (seed 1), 0.285 (seed 2). The bound is 0.11 below
 # seed 0, 0.065 below the worst seed, and 0.08 above the broken generator's 0.139.

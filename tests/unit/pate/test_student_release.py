@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from lightning_dp.data import SyntheticSilhouettesDataModule
-from lightning_dp.errors import PrivacyBudgetExceededError, PrivacyStateError, PrivacyWarning
+from lightning_dp.errors import PrivacyBudgetExceededError, PrivacyConfigError, PrivacyStateError, PrivacyWarning
 from lightning_dp.models import SegmentationModule
 from lightning_dp.pate import PATEStudentDataModule, PCACompressor, pate_epsilon
 from lightning_dp.training.privacy import state_digest
@@ -31,13 +31,13 @@ DATA: dict[str, Any] = {
 }
 
 
-def _teachers(tmp: Path) -> list[str]:
+def _teachers(tmp: Path, data: dict[str, Any] = DATA) -> list[str]:
     """Two untrained teacher checkpoints carrying the datamodule settings a Trainer would store (no fit: fast)."""
     paths = []
     for k in range(2):
         torch.manual_seed(k)
         model = SegmentationModule(arch="monai_unet", monai_channels=(4, 8), monai_res_units=0)
-        dm = SyntheticSilhouettesDataModule(root=str(tmp / "data"), teacher=k, num_teachers=2, **DATA)
+        dm = SyntheticSilhouettesDataModule(root=str(tmp / "data"), teacher=k, num_teachers=2, **data)
         path = tmp / f"teacher_{k}.ckpt"
         torch.save(
             {
@@ -52,14 +52,14 @@ def _teachers(tmp: Path) -> list[str]:
     return paths
 
 
-def _student(tmp: Path, teachers: list[str], **kwargs: object) -> PATEStudentDataModule:
+def _student(tmp: Path, teachers: list[str], data: dict[str, Any] = DATA, **kwargs: object) -> PATEStudentDataModule:
     settings: dict[str, object] = {
         "num_queries": 6,
         "target_epsilon": 2.0,
         "report_path": str(tmp / "report.txt"),
         **kwargs,
     }
-    data = SyntheticSilhouettesDataModule(root=str(tmp / "data"), **DATA)
+    data = SyntheticSilhouettesDataModule(root=str(tmp / "data"), **data)
     dm = PATEStudentDataModule(data, teachers, PCACompressor(code_dim=4), **settings)  # type: ignore[arg-type]
     dm.setup("fit")
     dm.train_dataloader()  # the release is made (or reused) when the training loader is first asked for
@@ -291,6 +291,27 @@ def test_a_release_file_of_format_1_loses_its_seed_and_keeps_its_release_and_led
     migrated = torch.load(release, weights_only=True)
     assert migrated["format_version"] == 2 and migrated["ledger"] == body["ledger"]
     assert _seed_traces(release.read_bytes()) == [] and not _holds_seed(migrated)
+
+
+def test_teachers_and_a_release_from_before_split_method_were_split_stratified(tmp_path: Path) -> None:
+    """Checkpoints and release files written before ``split_method`` existed hold the stratified split (the only one
+    then): a student of the per-patient split (the default now) is refused, since its public images may be their
+    training images; a stratified student reuses the old release."""
+    stratified = {**DATA, "split_method": "stratified"}
+    teachers = _teachers(tmp_path, stratified)
+    first = _student(tmp_path, teachers, data=stratified)
+    release = tmp_path / "pate_release.pt"
+    body = {k: v for k, v in torch.load(release, weights_only=True).items() if k != "checksum"}
+    assert body["private_data"].pop("split_method") == "stratified"  # as a release file was written before
+    torch.save({**body, "checksum": state_digest(body)}, release)
+    again = _student(tmp_path, teachers, data=stratified)
+    assert torch.equal(_labels(again), _labels(first)) and again.report == first.report
+    for path in teachers:  # as the teachers' checkpoints were written before
+        checkpoint = torch.load(path, weights_only=False)
+        del checkpoint["datamodule_hyper_parameters"]["split_method"]
+        torch.save(checkpoint, path)
+    with pytest.raises(PrivacyConfigError, match=r"the student's data differ from the teachers' \(split_method: 'per_"):
+        _student(tmp_path, teachers)
 
 
 class _Strategy:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from lightning_dp.data.datamodule import PatientDataModule
+from lightning_dp.data.patients import SplitMethod
 from lightning_dp.data.synthetic.classification.pathology import (
     check_synthetic_parameters,
     generate_synthetic_pathology,
@@ -39,13 +40,17 @@ class SyntheticPathologyDataModule(GeneratedDataModule, PatientDataModule):
             ``"hospital_b"`` … ``"hospital_e"``) or a dict of `SiteStyle` fields (stain, magnification, blur, noise,
             white balance); ``None``: the reference site. Pre-train on one site and fine-tune on another to
             see a domain shift.
+        split_method: as in `PatientDataModule` (``"per_patient"`` by default; ``"stratified"``, exact sizes, is
+            right here only because the data are synthetic and public).
 
     Example:
         >>> import tempfile
         >>> dm = SyntheticPathologyDataModule(root=tempfile.mkdtemp(), num_patients=5, patches_per_patient=2,
-        ...                                   image_size=16, augment=False)
+        ...                                   image_size=16, augment=False, val_fraction=0.0)
         >>> dm.prepare_data(); dm.setup()
-        >>> len(dm.train_dataset) + len(dm.val_dataset) + len(dm.test_dataset), tuple(dm.test_dataset[0][0].shape)
+        >>> len(dm.train_patients) == dm.declared_num_patients  # the generated ids, hence the split, are public
+        True
+        >>> len(dm.train_dataset) + len(dm.test_dataset), tuple(dm.test_dataset[0][0].shape)
         (10, (3, 16, 16))
     """
 
@@ -64,6 +69,7 @@ class SyntheticPathologyDataModule(GeneratedDataModule, PatientDataModule):
         num_workers: int = 0,
         augment: bool = True,
         site: str | dict[str, Any] | None = None,
+        split_method: SplitMethod = "per_patient",
     ) -> None:
         super().__init__(
             manifest=self.manifest_in(root),
@@ -74,6 +80,7 @@ class SyntheticPathologyDataModule(GeneratedDataModule, PatientDataModule):
             num_workers=num_workers,
             augment=augment,
             image_size=None,
+            split_method=split_method,
         )
         self._images_per_patient = patches_per_patient
         style = site_style(site)  # an unknown site is refused first, as before any other check

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Union
 
+from lightning_dp.data.patients import SplitMethod
 from lightning_dp.data.segmentation import _starts
 from lightning_dp.data.segmentation_datamodule import SegmentationDataModule
 from lightning_dp.data.synthetic.kit import GeneratedDataModule
@@ -51,13 +52,15 @@ class SyntheticSilhouettesDataModule(GeneratedDataModule, SegmentationDataModule
         site: the hospital the patients come from: a name in `SILHOUETTE_SITES`
             (``"reference"``, ``"hospital_b"``) or a dict of `SilhouetteSite` fields (tint, brightness,
             contrast, blur, noise); ``None``: the reference site.
+        split_method: as in `SegmentationDataModule` (``"per_patient"`` by default; ``"stratified"``, exact sizes,
+            is right here only because the data are synthetic and public).
 
     Example:
         >>> import tempfile
         >>> dm = SyntheticSilhouettesDataModule(root=tempfile.mkdtemp(), num_patients=5, images_per_patient=2,
-        ...                                     image_size=16, augment=False)
+        ...                                     image_size=16, augment=False, val_fraction=0.0)
         >>> dm.prepare_data(); dm.setup()
-        >>> len(dm.train_dataset) + len(dm.val_dataset) + len(dm.test_dataset), tuple(dm.test_dataset[0][1].shape)
+        >>> len(dm.train_dataset) + len(dm.test_dataset), tuple(dm.test_dataset[0][1].shape)
         (10, (1, 16, 16))
     """
 
@@ -81,6 +84,7 @@ class SyntheticSilhouettesDataModule(GeneratedDataModule, SegmentationDataModule
         num_teachers: int | None = None,
         teacher_seed: int = 0,
         site: str | dict[str, Any] | None = None,
+        split_method: SplitMethod = "per_patient",
     ) -> None:
         super().__init__(
             manifest=self.manifest_in(root),
@@ -94,6 +98,7 @@ class SyntheticSilhouettesDataModule(GeneratedDataModule, SegmentationDataModule
             teacher=teacher,
             num_teachers=num_teachers,
             teacher_seed=teacher_seed,
+            split_method=split_method,
         )
         self._images_per_patient = images_per_patient
         check_silhouette_parameters(num_patients, images_per_patient, image_size, seed, target, target_fraction)
@@ -135,14 +140,17 @@ class SyntheticVolumesDataModule(GeneratedDataModule, SegmentationDataModule):
         test_fraction: as in `SegmentationDataModule`.
         split_seed: as in `SegmentationDataModule`.
         num_workers: as in `SegmentationDataModule`.
+        split_method: as in `SegmentationDataModule` (``"per_patient"`` by default).
 
     Example:
         >>> import tempfile
         >>> dm = SyntheticVolumesDataModule(root=tempfile.mkdtemp(), num_patients=5, volume_size=16, patch_size=8)
         >>> dm.prepare_data(); dm.setup()
         >>> len(dm.train_patients), tuple(dm.train_dataset[0][0].shape), len(dm.train_dataset)  # 8 patches a volume
-        (3, (1, 8, 8, 8), 24)
+        (4, (1, 8, 8, 8), 32)
     """
+
+    _patient_id_format = "V{:04d}"  # generate_synthetic_volumes' ids
 
     def __init__(
         self,
@@ -159,6 +167,7 @@ class SyntheticVolumesDataModule(GeneratedDataModule, SegmentationDataModule):
         test_fraction: float = 0.2,
         split_seed: int = 0,
         num_workers: int = 0,
+        split_method: SplitMethod = "per_patient",
     ) -> None:
         if items not in ("patches", "slices"):
             raise PrivacyConfigError(
@@ -177,6 +186,7 @@ class SyntheticVolumesDataModule(GeneratedDataModule, SegmentationDataModule):
             items=items,  # type: ignore[arg-type]
             slice_axis=slice_axis,  # type: ignore[arg-type]
             patch_size=(patch_size,) * 3 if items == "patches" else None,
+            split_method=split_method,
         )
         check_volume_parameters(num_patients, volume_size, seed)
         # Every generated volume is volume_size³: its slices, or the patches that tile it (`_starts`), are public.
