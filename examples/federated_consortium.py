@@ -430,6 +430,8 @@ def plot(path: Path, points: list[dict[str, Any]], epsilons: list[float]) -> Non
     for ax, eps in zip(axes[0], epsilons):
         public = [union_accuracy(p["public"], p["test_patients"]) for p in points]
         ax.plot(sizes, public, "o--", color="0.5", label="public model")
+        case_mix = [union_accuracy(p["majority"], p["test_patients"]) for p in points]
+        ax.plot(sizes, case_mix, "s:", color="0.3", label="each hospital's majority class (case mix)")
         for arm, colour, label in (
             (f"alone, ε = {eps:g}", "tab:orange", "each hospital alone, P3SGD"),
             (f"federated, ε = {eps:g}", "tab:blue", "federated P3SGD"),
