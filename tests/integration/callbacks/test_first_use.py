@@ -108,7 +108,7 @@ def test_validate_test_predict_run_with_the_training_callbacks(
     ckpt = trained_checkpoint
     if published:
         ckpt = tmp_path / "public.ckpt"
-        assert publishable_checkpoint(trained_checkpoint, ckpt) == ["DPSGD"]
+        assert publishable_checkpoint(trained_checkpoint, ckpt)[0] == "DPSGD"
     expected = torch.load(ckpt, weights_only=True)["state_dict"]
     for stage in ("validate", "test", "predict"):
         model = _EvalClassifier()
