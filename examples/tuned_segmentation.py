@@ -176,7 +176,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         _space,
         hand=hand,
         runner=lambda seed, log: trial_runner(args, weights, private, validation, seed, log),
-        test_best=lambda best: _test_dice(_load(args, best["state_dict"], best["trainable"]), test),
+        test_best=lambda best: _test_dice(_load(args, best["state_dict"], best["hyper_parameters"]["trainable"]), test),
         metric="val/dice",
         show=_dice,
     )

@@ -141,7 +141,7 @@ def p3sgd_trial(
         assert dp.ledger is not None
         value = score(model)
         checkpoint = folder / "model.pt"
-        torch.save({"trainable": trainable, "state_dict": model.state_dict()}, checkpoint)
+        torch.save({"hyper_parameters": {"trainable": trainable}, "state_dict": model.state_dict()}, checkpoint)
         log.append({"index": index, "val": value, "epsilon": dp.accountant.epsilon(dp.ledger)})
         say(
             f"        trial {index}: C = {init['clip_norm']:.3g}, local lr = {init['local_lr']:.3g}, "
@@ -308,7 +308,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     results: dict[str, Any] = {"args": vars(args), "n_train": n_train, "hand_tuned": [], "tuned": []}
 
     def test_best(best: dict[str, Any]) -> float:
-        model = _model(args, None, best["trainable"])
+        model = _model(args, None, best["hyper_parameters"]["trainable"])
         model.load_state_dict(best["state_dict"])
         return _accuracy(model, private)
 
