@@ -25,10 +25,6 @@ from typing import Any
 __all__ = ["PUBLISHED_KEYS", "publishable_checkpoint", "without_privacy_state"]
 
 _SECRET_STATE_OWNERS = ("P3SGD", "DPSGD")
-#: Datamodules whose checkpoint state (top-level, under the class's name) is the data holder's: PATE's student keeps
-#: the digest of the release it trained on, computed over the teachers' checkpoint files (private) as well as the
-#: released labels, so it is not post-processing of the release.
-_PRIVATE_DATAMODULE_STATES = ("PATEStudentDataModule",)
 
 
 #: The top-level keys of a Lightning checkpoint a published copy keeps: the weights, the model's and datamodule's
@@ -56,16 +52,16 @@ def without_privacy_state(checkpoint: dict[str, Any]) -> list[str]:
     Keeps `PUBLISHED_KEYS` only, with ``callbacks`` emptied. The DP callbacks' state holds the noise generator's
     state, the sampler's seed and count of units; a PATE student's datamodule state holds a digest over the teachers'
     checkpoints; other callbacks, the loops and the schedulers hold validation scores and counts of private data:
-    none of it may leave with a published model. The list removed names the DP callbacks and the PATE student's
-    state first (what made the checkpoint a training checkpoint), then the other callbacks' states, then every other
-    top-level key dropped. `publishable_checkpoint` and ``lightning-dp tune``'s ``best/model.ckpt`` use this.
+    none of it may leave with a published model. The list removed names the DP callbacks' states first (what made the
+    checkpoint a training checkpoint), then the other callbacks' states, then every top-level key dropped (a PATE
+    student's ``PATEStudentDataModule`` among them). `publishable_checkpoint` and ``lightning-dp tune``'s
+    ``best/model.ckpt`` use this.
     """
     callbacks = checkpoint.get("callbacks")
     callbacks = callbacks if isinstance(callbacks, dict) else {}
     secret = [key for key in callbacks if str(key).split("[")[0] in _SECRET_STATE_OWNERS]
-    removed = secret + [key for key in _PRIVATE_DATAMODULE_STATES if key in checkpoint]
-    removed += [key for key in callbacks if key not in secret]
-    removed += [key for key in checkpoint if key not in PUBLISHED_KEYS and key not in removed and key != "callbacks"]
+    removed = secret + [key for key in callbacks if key not in secret]
+    removed += [key for key in checkpoint if key not in PUBLISHED_KEYS]
     for key in list(checkpoint):
         if key not in PUBLISHED_KEYS:
             del checkpoint[key]

@@ -19,6 +19,8 @@ memory addresses, the names of TensorBoard event files (host, time, process id).
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import io
 import json
 import logging
@@ -26,7 +28,7 @@ import math
 import re
 import sys
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -103,43 +105,61 @@ def normalize(text: str, roots: tuple[str, ...] = ()) -> str:
 
 
 @contextlib.contextmanager
+def _on_outermost_call(base: type, method: str, record: Callable[[Any, dict[str, Any], Any], None]) -> Iterator[None]:
+    """Wraps ``method`` of ``base`` and of every subclass that defines it, for the block.
+
+    ``record(self, arguments, result)`` sees each outermost call (a subclass calling its parent's ``method`` is one
+    call), with ``arguments`` bound by name.
+    """
+    classes: list[type] = []
+    pending: list[type] = [base]
+    while pending:
+        cls = pending.pop()
+        classes.append(cls)
+        pending.extend(cls.__subclasses__())
+    originals = {cls: cls.__dict__[method] for cls in classes if method in cls.__dict__}
+    depth = [0]
+
+    def wrap(original: Any) -> Any:
+        signature = inspect.signature(original)
+
+        @functools.wraps(original)
+        def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+            depth[0] += 1
+            try:
+                out = original(self, *args, **kwargs)
+            finally:
+                depth[0] -= 1
+            if depth[0] == 0:
+                record(self, signature.bind(self, *args, **kwargs).arguments, out)
+            return out
+
+        return wrapper
+
+    for cls, original in originals.items():
+        setattr(cls, method, wrap(original))
+    try:
+        yield
+    finally:
+        for cls, original in originals.items():
+            setattr(cls, method, original)
+
+
+@contextlib.contextmanager
 def observe_releases() -> Iterator[list[ReleaseRecord]]:
     """Records every `Release.release` (each subclass's) made in this block: the vector the step released."""
     from lightning_dp.sanitization.release import Release
 
     records: list[ReleaseRecord] = []
-    classes: list[type] = []
-    pending: list[type] = [Release]
-    while pending:
-        cls = pending.pop()
-        classes.append(cls)
-        pending.extend(cls.__subclasses__())
-    originals = {cls: cls.__dict__["release"] for cls in classes if "release" in cls.__dict__}
 
-    depth = [0]  # a subclass calling its parent's release makes one release
+    def record(release: Any, arguments: dict[str, Any], out: Any) -> None:
+        vector = out.update.detach().double().cpu().clone()
+        multiplier, clip = float(out.noise_multiplier), float(release.clip_norm)
+        step, normalizer = int(arguments["step"]), float(arguments["normalizer"])
+        records.append(ReleaseRecord(step, vector, normalizer, multiplier, clip))
 
-    def wrap(original: Any) -> Any:
-        def release(self: Any, step: int, clipped_sum: Tensor, normalizer: float, **kwargs: Any) -> Any:
-            depth[0] += 1
-            try:
-                out = original(self, step, clipped_sum, normalizer, **kwargs)
-            finally:
-                depth[0] -= 1
-            if depth[0] == 0:
-                vector = out.update.detach().double().cpu().clone()
-                multiplier, clip = float(out.noise_multiplier), float(self.clip_norm)
-                records.append(ReleaseRecord(int(step), vector, float(normalizer), multiplier, clip))
-            return out
-
-        return release
-
-    for cls, original in originals.items():
-        setattr(cls, "release", wrap(original))  # noqa: B010
-    try:
+    with _on_outermost_call(Release, "release", record):
         yield records
-    finally:
-        for cls, original in originals.items():
-            setattr(cls, "release", original)  # noqa: B010
 
 
 @contextlib.contextmanager
@@ -156,38 +176,16 @@ def observe_splits() -> Iterator[list[tuple[str, dict[str, list[str]]]]]:
 
     records: list[tuple[str, dict[str, list[str]]]] = []
     seen: set[int] = set()
-    classes: list[type] = []
-    pending: list[type] = [PatientSplitsDataModule]
-    while pending:
-        cls = pending.pop()
-        classes.append(cls)
-        pending.extend(cls.__subclasses__())
-    originals = {cls: cls.__dict__["setup"] for cls in classes if "setup" in cls.__dict__}
-    depth = [0]  # a subclass's setup calling its base's: one datamodule
 
-    def wrap(original: Any) -> Any:
-        def setup(self: Any, *args: Any, **kwargs: Any) -> Any:
-            depth[0] += 1
-            try:
-                out = original(self, *args, **kwargs)
-            finally:
-                depth[0] -= 1
-            splits = getattr(self, "_splits", None)
-            if depth[0] == 0 and splits is not None and id(self) not in seen:
-                seen.add(id(self))
-                ids = {name: [] if data is None else list(data.patient_ids) for name, data in splits.items()}
-                records.append((type(self).__name__, ids))
-            return out
+    def record(datamodule: Any, arguments: dict[str, Any], out: Any) -> None:
+        splits = getattr(datamodule, "_splits", None)
+        if splits is not None and id(datamodule) not in seen:
+            seen.add(id(datamodule))
+            ids = {name: [] if data is None else list(data.patient_ids) for name, data in splits.items()}
+            records.append((type(datamodule).__name__, ids))
 
-        return setup
-
-    for cls, original in originals.items():
-        setattr(cls, "setup", wrap(original))  # noqa: B010
-    try:
+    with _on_outermost_call(PatientSplitsDataModule, "setup", record):
         yield records
-    finally:
-        for cls, original in originals.items():
-            setattr(cls, "setup", original)  # noqa: B010
 
 
 def splits_channel(records: list[tuple[str, dict[str, list[str]]]], unit_ids: tuple[str, ...]) -> list[str]:
